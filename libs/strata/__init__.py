@@ -1,0 +1,44 @@
+"""Strata: the control plane of distributed training jobs.
+
+Workers use this package to register, heartbeat, get data shards, meet at barriers and write
+checkpoints; the services under `strata.services` coordinate them over NATS JetStream.
+"""
+
+from strata.errors import (
+    BarrierBroken,
+    BarrierTimeout,
+    BusError,
+    ChecksumMismatch,
+    CodecError,
+    ConfigError,
+    ConflictError,
+    InvalidRequest,
+    NotFound,
+    PublishTimeout,
+    RpcError,
+    RpcTimeout,
+    ServiceUnavailable,
+    StrataError,
+    ValidationError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BarrierBroken",
+    "BarrierTimeout",
+    "BusError",
+    "ChecksumMismatch",
+    "CodecError",
+    "ConfigError",
+    "ConflictError",
+    "InvalidRequest",
+    "NotFound",
+    "PublishTimeout",
+    "RpcError",
+    "RpcTimeout",
+    "ServiceUnavailable",
+    "StrataError",
+    "ValidationError",
+    "__version__",
+]

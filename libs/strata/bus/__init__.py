@@ -1,0 +1,106 @@
+"""Strata's NATS JetStream plumbing: connect, provision, publish, consume, request/reply.
+
+`Bus` bundles a connection with the helpers most code needs; the modules beside it (`connection`,
+`streams`, `publish`, `consume`, `rpc`, `server`) can be used on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from strata.bus.connection import ConnectOptions, connect
+from strata.bus.consume import Delivered, DurableConsumer, EventFeed
+from strata.bus.publish import (
+    DEFAULT_PUBLISH,
+    PublishOptions,
+    publish_event,
+    publish_events,
+    publish_telemetry,
+)
+from strata.bus.rpc import RpcClient, RpcServer
+from strata.bus.streams import StreamSpec, ensure_stream, ensure_streams, strata_streams
+from strata.config import Settings
+from strata.events.models import Event
+
+__all__ = [
+    "Bus",
+    "ConnectOptions",
+    "Delivered",
+    "DurableConsumer",
+    "EventFeed",
+    "PublishOptions",
+    "RpcClient",
+    "RpcServer",
+    "StreamSpec",
+    "connect",
+    "ensure_stream",
+    "ensure_streams",
+    "strata_streams",
+]
+
+
+class Bus:
+    """A NATS connection with JetStream, and Strata's ways of using it."""
+
+    def __init__(self, nc: NATS, *, publish_options: PublishOptions = DEFAULT_PUBLISH) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.publish_options = publish_options
+        self.rpc = RpcClient(nc)
+
+    @classmethod
+    async def connect(
+        cls,
+        servers: str | Sequence[str] | None = None,
+        *,
+        settings: Settings | None = None,
+        name: str = "strata",
+        deadline: float = 30.0,
+    ) -> Bus:
+        """Connect to `servers` (or the settings' `STRATA_NATS_URL`), retrying until `deadline`."""
+        options = ConnectOptions(
+            name=name,
+            deadline=deadline,
+            user=settings.nats_user if settings else None,
+            password=settings.nats_password if settings else None,
+        )
+        if servers is None:
+            servers = settings.nats_servers if settings else "nats://127.0.0.1:4222"
+        return cls(await connect(servers, options))
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def ensure_streams(self, replicas: int = 1) -> dict[str, Any]:
+        return await ensure_streams(self.js, replicas)
+
+    async def publish(
+        self, event: Event, *, expected_last_subject_seq: int | None = None
+    ) -> PubAck:
+        """Publish one event and wait for JetStream's ack (retrying transient failures)."""
+        return await publish_event(
+            self.js,
+            event,
+            expected_last_subject_seq=expected_last_subject_seq,
+            options=self.publish_options,
+        )
+
+    async def publish_many(self, events: Sequence[Event], *, window: int = 256) -> list[PubAck]:
+        """Publish with up to `window` acks outstanding; acks in input order."""
+        return await publish_events(self.js, events, window=window, options=self.publish_options)
+
+    async def publish_telemetry(self, event: Event) -> None:
+        """Heartbeats and samples: no ack awaited."""
+        await publish_telemetry(self.nc, event)

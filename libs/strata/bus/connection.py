@@ -1,0 +1,103 @@
+"""Connecting to NATS: retry the first connect with backoff, then let the client reconnect forever.
+
+A worker or service that starts before NATS is reachable keeps trying until its deadline rather than
+failing at once; once connected, nats-py reconnects on its own and buffers while it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+
+from strata.errors import BusError, ConfigError
+
+log = structlog.get_logger("strata.bus")
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """How hard to try: the first connect retries with exponential backoff until `deadline`."""
+
+    name: str = "strata"
+    user: str | None = None
+    password: str | None = None
+    deadline: float = 30.0
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    connect_timeout: float = 2.0
+    reconnect_wait: float = 0.25
+    ping_interval: float = 10.0
+    max_outstanding_pings: int = 3
+
+
+def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
+    """Exponential backoff with jitter: each delay in [ceiling/2, ceiling], the ceiling doubling."""
+    ceiling = initial
+    while True:
+        yield random.uniform(ceiling / 2, ceiling)
+        ceiling = min(maximum, ceiling * 2)
+
+
+async def connect(servers: str | Sequence[str], options: ConnectOptions | None = None) -> NATS:
+    """A connected client, or `BusError` naming the servers once the deadline has passed."""
+    opts = options or ConnectOptions()
+    urls = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
+    if not urls:
+        raise ConfigError("no NATS server given: set STRATA_NATS_URL (nats://host:port)")
+    deadline = time.monotonic() + opts.deadline
+    delays = backoff_delays(opts.initial_backoff, opts.max_backoff)
+    attempt = 0
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", client=opts.name, error=f"{type(exc).__name__}: {exc}")
+
+    async def on_disconnect() -> None:
+        log.info("nats_disconnected", client=opts.name)
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected", client=opts.name)
+
+    while True:
+        attempt += 1
+        try:
+            return await nats.connect(
+                servers=urls,
+                name=opts.name,
+                user=opts.user,
+                password=opts.password,
+                connect_timeout=max(1, round(opts.connect_timeout)),
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=opts.reconnect_wait,
+                ping_interval=opts.ping_interval,
+                max_outstanding_pings=opts.max_outstanding_pings,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                # Publishes made while reconnecting are buffered up to this size, not lost.
+                pending_size=64 * 1024 * 1024,
+            )
+        except nats.errors.NoServersError as exc:
+            last_error: Exception = exc
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            if isinstance(exc, nats.errors.AuthorizationError):
+                raise BusError(
+                    f"NATS at {', '.join(urls)} refused the credentials of {opts.name!r}: "
+                    "check STRATA_NATS_USER / STRATA_NATS_PASSWORD"
+                ) from None
+            last_error = exc
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BusError(
+                f"cannot reach NATS at {', '.join(urls)} after {attempt} attempts over "
+                f"{opts.deadline:.0f}s ({type(last_error).__name__}: {last_error}); "
+                "is nats-server running (strata up starts one) and STRATA_NATS_URL right?"
+            )
+        await asyncio.sleep(min(next(delays), remaining))

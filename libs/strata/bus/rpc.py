@@ -1,0 +1,270 @@
+"""Request/reply over NATS with typed requests, typed results and an answer for every request.
+
+`RpcServer` subscribes once per service to `strata.rpc.<service>.*` in the service's queue group (so
+replicas share the load) and dispatches by verb. Bytes that don't decode, requests that don't
+validate, unknown verbs and handlers that raise all get `{ok: false, error: {code, message}}`; the
+server never goes silent and never dies on a message. `RpcClient` turns error replies back into the
+matching `StrataError` subclass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+import nats.errors
+import pydantic
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+import strata
+from strata.bus.connection import backoff_delays
+from strata.errors import (
+    BusError,
+    CodecError,
+    InvalidRequest,
+    RpcTimeout,
+    ServiceUnavailable,
+    StrataError,
+    error_from_code,
+)
+from strata.events import subjects
+from strata.events.codec import pack, unpack, validation_error
+from strata.events.rpc import PingRequest, PingResult
+from strata.metrics import MESSAGES_REJECTED, RPC_LATENCY, RPC_REQUESTS
+
+log = structlog.get_logger("strata.rpc")
+
+Req = TypeVar("Req", bound=pydantic.BaseModel)
+Res = TypeVar("Res", bound=pydantic.BaseModel)
+HandlerResult = pydantic.BaseModel | dict[str, Any] | list[Any] | None
+
+
+@dataclass(frozen=True)
+class _Route(Generic[Req]):
+    request: type[Req]
+    handler: Callable[[Req], Awaitable[HandlerResult]]
+
+
+def _ok(result: HandlerResult) -> bytes:
+    if isinstance(result, pydantic.BaseModel):
+        result = result.model_dump(mode="python")
+    return pack({"ok": True, "result": result})
+
+
+def _error(code: str, message: str) -> bytes:
+    return pack({"ok": False, "error": {"code": code, "message": message[:4000]}})
+
+
+class RpcServer:
+    """Answers every request on `strata.rpc.<service>.*`; `ping` is built in."""
+
+    def __init__(self, nc: NATS, service: str, *, concurrency: int = 1) -> None:
+        self._nc = nc
+        self.service = service
+        self.instance = uuid.uuid4().hex[:12]
+        self._routes: dict[str, _Route[Any]] = {}
+        self._sub: Subscription | None = None
+        self._started = time.monotonic()
+        self._gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.rejected: Counter[str] = Counter()
+        self.route("ping", PingRequest, self._ping)
+
+    def route(
+        self, verb: str, request: type[Req], handler: Callable[[Req], Awaitable[HandlerResult]]
+    ) -> None:
+        subjects.rpc_subject(self.service, verb)  # validates the verb
+        self._routes[verb] = _Route(request, handler)
+
+    async def _ping(self, _: PingRequest) -> PingResult:
+        return PingResult(
+            service=self.service,
+            instance=self.instance,
+            uptime_s=time.monotonic() - self._started,
+            version=strata.__version__,
+        )
+
+    async def start(self) -> RpcServer:
+        self._started = time.monotonic()
+        self._sub = await self._nc.subscribe(
+            subjects.service_rpcs(self.service),
+            queue=subjects.rpc_queue_group(self.service),
+            cb=self._on_message,
+            pending_msgs_limit=262_144,
+        )
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+            self._sub = None
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on_message(self, msg: Msg) -> None:
+        if self._gate is None:
+            await self._serve(msg)
+            return
+        await self._gate.acquire()
+        task = asyncio.create_task(self._serve_released(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve_released(self, msg: Msg) -> None:
+        try:
+            await self._serve(msg)
+        finally:
+            assert self._gate is not None
+            self._gate.release()
+
+    def _count_reject(self, code: str) -> None:
+        self.rejected[code] += 1
+        MESSAGES_REJECTED.labels(f"rpc.{self.service}", code).inc()
+
+    async def _serve(self, msg: Msg) -> None:
+        started = time.perf_counter()
+        verb = msg.subject.rsplit(".", 1)[-1]
+        reply, outcome = await self._reply_for(msg, verb)
+        RPC_REQUESTS.labels(self.service, verb if verb in self._routes else "?", outcome).inc()
+        if outcome != "ok":
+            self._count_reject(outcome)
+        if not msg.reply:
+            self._count_reject("no_reply_subject")
+            return
+        try:
+            await self._nc.publish(msg.reply, reply)
+        except nats.errors.Error as exc:
+            log.warning("rpc_reply_failed", service=self.service, verb=verb, error=str(exc))
+        RPC_LATENCY.labels(self.service).observe(time.perf_counter() - started)
+
+    async def _reply_for(self, msg: Msg, verb: str) -> tuple[bytes, str]:
+        route = self._routes.get(verb)
+        if route is None:
+            known = ", ".join(sorted(self._routes))
+            message = f"{self.service} has no verb {verb[:64]!r}; it has: {known}"
+            return _error("unknown_verb", message), "unknown_verb"
+        try:
+            request = route.request.model_validate(unpack(msg.data))
+        except StrataError as exc:
+            return _error(exc.code, exc.message), exc.code
+        except pydantic.ValidationError as exc:
+            invalid = validation_error(exc, f"{self.service}.{verb} request")
+            return _error(InvalidRequest.code, invalid.message), InvalidRequest.code
+        try:
+            return _ok(await route.handler(request)), "ok"
+        except StrataError as exc:
+            return _error(exc.code, exc.message), exc.code
+        except Exception as exc:  # a handler bug must be answered, never crash the server
+            log.exception("rpc_handler_failed", service=self.service, verb=verb)
+            message = (
+                f"{self.service}.{verb} failed unexpectedly ({type(exc).__name__}: {exc}); "
+                "this is a bug in the service: see its logs"
+            )
+            return _error("internal", message), "internal"
+
+
+class RpcClient:
+    """Typed calls to `strata.rpc.<service>.<verb>`."""
+
+    def __init__(self, nc: NATS, *, timeout: float = 5.0) -> None:
+        self._nc = nc
+        self._timeout = timeout
+
+    @overload
+    async def call(
+        self,
+        service: str,
+        verb: str,
+        request: pydantic.BaseModel | dict[str, Any] | None = None,
+        *,
+        result: type[Res],
+        timeout: float | None = None,
+        retry_for: float = 0.0,
+        idempotent: bool = False,
+    ) -> Res: ...
+
+    @overload
+    async def call(
+        self,
+        service: str,
+        verb: str,
+        request: pydantic.BaseModel | dict[str, Any] | None = None,
+        *,
+        result: None = None,
+        timeout: float | None = None,
+        retry_for: float = 0.0,
+        idempotent: bool = False,
+    ) -> Any: ...
+
+    async def call(
+        self,
+        service: str,
+        verb: str,
+        request: pydantic.BaseModel | dict[str, Any] | None = None,
+        *,
+        result: type[Res] | None = None,
+        timeout: float | None = None,
+        retry_for: float = 0.0,
+        idempotent: bool = False,
+    ) -> Any:
+        """Send a request and return its result, or raise the error its reply carries.
+
+        With `retry_for`, a call that finds no responder (a service restarting) is retried with
+        backoff for that long; an `idempotent` call is also retried after a timeout.
+        """
+        subject = subjects.rpc_subject(service, verb)
+        if isinstance(request, pydantic.BaseModel):
+            payload = pack(request.model_dump(mode="python"))
+        else:
+            payload = pack(request or {})
+        per_attempt = timeout if timeout is not None else self._timeout
+        deadline = time.monotonic() + retry_for
+        delays = backoff_delays(0.05, 1.0)
+        while True:
+            try:
+                msg = await self._nc.request(subject, payload, timeout=per_attempt)
+                break
+            except nats.errors.NoRespondersError:
+                error: StrataError = ServiceUnavailable(
+                    f"no {service} service answers {subject}: is it running "
+                    "(strata up, or strata serve " + service + ")?"
+                )
+            except (TimeoutError, nats.errors.TimeoutError):
+                error = RpcTimeout(f"{subject} got no reply within {per_attempt:.1f}s")
+                if not idempotent:
+                    raise error from None
+            except nats.errors.ConnectionClosedError:
+                raise BusError(f"cannot call {subject}: the NATS connection is closed") from None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise error
+            await asyncio.sleep(min(next(delays), remaining))
+        return _parse_reply(subject, msg.data, result)
+
+
+def _parse_reply(subject: str, data: bytes, result: type[Res] | None) -> Any:
+    body = unpack(data)
+    if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
+        raise CodecError(f"reply from {subject} is not a Strata reply envelope")
+    if not body["ok"]:
+        error = body.get("error")
+        if not isinstance(error, dict):
+            raise CodecError(f"error reply from {subject} carries no error object")
+        raise error_from_code(str(error.get("code", "error")), str(error.get("message", "")))
+    value = body.get("result")
+    if result is None:
+        return value
+    try:
+        return result.model_validate(value)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc, f"reply from {subject}") from None

@@ -1,0 +1,126 @@
+"""`strata`: run the stack (`up`), one service (`serve`), and inspect jobs.
+
+Each verb lives in its own function; errors a person can fix are printed as one line with their
+code, never as a traceback, and the exit status is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+import strata
+from strata.config import load_settings
+from strata.errors import StrataError
+
+console = Console(stderr=True)
+
+
+def _add_nats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url", help="NATS server URL(s), comma-separated (default: $STRATA_NATS_URL)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata", description="Control plane for distributed training jobs."
+    )
+    parser.add_argument("--version", action="version", version=f"strata {strata.__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    up = verbs.add_parser("up", help="run the whole stack on this machine (embedded NATS)")
+    up.add_argument("--nats-port", type=int, default=4222, help="NATS client port (4222)")
+    up.add_argument("--http-port", type=int, default=8080, help="gateway/dashboard port (8080)")
+    up.add_argument("--data-dir", type=Path, default=None, help="state directory (./.strata)")
+    up.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+
+    serve = verbs.add_parser("serve", help="run one service in this process (as in a container)")
+    serve.add_argument("service", help="registry, sharding, barrier, checkpoint or gateway")
+    _add_nats(serve)
+    serve.add_argument("--health-port", type=int, help="probe/metrics port ($STRATA_HEALTH_PORT)")
+    serve.add_argument("--http-port", type=int, help="gateway HTTP port ($STRATA_HTTP_PORT)")
+
+    status = verbs.add_parser("status", help="which services answer, and the streams' state")
+    _add_nats(status)
+
+    for name, text in (
+        ("replay", "replay a job's events as a timeline or rebuilt state"),
+        ("export", "export a job's events to a file"),
+        ("demo", "run a real PyTorch training job against the stack"),
+    ):
+        later = verbs.add_parser(name, help=text)
+        later.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from strata.services import catalog
+    from strata.services.runtime import run
+
+    settings = load_settings(
+        nats_url=args.nats_url, health_port=args.health_port, http_port=args.http_port
+    )
+    run(catalog.create(args.service), settings)
+    return 0
+
+
+async def _status(nats_url: str | None) -> int:
+    from strata.bus import Bus
+    from strata.events import subjects
+    from strata.events.rpc import SERVICES, PingResult
+
+    settings = load_settings(nats_url=nats_url)
+    async with await Bus.connect(settings=settings, name="strata-cli", deadline=5.0) as bus:
+        table = Table(title=f"Strata at {settings.nats_url}")
+        for column in ("service", "state", "instance", "uptime"):
+            table.add_column(column)
+        down = 0
+        for name in (s for s in SERVICES if s != "gateway"):
+            try:
+                ping = await bus.rpc.call(name, "ping", result=PingResult, timeout=1.0)
+                table.add_row(name, "[green]up", ping.instance, f"{ping.uptime_s:.0f}s")
+            except StrataError as exc:
+                down += 1
+                table.add_row(name, f"[red]{exc.code}", "-", "-")
+        Console().print(table)
+        for stream in (subjects.EVENTS_STREAM, subjects.TELEMETRY_STREAM):
+            try:
+                info = await bus.js.stream_info(stream)
+                Console().print(f"{stream}: {info.state.messages} messages")
+            except Exception as exc:
+                Console().print(f"{stream}: [red]unavailable ({type(exc).__name__})")
+    return 0 if down == 0 else 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.verb == "up":
+            from strata.cli.up import up
+
+            return up(args)
+        if args.verb == "serve":
+            return _serve(args)
+        if args.verb == "status":
+            return asyncio.run(_status(args.nats_url))
+        console.print(
+            f"[yellow]strata {args.verb}[/] is not built yet in this version "
+            f"({strata.__version__}); see the README for what is available."
+        )
+        return 2
+    except StrataError as exc:
+        console.print(f"[red]error[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

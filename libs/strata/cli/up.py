@@ -1,0 +1,201 @@
+"""`strata up`: the whole stack on one machine, supervised until Ctrl-C or SIGTERM.
+
+Starts an embedded nats-server (store under `--data-dir`), provisions the streams, then runs every
+available service as its own process (as in Kubernetes, so one can be killed alone), restarting
+any that dies. On Ctrl-C or SIGTERM it stops the services, then NATS; no child outlives it, even
+if `strata up` itself is SIGKILLed (children carry a parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from rich.console import Console
+from rich.table import Table
+
+from strata import procutil
+from strata.bus import Bus
+from strata.bus.server import NatsServer
+from strata.config import Env, Settings, load_settings
+from strata.errors import ConfigError
+from strata.logs import configure_logging
+
+log = structlog.get_logger("strata.up")
+console = Console(stderr=True)
+
+READY_TIMEOUT_S = 60.0
+RESTART_DELAY_S = 1.0
+
+
+@dataclass
+class Child:
+    name: str
+    health_port: int
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def spawn(self) -> None:
+        with self.log_path.open("ab") as logfile:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", f"strata.services.{self.name}"],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                preexec_fn=procutil.child_preexec,
+                # Own process group: a terminal's Ctrl-C reaches only `strata up`, which then
+                # stops the services before NATS, in order.
+                process_group=0,
+            )
+        self.started_at = time.monotonic()
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.health_port}/readyz", timeout=1
+            ) as answer:
+                return bool(json.loads(answer.read()).get("ready"))
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+
+def _check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise ConfigError(
+                f"{what} port {port} on {host} is already in use (another strata up?); "
+                f"stop that process or pass {flag} with a free port"
+            ) from None
+
+
+async def _provision(url: str, settings: Settings) -> None:
+    async with await Bus.connect(url, name="strata-up", deadline=15.0) as bus:
+        await bus.ensure_streams(settings.stream_replicas)
+
+
+def up(args: argparse.Namespace) -> int:
+    from strata.services import catalog
+
+    settings = load_settings(data_dir=args.data_dir, http_port=args.http_port)
+    configure_logging(settings.log_format, settings.log_level)
+    data_dir = settings.data_dir.resolve()
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    _check_port_free(args.host, args.nats_port, "NATS", "--nats-port")
+    _check_port_free(args.host, args.http_port, "HTTP", "--http-port")
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    nats = NatsServer(
+        store_dir=data_dir / "nats",
+        host=args.host,
+        port=args.nats_port,
+        log_file=data_dir / "logs" / "nats-server.log",
+    )
+    children: list[Child] = []
+    try:
+        nats.start()
+        asyncio.run(_provision(nats.url, settings))
+        base_env = {
+            **os.environ,
+            Env.NATS_URL: nats.url,
+            Env.DATA_DIR: str(data_dir),
+            Env.LOG_FORMAT: "json",
+        }
+        for name in catalog.available():
+            child = Child(
+                name=name,
+                health_port=procutil.free_port(),
+                log_path=data_dir / "logs" / f"{name}.log",
+                env={**base_env, Env.HEALTH_PORT: "0", Env.HTTP_PORT: str(args.http_port)},
+            )
+            child.env[Env.HEALTH_PORT] = str(child.health_port)
+            child.spawn()
+            children.append(child)
+        _wait_ready(children, stop)
+        _print_summary(nats, children, args, data_dir)
+        _supervise(children, stop)
+    finally:
+        for child in reversed(children):
+            if child.proc is not None:
+                procutil.terminate(child.proc, timeout=10)
+        nats.stop()
+        console.print("[green]stopped[/] every service and NATS")
+    return 0
+
+
+def _wait_ready(children: list[Child], stop: threading.Event) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    waiting = list(children)
+    while waiting and not stop.is_set():
+        for child in list(waiting):
+            assert child.proc is not None
+            if child.proc.poll() is not None:
+                raise ConfigError(
+                    f"service {child.name} exited with {child.proc.returncode} during start-up; "
+                    f"see {child.log_path}"
+                )
+            if child.ready():
+                waiting.remove(child)
+        if time.monotonic() > deadline:
+            names = ", ".join(c.name for c in waiting)
+            raise ConfigError(f"{names} not ready after {READY_TIMEOUT_S:.0f}s; see their logs")
+        stop.wait(0.1)
+
+
+def _supervise(children: list[Child], stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        for child in children:
+            assert child.proc is not None
+            code = child.proc.poll()
+            if code is None or stop.is_set():
+                continue
+            if time.monotonic() - child.started_at < RESTART_DELAY_S:
+                continue
+            child.restarts += 1
+            log.warning("service_restarting", service=child.name, exit_code=code)
+            console.print(f"[yellow]{child.name} exited ({code}); restarting[/]")
+            child.spawn()
+
+
+def _print_summary(
+    nats: NatsServer, children: list[Child], args: argparse.Namespace, data_dir: Path
+) -> None:
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    table = Table(title="Strata is up", show_header=True)
+    table.add_column("part")
+    table.add_column("where")
+    table.add_row("NATS", nats.url)
+    for child in children:
+        assert child.proc is not None
+        table.add_row(
+            child.name, f"pid {child.proc.pid}, probes http://127.0.0.1:{child.health_port}"
+        )
+    table.add_row("dashboard", f"http://{host}:{args.http_port}/")
+    table.add_row("data", str(data_dir))
+    Console().print(table)
+    console.print("Ctrl-C stops everything.")

@@ -1,0 +1,114 @@
+"""Settings every part of Strata reads, from the environment (and CLI flags where sensible).
+
+The names of the environment variables are constants in `Env`, the one place they are spelled; the
+seeds' storage names (`STORAGE_BACKEND`, `CHECKPOINT_BUCKET`, `AWS_REGION`) carry no prefix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final, Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from strata.errors import ConfigError
+
+
+class Env:
+    """Environment variable names, spelled once."""
+
+    NATS_URL: Final = "STRATA_NATS_URL"
+    JOB: Final = "STRATA_JOB"
+    STREAM_REPLICAS: Final = "STRATA_STREAM_REPLICAS"
+    HEARTBEAT_INTERVAL: Final = "STRATA_HEARTBEAT_INTERVAL"
+    HEARTBEAT_TIMEOUT: Final = "STRATA_HEARTBEAT_TIMEOUT"
+    DATA_DIR: Final = "STRATA_DATA_DIR"
+    LOG_FORMAT: Final = "STRATA_LOG_FORMAT"
+    LOG_LEVEL: Final = "STRATA_LOG_LEVEL"
+    HEALTH_PORT: Final = "STRATA_HEALTH_PORT"
+    HTTP_PORT: Final = "STRATA_HTTP_PORT"
+    NATS_USER: Final = "STRATA_NATS_USER"
+    NATS_PASSWORD: Final = "STRATA_NATS_PASSWORD"
+    STORAGE_BACKEND: Final = "STORAGE_BACKEND"
+    CHECKPOINT_BUCKET: Final = "CHECKPOINT_BUCKET"
+    AWS_REGION: Final = "AWS_REGION"
+    S3_ENDPOINT_URL: Final = "STRATA_S3_ENDPOINT_URL"
+    TEST_NATS_URL: Final = "STRATA_TEST_NATS_URL"
+
+
+LogFormat = Literal["auto", "json", "console"]
+
+
+class Settings(BaseSettings):
+    """Everything configurable, validated once at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="STRATA_", extra="ignore", frozen=True)
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    job: str = "default"
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+    heartbeat_interval: float = Field(default=1.0, gt=0, le=300)
+    heartbeat_timeout: float = Field(default=5.0, gt=0, le=3600)
+    data_dir: Path = Path("./.strata")
+    log_format: LogFormat = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    health_port: int = Field(default=0, ge=0, le=65535)
+    http_port: int = Field(default=8080, ge=0, le=65535)
+
+    storage_backend: Literal["local", "s3"] = Field(
+        default="local", validation_alias=AliasChoices(Env.STORAGE_BACKEND, "storage_backend")
+    )
+    checkpoint_bucket: str | None = Field(
+        default=None, validation_alias=AliasChoices(Env.CHECKPOINT_BUCKET, "checkpoint_bucket")
+    )
+    aws_region: str | None = Field(
+        default=None, validation_alias=AliasChoices(Env.AWS_REGION, "aws_region")
+    )
+    s3_endpoint_url: str | None = None
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url_scheme(cls, value: str) -> str:
+        for url in value.split(","):
+            if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(
+                    f"{url.strip()!r} is not a NATS URL; use nats://host:port "
+                    "(several may be given, separated by commas)"
+                )
+        return value
+
+    @field_validator("heartbeat_timeout")
+    @classmethod
+    def _timeout_after_interval(cls, value: float, info: object) -> float:
+        data = getattr(info, "data", {})
+        interval = data.get("heartbeat_interval")
+        if interval is not None and value <= interval:
+            raise ValueError(
+                f"heartbeat timeout ({value}s) must be longer than the heartbeat interval "
+                f"({interval}s), or every worker would be failed between two heartbeats"
+            )
+        return value
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read the settings from the environment, with explicit overrides (e.g. CLI flags) on top.
+
+    Raises `ConfigError` naming the variable and what is wrong with it.
+    """
+    clean = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return Settings(**clean)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "settings"
+            env = name if name.isupper() else getattr(Env, name.upper(), f"STRATA_{name.upper()}")
+            problems.append(f"{env}: {error['msg']}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None

@@ -1,0 +1,137 @@
+"""The one exception tree of Strata.
+
+Every error is a `StrataError` with a stable machine-readable `code` and a message a person can act
+on. The same codes travel in RPC error replies (`{ok: false, error: {code, message}}`), so a client
+turns a reply back into the matching subclass with `error_from_code`.
+
+    StrataError
+    ├── ConfigError            bad settings or arguments               config_invalid
+    ├── CodecError             bytes that are not a valid message      malformed
+    ├── ValidationError        a field that breaks the contract        invalid_field
+    │   └── InvalidRequest     an RPC request that breaks it           invalid_request
+    ├── NotFound               the thing asked for does not exist      not_found
+    ├── ConflictError          contradicts what is already recorded    conflict
+    ├── BusError               NATS trouble                            bus_error
+    │   ├── PublishTimeout     no ack before the deadline              publish_timeout
+    │   ├── ServiceUnavailable nobody answers a subject                unavailable
+    │   └── RpcTimeout         an RPC got no reply in time             rpc_timeout
+    ├── RpcError               a handler failed unexpectedly           internal
+    ├── BarrierBroken          a participant failed or left            barrier_broken
+    ├── BarrierTimeout         a barrier was not complete in time      barrier_timeout
+    └── ChecksumMismatch       stored bytes differ from their record   checksum_mismatch
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class StrataError(Exception):
+    """Root of every error Strata raises on purpose."""
+
+    code: ClassVar[str] = "error"
+
+    def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code  # type: ignore[misc]  # instance override of the class default
+        self.details: dict[str, Any] = details
+
+    def to_reply(self) -> dict[str, str]:
+        """The `error` object of an RPC reply."""
+        return {"code": self.code, "message": self.message}
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class ConfigError(StrataError):
+    code = "config_invalid"
+
+
+class CodecError(StrataError):
+    code = "malformed"
+
+
+class ValidationError(StrataError):
+    """A value breaks the contract; `field` names where (dotted path), when known."""
+
+    code = "invalid_field"
+
+    def __init__(self, message: str, *, field: str | None = None, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.field = field
+
+
+class InvalidRequest(ValidationError):
+    code = "invalid_request"
+
+
+class NotFound(StrataError):
+    code = "not_found"
+
+
+class ConflictError(StrataError):
+    code = "conflict"
+
+
+class BusError(StrataError):
+    code = "bus_error"
+
+
+class PublishTimeout(BusError):
+    code = "publish_timeout"
+
+
+class ServiceUnavailable(BusError):
+    code = "unavailable"
+
+
+class RpcTimeout(BusError):
+    code = "rpc_timeout"
+
+
+class RpcError(StrataError):
+    code = "internal"
+
+
+class BarrierBroken(StrataError):
+    code = "barrier_broken"
+
+
+class BarrierTimeout(StrataError):
+    code = "barrier_timeout"
+
+
+class ChecksumMismatch(StrataError):
+    code = "checksum_mismatch"
+
+
+_BY_CODE: dict[str, type[StrataError]] = {
+    cls.code: cls
+    for cls in (
+        ConfigError,
+        CodecError,
+        ValidationError,
+        InvalidRequest,
+        NotFound,
+        ConflictError,
+        BusError,
+        PublishTimeout,
+        ServiceUnavailable,
+        RpcTimeout,
+        RpcError,
+        BarrierBroken,
+        BarrierTimeout,
+        ChecksumMismatch,
+    )
+}
+
+
+def error_from_code(code: str, message: str, **details: Any) -> StrataError:
+    """Rebuild the exception an RPC error reply stands for; unknown codes keep their code."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return StrataError(message, code=code, **details)
+    return cls(message, **details)

@@ -1,0 +1,432 @@
+"""The event catalogue: one frozen pydantic model per event, the single source of the schemas.
+
+Every event carries the envelope (`type`, `v`, `id`, `job`, `ts`, `source`); `id` doubles as the
+`Nats-Msg-Id`, so JetStream drops a re-sent copy. Validation is strict (no coercion, no unknown
+fields) and every string, number and list is bounded, so a malformed message is refused at the edge.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Annotated, Final, Literal, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+CHECKSUM_PATTERN: Final = r"^(sha256|crc32c|xxh64|xxh128|blake2b):[0-9a-f]{8,128}$"
+
+MAX_WORKERS: Final = 10_000
+MAX_SHARDS: Final = 1_000_000
+MAX_TOTAL_SAMPLES: Final = 10**12
+MAX_STEP: Final = 2**62
+MAX_EPOCH: Final = 2**31 - 1
+MAX_RANK: Final = MAX_WORKERS - 1
+MAX_BYTES: Final = 2**50  # 1 PiB: the largest single checkpoint shard we accept a record of
+MAX_PROGRESS_ITEMS: Final = 10_000
+MAX_LABELS: Final = 32
+
+Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+"""Jobs, workers, datasets, barriers, event ids: letters, digits, `_.-`, at most 128 characters."""
+
+Text = Annotated[str, StringConstraints(max_length=1000)]
+Uri = Annotated[str, StringConstraints(min_length=1, max_length=2048)]
+Checksum = Annotated[str, StringConstraints(pattern=CHECKSUM_PATTERN)]
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")]
+LabelValue = Annotated[str, StringConstraints(max_length=256)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
+Rank = Annotated[int, Field(ge=0, le=MAX_RANK)]
+Count = Annotated[int, Field(ge=0, le=2**62)]
+ByteCount = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
+ShardId = Annotated[int, Field(ge=0, lt=MAX_SHARDS)]
+MembershipEpoch = Annotated[int, Field(ge=0, le=2**62)]
+
+WorkerState = Literal[
+    "idle", "loading", "training", "checkpointing", "recovering", "failed", "left"
+]
+LiveState = Literal["idle", "loading", "training", "checkpointing", "recovering"]
+LIVE_STATES: Final[tuple[LiveState, ...]] = (
+    "idle",
+    "loading",
+    "training",
+    "checkpointing",
+    "recovering",
+)
+
+
+def new_event_id() -> str:
+    """A fresh unique event id (uuid4, hex)."""
+    return uuid.uuid4().hex
+
+
+class StrictModel(BaseModel):
+    """Frozen, strict, closed: the base of everything that travels on the bus."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Event(StrictModel):
+    """The envelope every event carries."""
+
+    type: str
+    v: int = 1
+    id: Id = Field(default_factory=new_event_id, description="Unique; the Nats-Msg-Id.")
+    job: Id
+    ts: int = Field(
+        default_factory=time.time_ns, ge=0, le=2**63 - 1, description="Unix time, nanoseconds."
+    )
+    source: Id = Field(description="Who emitted it: a service name or a worker id.")
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+
+class WorkerRegistered(Event):
+    """A worker joined a job and got its rank."""
+
+    type: Literal["worker.registered"] = "worker.registered"
+    v: Literal[1] = 1
+    worker_id: Id
+    instance: Id = Field(description="Identifies the process; a re-registration from another one.")
+    rank: Rank
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    membership_epoch: MembershipEpoch
+    hostname: Annotated[str, StringConstraints(max_length=253)] = ""
+    gpus: Annotated[int, Field(ge=0, le=1024)] = 0
+    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)] = Field(
+        default_factory=dict
+    )
+    heartbeat_interval: Seconds
+    heartbeat_timeout: Seconds
+
+
+class WorkerHeartbeat(Event):
+    """A worker is alive; published on the telemetry stream without waiting for an ack."""
+
+    type: Literal["worker.heartbeat"] = "worker.heartbeat"
+    v: Literal[1] = 1
+    worker_id: Id
+    instance: Id
+    seq: Count
+    state: LiveState
+    step: Step = 0
+    epoch: Epoch = 0
+    cpu_percent: Annotated[float, Field(ge=0, le=100_000, allow_inf_nan=False)] | None = None
+    rss_bytes: ByteCount | None = None
+    gpu_util_percent: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+    gpu_mem_bytes: ByteCount | None = None
+
+
+class WorkerStateChanged(Event):
+    """A worker moved between live states (idle, loading, training, ...)."""
+
+    type: Literal["worker.state_changed"] = "worker.state_changed"
+    v: Literal[1] = 1
+    worker_id: Id
+    state: LiveState
+    previous: LiveState | None = None
+    step: Step = 0
+    epoch: Epoch = 0
+
+
+class WorkerFailed(Event):
+    """A worker missed its heartbeats for longer than the timeout (or was declared failed)."""
+
+    type: Literal["worker.failed"] = "worker.failed"
+    v: Literal[1] = 1
+    worker_id: Id
+    rank: Rank
+    reason: Text
+    last_heartbeat_ts: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    membership_epoch: MembershipEpoch
+
+
+class WorkerLeft(Event):
+    """A worker stopped gracefully."""
+
+    type: Literal["worker.left"] = "worker.left"
+    v: Literal[1] = 1
+    worker_id: Id
+    rank: Rank
+    membership_epoch: MembershipEpoch
+
+
+# -- datasets and shards --------------------------------------------------------------------------
+
+
+class DatasetRegistered(Event):
+    """A dataset's sharding parameters.
+
+    Shard `s` covers samples `[s*shard_size, min((s+1)*shard_size, total_samples))`.
+    """
+
+    type: Literal["dataset.registered"] = "dataset.registered"
+    v: Literal[1] = 1
+    dataset_id: Id
+    total_samples: Annotated[int, Field(ge=1, le=MAX_TOTAL_SAMPLES)]
+    shard_size: Annotated[int, Field(ge=1, le=MAX_TOTAL_SAMPLES)]
+    shuffle: bool
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+    @property
+    def num_shards(self) -> int:
+        return math.ceil(self.total_samples / self.shard_size)
+
+    @model_validator(mode="after")
+    def _bounded_shard_count(self) -> DatasetRegistered:
+        if self.num_shards > MAX_SHARDS:
+            raise ValueError(
+                f"{self.total_samples} samples in shards of {self.shard_size} make "
+                f"{self.num_shards} shards; at most {MAX_SHARDS} are allowed: use larger shards"
+            )
+        return self
+
+
+class ShardPlanChanged(Event):
+    """The live members a dataset's epoch is planned over changed; the plan follows from them."""
+
+    type: Literal["shard.plan_changed"] = "shard.plan_changed"
+    v: Literal[1] = 1
+    dataset_id: Id
+    epoch: Epoch
+    plan_version: Count
+    members: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+    membership_epoch: MembershipEpoch
+    reason: Text
+    moved_shards: Annotated[int, Field(ge=0, le=MAX_SHARDS)] = 0
+
+
+class ShardOffset(StrictModel):
+    shard_id: ShardId
+    offset: Annotated[int, Field(ge=0, le=MAX_TOTAL_SAMPLES)]
+
+
+class ShardProgress(Event):
+    """A worker's progress through its shards of an epoch: shards done, and partial offsets."""
+
+    type: Literal["shard.progress"] = "shard.progress"
+    v: Literal[1] = 1
+    dataset_id: Id
+    epoch: Epoch
+    worker_id: Id
+    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+
+
+# -- barriers -------------------------------------------------------------------------------------
+
+
+class BarrierOpened(Event):
+    """The first arrival opened a generation of a named barrier."""
+
+    type: Literal["barrier.opened"] = "barrier.opened"
+    v: Literal[1] = 1
+    name: Id
+    generation: Count
+    expected: Annotated[list[Id], Field(max_length=MAX_WORKERS)] = Field(
+        description="Worker ids expected (the live membership), empty with an explicit count.",
+        default_factory=list,
+    )
+    expected_count: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    timeout_s: Seconds
+    deadline_ts: Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+class BarrierArrived(Event):
+    type: Literal["barrier.arrived"] = "barrier.arrived"
+    v: Literal[1] = 1
+    name: Id
+    generation: Count
+    worker_id: Id
+    arrived: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+
+
+class BarrierReleased(Event):
+    """Everyone arrived; latencies let the gateway show barrier latency percentiles."""
+
+    type: Literal["barrier.released"] = "barrier.released"
+    v: Literal[1] = 1
+    name: Id
+    generation: Count
+    participants: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    first_arrival_to_release_ms: Millis
+    last_arrival_to_release_ms: Millis
+
+
+class BarrierBrokenEvent(Event):
+    """An expected participant failed or left: every waiter is told, nobody hangs."""
+
+    type: Literal["barrier.broken"] = "barrier.broken"
+    v: Literal[1] = 1
+    name: Id
+    generation: Count
+    reason: Text
+    culprits: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+
+
+class BarrierTimedOut(Event):
+    type: Literal["barrier.timed_out"] = "barrier.timed_out"
+    v: Literal[1] = 1
+    name: Id
+    generation: Count
+    timeout_s: Seconds
+    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+    arrived: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+class Participant(StrictModel):
+    worker_id: Id
+    rank: Rank
+
+
+class CheckpointStarted(Event):
+    type: Literal["checkpoint.started"] = "checkpoint.started"
+    v: Literal[1] = 1
+    step: Step
+    epoch: Epoch
+    root_uri: Uri
+    participants: Annotated[list[Participant], Field(min_length=1, max_length=MAX_WORKERS)]
+    keep_count: Annotated[int, Field(ge=1, le=10_000)]
+    timeout_s: Seconds
+
+
+class CheckpointShardSaved(Event):
+    """A rank's shard is durable in storage (phase one of the commit)."""
+
+    type: Literal["checkpoint.shard_saved"] = "checkpoint.shard_saved"
+    v: Literal[1] = 1
+    step: Step
+    epoch: Epoch
+    rank: Rank
+    worker_id: Id
+    uri: Uri
+    bytes: ByteCount
+    checksum: Checksum
+
+
+class CheckpointCommitted(Event):
+    """The manifest is written: the checkpoint exists (phase two)."""
+
+    type: Literal["checkpoint.committed"] = "checkpoint.committed"
+    v: Literal[1] = 1
+    step: Step
+    epoch: Epoch
+    manifest_uri: Uri
+    total_bytes: ByteCount
+    shards: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    duration_ms: Millis
+
+
+class CheckpointAborted(Event):
+    type: Literal["checkpoint.aborted"] = "checkpoint.aborted"
+    v: Literal[1] = 1
+    step: Step
+    epoch: Epoch
+    reason: Text
+    missing_ranks: Annotated[list[Rank], Field(max_length=MAX_WORKERS)] = Field(
+        default_factory=list
+    )
+
+
+class CheckpointPruned(Event):
+    """Retention removed an old committed checkpoint."""
+
+    type: Literal["checkpoint.pruned"] = "checkpoint.pruned"
+    v: Literal[1] = 1
+    step: Step
+    manifest_uri: Uri
+
+
+# -- requests and telemetry -----------------------------------------------------------------------
+
+
+class RequestRejected(Event):
+    """A service refused a request or dropped a malformed message, with the reason."""
+
+    type: Literal["request.rejected"] = "request.rejected"
+    v: Literal[1] = 1
+    service: Id
+    subject: Annotated[str, StringConstraints(max_length=512)]
+    code: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z_]{0,63}$")]
+    message: Text
+    worker_id: Id | None = None
+
+
+class MetricSampled(Event):
+    """One sample of a named figure (telemetry stream)."""
+
+    type: Literal["metric.sampled"] = "metric.sampled"
+    v: Literal[1] = 1
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+    value: Annotated[float, Field(allow_inf_nan=False)]
+    worker_id: Id | None = None
+    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)] = Field(
+        default_factory=dict
+    )
+
+
+AnyEvent: TypeAlias = Annotated[
+    WorkerRegistered
+    | WorkerHeartbeat
+    | WorkerStateChanged
+    | WorkerFailed
+    | WorkerLeft
+    | DatasetRegistered
+    | ShardPlanChanged
+    | ShardProgress
+    | BarrierOpened
+    | BarrierArrived
+    | BarrierReleased
+    | BarrierBrokenEvent
+    | BarrierTimedOut
+    | CheckpointStarted
+    | CheckpointShardSaved
+    | CheckpointCommitted
+    | CheckpointAborted
+    | CheckpointPruned
+    | RequestRejected
+    | MetricSampled,
+    Field(discriminator="type"),
+]
+
+EVENT_MODELS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerHeartbeat,
+    WorkerStateChanged,
+    WorkerFailed,
+    WorkerLeft,
+    DatasetRegistered,
+    ShardPlanChanged,
+    ShardProgress,
+    BarrierOpened,
+    BarrierArrived,
+    BarrierReleased,
+    BarrierBrokenEvent,
+    BarrierTimedOut,
+    CheckpointStarted,
+    CheckpointShardSaved,
+    CheckpointCommitted,
+    CheckpointAborted,
+    CheckpointPruned,
+    RequestRejected,
+    MetricSampled,
+)
+
+EVENT_TYPES: Final[dict[str, type[Event]]] = {
+    model.model_fields["type"].default: model for model in EVENT_MODELS
+}
+
+TELEMETRY_TYPES: Final = frozenset({"worker.heartbeat", "metric.sampled"})
+"""Event types that travel on the telemetry stream, published without waiting for an ack."""

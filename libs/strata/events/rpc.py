@@ -1,0 +1,70 @@
+"""Request/reply contracts: the reply envelope and the catalogue of every RPC endpoint.
+
+Requests go to `strata.rpc.<service>.<verb>` as msgpack maps; every request gets a reply,
+`{ok: true, result: ...}` or `{ok: false, error: {code, message}}`. Services add their endpoints to
+`RPC_ENDPOINTS` (through `endpoint`) so the AsyncAPI document lists every subject.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import Field, StringConstraints
+
+from strata.events.models import Id, StrictModel
+
+SERVICES: Final = ("registry", "sharding", "barrier", "checkpoint", "gateway")
+
+ErrorCode = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z_]{0,63}$")]
+
+
+class ErrorBody(StrictModel):
+    code: ErrorCode
+    message: Annotated[str, StringConstraints(max_length=4000)]
+
+
+class OkReply(StrictModel):
+    ok: Literal[True] = True
+    result: Any = None
+
+
+class ErrorReply(StrictModel):
+    ok: Literal[False] = False
+    error: ErrorBody
+
+
+class PingRequest(StrictModel):
+    """Every service answers `ping`; an empty map is a valid request."""
+
+
+class PingResult(StrictModel):
+    service: Id
+    instance: Id
+    uptime_s: Annotated[float, Field(ge=0)]
+    version: str
+
+
+@dataclass(frozen=True)
+class RpcEndpoint:
+    service: str
+    verb: str
+    request: type[StrictModel]
+    result: type[StrictModel]
+    summary: str
+
+
+RPC_ENDPOINTS: list[RpcEndpoint] = [
+    RpcEndpoint(service, "ping", PingRequest, PingResult, f"Liveness of the {service} service.")
+    for service in SERVICES
+]
+
+
+def endpoint(
+    service: str, verb: str, request: type[StrictModel], result: type[StrictModel], summary: str
+) -> RpcEndpoint:
+    """Declare an RPC endpoint (once, at import of the service's contract module)."""
+    declared = RpcEndpoint(service, verb, request, result, summary)
+    if all((e.service, e.verb) != (service, verb) for e in RPC_ENDPOINTS):
+        RPC_ENDPOINTS.append(declared)
+    return declared

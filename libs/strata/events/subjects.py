@@ -1,0 +1,137 @@
+"""Every NATS subject, stream and queue-group name Strata uses is built here and nowhere else.
+
+Layout: events on `strata.evt.<job>.<area>.<event>` (stream STRATA_EVENTS), heartbeats on
+`strata.hb.<job>.<worker>` and samples on `strata.metric.<job>.<name>` (stream STRATA_TELEMETRY),
+requests on `strata.rpc.<service>.<verb>`. Ids may contain `.`, which separates subject tokens, so
+ids are encoded into tokens with `.` -> `~` (ids never contain `~`, so the mapping is reversible).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+EVENTS_STREAM: Final = "STRATA_EVENTS"
+TELEMETRY_STREAM: Final = "STRATA_TELEMETRY"
+SNAPSHOT_BUCKET: Final = "STRATA_SNAPSHOTS"
+
+ROOT: Final = "strata"
+EVENTS: Final = f"{ROOT}.evt"
+HEARTBEATS: Final = f"{ROOT}.hb"
+METRICS: Final = f"{ROOT}.metric"
+RPC: Final = f"{ROOT}.rpc"
+
+EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
+_EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def token(identifier: str) -> str:
+    """The subject token for a validated id (job, worker, dataset...)."""
+    return identifier.replace(".", "~")
+
+
+def untoken(subject_token: str) -> str:
+    """The id a subject token stands for."""
+    return subject_token.replace("~", ".")
+
+
+def _check_event_type(event_type: str) -> str:
+    if not _EVENT_TYPE.match(event_type):
+        raise ValueError(f"event type {event_type!r} is not of the form <area>.<event>")
+    return event_type
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"{kind} {name!r} must match {_NAME.pattern}")
+    return name
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+
+def event_subject(job: str, event_type: str) -> str:
+    """`strata.evt.<job>.<area>.<event>` for one event type of one job."""
+    return f"{EVENTS}.{token(job)}.{_check_event_type(event_type)}"
+
+
+def job_events(job: str) -> str:
+    """Every event of one job."""
+    return f"{EVENTS}.{token(job)}.>"
+
+
+def area_events(job: str, area: str) -> str:
+    """Every event of one area (`worker`, `barrier`, ...) of one job; `*` for every job."""
+    job_token = "*" if job == "*" else token(job)
+    return f"{EVENTS}.{job_token}.{_check_name('area', area)}.*"
+
+
+def all_events() -> str:
+    return f"{EVENTS}.>"
+
+
+def parse_event_subject(subject: str) -> tuple[str, str]:
+    """(job, event type) of an event subject; ValueError for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 5 or f"{parts[0]}.{parts[1]}" != EVENTS:
+        raise ValueError(f"{subject!r} is not an event subject ({EVENTS}.<job>.<area>.<event>)")
+    return untoken(parts[2]), _check_event_type(f"{parts[3]}.{parts[4]}")
+
+
+# -- telemetry ------------------------------------------------------------------------------------
+
+
+def heartbeat_subject(job: str, worker_id: str) -> str:
+    return f"{HEARTBEATS}.{token(job)}.{token(worker_id)}"
+
+
+def job_heartbeats(job: str) -> str:
+    """Heartbeats of every worker of one job; `*` for every job."""
+    job_token = "*" if job == "*" else token(job)
+    return f"{HEARTBEATS}.{job_token}.*"
+
+
+def all_heartbeats() -> str:
+    return f"{HEARTBEATS}.>"
+
+
+def parse_heartbeat_subject(subject: str) -> tuple[str, str]:
+    """(job, worker id) of a heartbeat subject; ValueError for anything else."""
+    parts = subject.split(".")
+    if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != HEARTBEATS:
+        raise ValueError(f"{subject!r} is not a heartbeat subject ({HEARTBEATS}.<job>.<worker>)")
+    return untoken(parts[2]), untoken(parts[3])
+
+
+def metric_subject(job: str, name: str) -> str:
+    return f"{METRICS}.{token(job)}.{_check_name('metric', name)}"
+
+
+def all_metrics() -> str:
+    return f"{METRICS}.>"
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+def rpc_subject(service: str, verb: str) -> str:
+    return f"{RPC}.{_check_name('service', service)}.{_check_name('verb', verb)}"
+
+
+def service_rpcs(service: str) -> str:
+    """Every request subject of one service."""
+    return f"{RPC}.{_check_name('service', service)}.*"
+
+
+def rpc_queue_group(service: str) -> str:
+    """Replicas of one service share a queue group, so each request is answered once."""
+    return f"{ROOT}-{_check_name('service', service)}"
+
+
+# -- durable names --------------------------------------------------------------------------------
+
+
+def durable_name(*parts: str) -> str:
+    """A JetStream consumer or KV key name from ids (no `.`, `*`, `>` or whitespace allowed)."""
+    return "_".join(token(part) for part in parts)

@@ -1,0 +1,97 @@
+"""Small helpers for the child processes Strata starts (nats-server, workers in tests).
+
+They make sure a child never outlives the process that started it, stop children in two steps
+(SIGTERM, then SIGKILL) and find free TCP ports to hand to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+# The pid of the process about to fork, recorded in the parent just before every fork (subprocess
+# runs these hooks when a preexec_fn is given), so the child can tell whether that parent is gone.
+# `os.getppid() == 1` would not do: the parent may itself be PID 1, e.g. in a container.
+_forking_pid = os.getpid()
+
+
+def _record_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+if sys.platform.startswith("linux"):
+    os.register_at_fork(before=_record_forking_pid)
+
+
+def child_preexec() -> None:
+    """`preexec_fn` for `subprocess.Popen`: the child is SIGKILLed when its parent dies.
+
+    Linux only (a no-op elsewhere). The child stays in the parent's process group, so a Ctrl-C
+    in a terminal reaches it exactly as the parent decides. Linux fires the signal when the
+    *thread* that forked the child exits, so start children from a long-lived thread (the main
+    thread), never from a short-lived worker thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
+    # The parent may have died between fork and prctl; then no signal will ever come and we
+    # were adopted by another process, so leave now instead of running as an orphan.
+    if os.getppid() != _forking_pid:
+        os._exit(1)
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """Stop `proc` with SIGTERM, then SIGKILL after `timeout` seconds; return its exit code.
+
+    Safe on a process that has already exited. Returns None only if the process survives even
+    SIGKILL for another `timeout` seconds (stuck in the kernel), which callers should report.
+    """
+    if proc.poll() is not None:
+        return proc.returncode
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that were free on `host` a moment ago.
+
+    All sockets stay bound until every port is chosen, so the kernel cannot hand out the same
+    port twice. Another process may still take one before it is used; callers that start a
+    server on it see a bind error in that rare case.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago."""
+    return free_ports(1, host)[0]

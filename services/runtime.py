@@ -1,0 +1,72 @@
+"""How a service process runs: settings, logs, NATS, streams, probes, and a clean stop on SIGTERM.
+
+Every service implements `Service` and is started by `run` (from its `__main__` or from
+`strata serve <name>`); the runtime owns everything that is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Protocol
+
+import structlog
+from strata.bus import Bus
+from strata.config import Settings
+from strata.logs import bind, configure_logging
+from strata.services.health import HealthServer
+
+log = structlog.get_logger("strata.service")
+
+
+class Service(Protocol):
+    name: str
+
+    async def start(self, bus: Bus, settings: Settings) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def ready(self) -> tuple[bool, str]: ...
+
+
+async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> None:
+    """Run `service` until `stop` is set; probes answer from the start."""
+    bind(service=service.name)
+    bus: Bus | None = None
+
+    def ready() -> tuple[bool, str]:
+        if bus is None or not bus.nc.is_connected:
+            return False, "not connected to NATS"
+        return service.ready()
+
+    health = await HealthServer(service.name, ready, port=settings.health_port).start()
+    log.info("service_starting", service=service.name, health_port=health.port)
+    try:
+        bus = await Bus.connect(settings=settings, name=f"strata-{service.name}")
+        await bus.ensure_streams(settings.stream_replicas)
+        await service.start(bus, settings)
+        log.info("service_started", service=service.name, nats=settings.nats_url)
+        await stop.wait()
+        log.info("service_stopping", service=service.name)
+        await service.stop()
+    finally:
+        if bus is not None:
+            with contextlib.suppress(Exception):
+                await bus.close()
+        await health.stop()
+    log.info("service_stopped", service=service.name)
+
+
+def run(service: Service, settings: Settings) -> None:
+    """Blocking entry point: runs until SIGTERM or SIGINT."""
+    configure_logging(settings.log_format, settings.log_level)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(service, settings, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,68 @@
+"""Shared pytest fixtures: real nats-server processes for the tests that need a broker.
+
+A single JetStream server is shared by the whole session; tests that must kill, restart or own a
+clean server use `own_nats_server`, and cluster tests get a fresh 3-node cluster each. Setting
+STRATA_TEST_NATS_URL points the shared fixtures at an external server instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
+from strata.config import Env
+from strata.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ExternalNats:
+    """A server the tests did not start and must not stop, kill or restart."""
+
+    url: str
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer | ExternalNats]:
+    """The session's shared server; tests that need to kill it should skip on ExternalNats."""
+    external = os.environ.get(Env.TEST_NATS_URL)
+    if external:
+        yield ExternalNats(url=external)
+        return
+    with NatsServer(store_dir=tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: NatsServer | ExternalNats) -> str:
+    return nats_server.url
+
+
+def _require_binary() -> None:
+    # With an external server configured, a missing local binary means "cannot run this
+    # test here" rather than a broken setup.
+    try:
+        nats_server_binary()
+    except ConfigError as exc:
+        if os.environ.get(Env.TEST_NATS_URL):
+            pytest.skip(f"needs a local nats-server: {exc.message}")
+        raise
+
+
+@pytest.fixture
+def own_nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A fresh private server, which the test may stop, kill or restart."""
+    _require_binary()
+    with NatsServer(store_dir=tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """A fresh 3-node JetStream cluster, which the test may kill and restart nodes of."""
+    _require_binary()
+    with NatsCluster(tmp_path / "cluster", size=3) as cluster:
+        yield cluster
