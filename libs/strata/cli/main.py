@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import strata
@@ -20,6 +21,12 @@ from strata.config import load_settings
 from strata.errors import StrataError
 
 console = Console(stderr=True)
+
+NOT_BUILT = {
+    "replay": "replay a job's events as a timeline or rebuilt state",
+    "export": "export a job's events to a file",
+    "demo": "run a real PyTorch training job against the stack",
+}
 
 
 def _add_nats(parser: argparse.ArgumentParser) -> None:
@@ -50,13 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = verbs.add_parser("status", help="which services answer, and the streams' state")
     _add_nats(status)
 
-    for name, text in (
-        ("replay", "replay a job's events as a timeline or rebuilt state"),
-        ("export", "export a job's events to a file"),
-        ("demo", "run a real PyTorch training job against the stack"),
-    ):
-        later = verbs.add_parser(name, help=text)
-        later.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, text in NOT_BUILT.items():
+        verbs.add_parser(name, help=f"{text} (not built yet)")
     return parser
 
 
@@ -100,7 +102,10 @@ async def _status(nats_url: str | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.verb not in NOT_BUILT:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.verb == "up":
             from strata.cli.up import up
@@ -116,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     except StrataError as exc:
-        console.print(f"[red]error[/] {exc}")
+        console.print(f"[red]error[/] {escape(str(exc))}", soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         return 130
