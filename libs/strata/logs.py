@@ -28,6 +28,16 @@ def _context_prefix(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDi
     return event_dict
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time, so a replaced stream is followed."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
     """Set up structlog (and stdlib logging, for libraries) for this process."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
@@ -47,7 +57,7 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
     structlog.configure(
         processors=shared + renderer,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, force=True)
