@@ -4,7 +4,7 @@ The models here are the single source of truth: JSON Schemas and the AsyncAPI do
 `schemas/` are generated from them (`make schemas`), and every service decodes through `codec`.
 """
 
-from strata.events import subjects
+from strata.events import requests, subjects
 from strata.events.codec import (
     decode_event,
     decode_model,
@@ -93,6 +93,7 @@ __all__ = [
     "event_to_json",
     "new_event_id",
     "pack",
+    "requests",
     "subject_for",
     "subjects",
     "unpack",

@@ -20,6 +20,7 @@ EVENTS: Final = f"{ROOT}.evt"
 HEARTBEATS: Final = f"{ROOT}.hb"
 METRICS: Final = f"{ROOT}.metric"
 RPC: Final = f"{ROOT}.rpc"
+CONTROL: Final = f"{ROOT}.ctl"
 
 EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
 _EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
@@ -110,6 +111,11 @@ def metric_subject(job: str, name: str) -> str:
 
 def all_metrics() -> str:
     return f"{METRICS}.>"
+
+
+def control_subject(job: str, worker_id: str) -> str:
+    """Notices from the services to one worker (core NATS, not stored)."""
+    return f"{CONTROL}.{token(job)}.{token(worker_id)}"
 
 
 # -- requests -------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""Request and result models of every service's RPC verbs, and the control notices to workers.
+
+They live beside the events because both sides use them: the SDK builds requests, the services
+validate them. Each verb is declared in the RPC catalogue, so the AsyncAPI document lists it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from strata.events.models import (
+    MAX_LABELS,
+    MAX_WORKERS,
+    Epoch,
+    Id,
+    LabelKey,
+    LabelValue,
+    MembershipEpoch,
+    Rank,
+    Seconds,
+    Step,
+    StrictModel,
+    Text,
+    WorkerState,
+)
+from strata.events.rpc import endpoint
+
+Hostname = Annotated[str, StringConstraints(max_length=253)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)]
+
+# -- registry -------------------------------------------------------------------------------------
+
+
+class RegisterRequest(StrictModel):
+    """Join a job. Without `worker_id` one is derived from `instance` (stable across retries)."""
+
+    job: Id
+    instance: Id = Field(description="Random per process: tells a retry from a second process.")
+    worker_id: Id | None = None
+    hostname: Hostname = ""
+    gpus: Annotated[int, Field(ge=0, le=1024)] = 0
+    labels: Labels = Field(default_factory=dict)
+
+
+class Registration(StrictModel):
+    job: Id
+    worker_id: Id
+    instance: Id
+    rank: Rank
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    membership_epoch: MembershipEpoch
+    heartbeat_interval: Seconds
+    heartbeat_timeout: Seconds
+    rejoined: bool = Field(description="The id was failed or had left before this registration.")
+
+
+class LeaveRequest(StrictModel):
+    job: Id
+    worker_id: Id
+    instance: Id
+
+
+class LeaveResult(StrictModel):
+    job: Id
+    worker_id: Id
+    membership_epoch: MembershipEpoch
+
+
+class MembersRequest(StrictModel):
+    job: Id
+    include_gone: bool = Field(default=False, description="Also list failed and departed workers.")
+
+
+class MemberInfo(StrictModel):
+    worker_id: Id
+    instance: Id
+    rank: Rank
+    status: WorkerState
+    hostname: Hostname
+    gpus: int
+    step: Step
+    epoch: Epoch
+    last_heartbeat_ts: int | None = Field(description="Wall time (ns) the last heartbeat arrived.")
+
+
+class MembersResult(StrictModel):
+    job: Id
+    membership_epoch: MembershipEpoch
+    world_size: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+    members: Annotated[list[MemberInfo], Field(max_length=MAX_WORKERS)]
+
+
+REGISTER = endpoint(
+    "registry", "register", RegisterRequest, Registration, "Join a job; get rank and world size."
+)
+LEAVE = endpoint("registry", "leave", LeaveRequest, LeaveResult, "Leave a job gracefully.")
+MEMBERS = endpoint("registry", "members", MembersRequest, MembersResult, "The membership of a job.")
+
+
+class WorkerNotice(StrictModel):
+    """Sent by a service to one worker on `strata.ctl.<job>.<worker>` (core NATS, no stream)."""
+
+    job: Id
+    worker_id: Id
+    kind: Literal["reregister"]
+    reason: Text

@@ -1,0 +1,1 @@
+"""The registry: membership of each job, heartbeats and failure detection."""

@@ -1,0 +1,452 @@
+"""The registry's pure core: membership state, the decisions on it, and failure detection.
+
+`evolve(state, event)` folds an event into the state (in place, returning it: a projector over
+thousands of workers must not copy per heartbeat). `decide(state, command, now, policy)` returns
+the events a command causes, or the error refusing it. Time is always passed in (wall seconds), so
+tests drive the clock instead of sleeping. No I/O here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.errors import ConflictError, NotFound, StrataError
+from strata.events import (
+    Event,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerLeft,
+    WorkerRegistered,
+    WorkerState,
+    WorkerStateChanged,
+)
+from strata.events.models import MAX_WORKERS
+from strata.events.requests import (
+    LeaveRequest,
+    LeaveResult,
+    MemberInfo,
+    MembersResult,
+    RegisterRequest,
+    Registration,
+)
+
+SOURCE = "registry"
+GONE: frozenset[WorkerState] = frozenset({"failed", "left"})
+_IDS = uuid.UUID("6d0e2a4c-29a8-4a43-9a57-5bb4c0f1d3a1")
+
+
+def event_id(*parts: object) -> str:
+    """A deterministic event id, so a decision re-made after a crash is dropped as a duplicate."""
+    return uuid.uuid5(_IDS, "|".join(str(p) for p in parts)).hex
+
+
+@dataclass(frozen=True)
+class Policy:
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+
+
+@dataclass
+class Member:
+    worker_id: str
+    instance: str
+    rank: int
+    status: WorkerState
+    hostname: str = ""
+    gpus: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    registered_epoch: int = 0
+    step: int = 0
+    epoch: int = 0
+    last_seen: float = 0.0
+    """Wall seconds of the last sign of life: registration, then each heartbeat's arrival."""
+    last_heartbeat_ts: int | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.status not in GONE
+
+    def info(self) -> MemberInfo:
+        return MemberInfo(
+            worker_id=self.worker_id,
+            instance=self.instance,
+            rank=self.rank,
+            status=self.status,
+            hostname=self.hostname,
+            gpus=self.gpus,
+            step=self.step,
+            epoch=self.epoch,
+            last_heartbeat_ts=self.last_heartbeat_ts,
+        )
+
+
+@dataclass
+class Job:
+    job: str
+    membership_epoch: int = 0
+    members: dict[str, Member] = field(default_factory=dict)
+    ranks: dict[int, str] = field(default_factory=dict)
+    """Live rank -> worker id."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def lowest_free_rank(self) -> int:
+        rank = 0
+        while rank in self.ranks:
+            rank += 1
+        return rank
+
+    def live_members(self) -> list[Member]:
+        return [self.members[w] for _, w in sorted(self.ranks.items())]
+
+
+@dataclass
+class RegistryState:
+    jobs: dict[str, Job] = field(default_factory=dict)
+    last_seq: int = 0
+    """Stream sequence of the last event folded in (for snapshots)."""
+
+    def job(self, job: str) -> Job:
+        found = self.jobs.get(job)
+        if found is None:
+            found = self.jobs[job] = Job(job)
+        return found
+
+
+# -- evolve ---------------------------------------------------------------------------------------
+
+
+def evolve(state: RegistryState, event: Event) -> RegistryState:
+    """Fold one event into the state; events this projection does not use are ignored."""
+    if isinstance(event, WorkerRegistered):
+        job = state.job(event.job)
+        previous = job.members.get(event.worker_id)
+        if previous is not None and previous.live:
+            job.ranks.pop(previous.rank, None)
+        job.members[event.worker_id] = Member(
+            worker_id=event.worker_id,
+            instance=event.instance,
+            rank=event.rank,
+            status="idle",
+            hostname=event.hostname,
+            gpus=event.gpus,
+            labels=dict(event.labels),
+            registered_epoch=event.membership_epoch,
+            last_seen=event.ts / 1e9,
+        )
+        job.ranks[event.rank] = event.worker_id
+        job.membership_epoch = event.membership_epoch
+    elif isinstance(event, WorkerFailed | WorkerLeft):
+        job = state.job(event.job)
+        member = job.members.get(event.worker_id)
+        if member is not None and member.live:
+            member.status = "failed" if isinstance(event, WorkerFailed) else "left"
+            if job.ranks.get(member.rank) == event.worker_id:
+                del job.ranks[member.rank]
+        job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
+    elif isinstance(event, WorkerStateChanged):
+        member = state.job(event.job).members.get(event.worker_id)
+        if member is not None and member.live:
+            member.status = event.state
+            member.step, member.epoch = event.step, event.epoch
+    return state
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Register:
+    request: RegisterRequest
+
+
+@dataclass(frozen=True)
+class Leave:
+    request: LeaveRequest
+
+
+@dataclass(frozen=True)
+class DetectFailures:
+    """Fail every live worker whose last sign of life is older than the timeout."""
+
+
+Command = Register | Leave | DetectFailures
+
+
+@dataclass(frozen=True)
+class Decision:
+    events: list[Event] = field(default_factory=list)
+    error: StrataError | None = None
+
+
+def decide(state: RegistryState, command: Command, now: float, policy: Policy) -> Decision:
+    if isinstance(command, Register):
+        return _register(state, command.request, now, policy)
+    if isinstance(command, Leave):
+        return _leave(state, command.request, now)
+    return Decision(detect_failures(state, now, policy))
+
+
+def worker_id_for(request: RegisterRequest) -> str:
+    return request.worker_id or f"w-{request.instance[:24]}"
+
+
+def _register(
+    state: RegistryState, request: RegisterRequest, now: float, policy: Policy
+) -> Decision:
+    job = state.jobs.get(request.job) or Job(request.job)
+    worker_id = worker_id_for(request)
+    existing = job.members.get(worker_id)
+    if existing is not None and existing.live:
+        if existing.instance == request.instance:
+            return Decision()  # a retry of a registration that already happened
+        return Decision(
+            error=ConflictError(
+                f"worker id {worker_id!r} is already live in job {request.job!r} "
+                f"(rank {existing.rank}, host {existing.hostname or '?'}, another process); "
+                "stop that process, wait for it to be failed, or choose another worker id"
+            )
+        )
+    if job.world_size >= MAX_WORKERS:
+        return Decision(
+            error=ConflictError(f"job {request.job!r} already has {MAX_WORKERS} live workers")
+        )
+    epoch = job.membership_epoch + 1
+    return Decision(
+        [
+            WorkerRegistered(
+                id=event_id("registered", request.job, worker_id, request.instance, epoch),
+                job=request.job,
+                source=SOURCE,
+                ts=int(now * 1e9),
+                worker_id=worker_id,
+                instance=request.instance,
+                rank=job.lowest_free_rank(),
+                world_size=job.world_size + 1,
+                membership_epoch=epoch,
+                hostname=request.hostname,
+                gpus=request.gpus,
+                labels=request.labels,
+                heartbeat_interval=policy.heartbeat_interval,
+                heartbeat_timeout=policy.heartbeat_timeout,
+            )
+        ]
+    )
+
+
+def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
+    job = state.jobs.get(request.job)
+    member = job.members.get(request.worker_id) if job else None
+    if job is None or member is None:
+        return Decision(
+            error=NotFound(f"worker {request.worker_id!r} never registered in job {request.job!r}")
+        )
+    if member.instance != request.instance and member.live:
+        return Decision(
+            error=ConflictError(
+                f"worker {request.worker_id!r} of job {request.job!r} is now another process; "
+                "this process's registration ended earlier"
+            )
+        )
+    if not member.live:
+        return Decision()  # leaving twice, or after being failed: nothing left to do
+    epoch = job.membership_epoch + 1
+    return Decision(
+        [
+            WorkerLeft(
+                id=event_id("left", request.job, request.worker_id, member.registered_epoch),
+                job=request.job,
+                source=SOURCE,
+                ts=int(now * 1e9),
+                worker_id=request.worker_id,
+                rank=member.rank,
+                membership_epoch=epoch,
+            )
+        ]
+    )
+
+
+def detect_failures(state: RegistryState, now: float, policy: Policy) -> list[Event]:
+    failed: list[Event] = []
+    for job in state.jobs.values():
+        epoch = job.membership_epoch
+        for member in job.live_members():
+            silent = now - member.last_seen
+            if silent <= policy.heartbeat_timeout:
+                continue
+            epoch += 1
+            failed.append(
+                WorkerFailed(
+                    id=event_id("failed", job.job, member.worker_id, member.registered_epoch),
+                    job=job.job,
+                    source=SOURCE,
+                    ts=int(now * 1e9),
+                    worker_id=member.worker_id,
+                    rank=member.rank,
+                    reason=(
+                        f"no heartbeat for {silent:.1f}s (timeout {policy.heartbeat_timeout:g}s)"
+                    ),
+                    last_heartbeat_ts=member.last_heartbeat_ts or 0,
+                    membership_epoch=epoch,
+                )
+            )
+    return failed
+
+
+# -- heartbeats -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeartbeatOutcome:
+    events: list[Event] = field(default_factory=list)
+    reregister: str | None = None
+    """Set when the sender is not a live member: why it must register again."""
+    rejected: str | None = None
+    """Set when the heartbeat is ignored: the reason code."""
+
+
+def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now: float) -> HeartbeatOutcome:
+    """Record a sign of life; a state change becomes an event, a stranger is told to re-register.
+
+    Liveness itself is not an event (it would flood the stream): it is kept in memory, and after a
+    restart every member gets a fresh grace period instead (`begin_grace`).
+    """
+    job = state.jobs.get(hb.job)
+    member = job.members.get(hb.worker_id) if job else None
+    if member is None:
+        return HeartbeatOutcome(reregister=f"worker {hb.worker_id!r} is not registered")
+    if member.instance != hb.instance:
+        if member.live:
+            return HeartbeatOutcome(rejected="instance_mismatch")
+        return HeartbeatOutcome(reregister=f"worker {hb.worker_id!r} is {member.status}")
+    if not member.live:
+        return HeartbeatOutcome(reregister=f"worker {hb.worker_id!r} was marked {member.status}")
+    member.last_seen = max(member.last_seen, now)
+    member.last_heartbeat_ts = int(now * 1e9)
+    member.step, member.epoch = hb.step, hb.epoch
+    if hb.state == member.status:
+        return HeartbeatOutcome()
+    changed = WorkerStateChanged(
+        id=event_id("state", hb.job, hb.worker_id, hb.instance, hb.seq, hb.state),
+        job=hb.job,
+        source=SOURCE,
+        ts=int(now * 1e9),
+        worker_id=hb.worker_id,
+        state=hb.state,
+        previous=member.status,  # type: ignore[arg-type]  # live here, so a LiveState
+        step=hb.step,
+        epoch=hb.epoch,
+    )
+    # Applied at once, not when the event comes back from the stream: the heartbeats that follow
+    # must not announce the same change again. Folding the event later sets the same value.
+    member.status = hb.state
+    return HeartbeatOutcome([changed])
+
+
+def begin_grace(state: RegistryState, now: float) -> None:
+    """After a (re)start, count every live member as seen now: a restart fails nobody."""
+    for job in state.jobs.values():
+        for member in job.live_members():
+            member.last_seen = max(member.last_seen, now)
+
+
+# -- views ----------------------------------------------------------------------------------------
+
+
+def registration(job: Job, worker_id: str, policy: Policy, rejoined: bool) -> Registration:
+    member = job.members[worker_id]
+    return Registration(
+        job=job.job,
+        worker_id=worker_id,
+        instance=member.instance,
+        rank=member.rank,
+        world_size=job.world_size,
+        membership_epoch=job.membership_epoch,
+        heartbeat_interval=policy.heartbeat_interval,
+        heartbeat_timeout=policy.heartbeat_timeout,
+        rejoined=rejoined,
+    )
+
+
+def leave_result(job: Job, worker_id: str) -> LeaveResult:
+    return LeaveResult(job=job.job, worker_id=worker_id, membership_epoch=job.membership_epoch)
+
+
+def members(state: RegistryState, job_id: str, include_gone: bool = False) -> MembersResult:
+    job = state.jobs.get(job_id) or Job(job_id)
+    listed = (
+        sorted(job.members.values(), key=lambda m: (not m.live, m.rank, m.worker_id))
+        if include_gone
+        else job.live_members()
+    )
+    return MembersResult(
+        job=job_id,
+        membership_epoch=job.membership_epoch,
+        world_size=job.world_size,
+        members=[m.info() for m in listed],
+    )
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+
+
+def snapshot(state: RegistryState) -> dict[str, Any]:
+    """Plain data of the whole state (msgpack-able), for the snapshot bucket."""
+    return {
+        "v": 1,
+        "last_seq": state.last_seq,
+        "jobs": [
+            {
+                "job": job.job,
+                "membership_epoch": job.membership_epoch,
+                "members": [
+                    [
+                        m.worker_id,
+                        m.instance,
+                        m.rank,
+                        m.status,
+                        m.hostname,
+                        m.gpus,
+                        m.labels,
+                        m.registered_epoch,
+                        m.step,
+                        m.epoch,
+                        m.last_seen,
+                    ]
+                    for m in job.members.values()
+                ],
+            }
+            for job in state.jobs.values()
+        ],
+    }
+
+
+def restore(data: dict[str, Any]) -> RegistryState:
+    if data.get("v") != 1:
+        raise ValueError(f"unknown registry snapshot version {data.get('v')!r}")
+    state = RegistryState(last_seq=int(data["last_seq"]))
+    for raw in data["jobs"]:
+        job = state.job(raw["job"])
+        job.membership_epoch = raw["membership_epoch"]
+        for row in raw["members"]:
+            member = Member(
+                worker_id=row[0],
+                instance=row[1],
+                rank=row[2],
+                status=row[3],
+                hostname=row[4],
+                gpus=row[5],
+                labels=dict(row[6]),
+                registered_epoch=row[7],
+                step=row[8],
+                epoch=row[9],
+                last_seen=row[10],
+            )
+            job.members[member.worker_id] = member
+            if member.live:
+                job.ranks[member.rank] = member.worker_id
+    return state
