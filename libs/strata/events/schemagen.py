@@ -15,6 +15,7 @@ from typing import Any
 import strata
 from strata.events import subjects
 from strata.events.models import EVENT_MODELS, TELEMETRY_TYPES, Event
+from strata.events.requests import WorkerNotice
 from strata.events.rpc import RPC_ENDPOINTS, ErrorReply, OkReply, RpcEndpoint
 
 DEFAULT_OUT = Path("schemas")
@@ -61,9 +62,7 @@ def _event_channel(model: type[Event]) -> tuple[str, dict[str, Any]]:
     else:
         address = f"{subjects.EVENTS}.{{job}}.{area}.{name}"
         params = {"job": {"description": "Job id ('.' written as '~')."}}
-    stream = (
-        subjects.TELEMETRY_STREAM if event_type in TELEMETRY_TYPES else subjects.EVENTS_STREAM
-    )
+    stream = subjects.TELEMETRY_STREAM if event_type in TELEMETRY_TYPES else subjects.EVENTS_STREAM
     channel_id = event_type.replace(".", "_")
     return channel_id, {
         "address": address,
@@ -110,6 +109,22 @@ def asyncapi_document() -> dict[str, Any]:
             "action": "send",
             "channel": {"$ref": f"#/channels/{channel_id}"},
         }
+    channels["worker_notice"] = {
+        "address": f"{subjects.CONTROL}.{{job}}.{{worker}}",
+        "title": "worker notice",
+        "description": f"{(WorkerNotice.__doc__ or '').strip()} Core NATS, not stored.",
+        "parameters": {"job": {}, "worker": {}},
+        "messages": {"worker_notice": {"$ref": "#/components/messages/worker_notice"}},
+    }
+    messages["worker_notice"] = {
+        "name": "worker notice",
+        "contentType": "application/msgpack",
+        "payload": _component(WorkerNotice, schemas),
+    }
+    operations["notify_worker"] = {
+        "action": "send",
+        "channel": {"$ref": "#/channels/worker_notice"},
+    }
     error_ref = _component(ErrorReply, schemas)
     _component(OkReply, schemas)
     for endpoint in RPC_ENDPOINTS:
