@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
 from strata.config import Env
 from strata.errors import ConfigError
@@ -66,3 +67,8 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
     _require_binary()
     with NatsCluster(tmp_path / "cluster", size=3) as cluster:
         yield cluster
+
+
+# Shared, noisy machines: a slow example is not a failure. Examples stay bounded per test.
+settings.register_profile("strata", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("strata")

@@ -1,0 +1,205 @@
+"""Shard plans: which worker reads which shards of a dataset in an epoch, balanced and elastic.
+
+The shard order of an epoch comes from a numpy generator seeded with (seed, epoch), the same in every
+process and after every restart. The first plan of an epoch deals that order round-robin over the
+members (sorted by id), so loads differ by at most one shard. When membership changes, `replan`
+moves only unfinished shards, and as few as balance allows: a leaver's unfinished shards go to the
+least-loaded survivors, a joiner takes the surplus of the most-loaded. A plan is a function of the
+epoch's first members and its sequence of changes, all of which are events, so a replay rebuilds
+it exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from strata.errors import ValidationError
+
+UNASSIGNED = -1
+IndexArray = npt.NDArray[np.int64]
+
+
+class ShardRange(NamedTuple):
+    """Samples `[start, end)` of shard `shard_id`."""
+
+    shard_id: int
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    dataset_id: str
+    total_samples: int
+    shard_size: int
+    shuffle: bool
+    seed: int
+
+    @property
+    def num_shards(self) -> int:
+        return math.ceil(self.total_samples / self.shard_size)
+
+    def shard_range(self, shard_id: int) -> ShardRange:
+        if not 0 <= shard_id < self.num_shards:
+            raise ValidationError(
+                f"shard {shard_id} does not exist in {self.dataset_id!r} "
+                f"(it has {self.num_shards} shards)",
+                field="shard_id",
+            )
+        start = shard_id * self.shard_size
+        return ShardRange(shard_id, start, min(start + self.shard_size, self.total_samples))
+
+    def same_as(self, other: DatasetSpec) -> bool:
+        return self == other
+
+
+def shard_order(spec: DatasetSpec, epoch: int) -> IndexArray:
+    """The epoch's shard order: a permutation seeded by (seed, epoch), or the natural order."""
+    if not spec.shuffle:
+        return np.arange(spec.num_shards, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([spec.seed, epoch])))
+    return rng.permutation(spec.num_shards).astype(np.int64)
+
+
+@dataclass
+class Plan:
+    """The assignment of one dataset's shards for one epoch.
+
+    `owner[s]` is the index into `members` of the worker that reads shard `s`; `position[s]` is the
+    shard's place in the epoch order, and each worker reads its shards in that order.
+    """
+
+    dataset: DatasetSpec
+    epoch: int
+    members: list[str]
+    owner: IndexArray
+    position: IndexArray
+    version: int = 0
+    done: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+
+    def __post_init__(self) -> None:
+        if self.done.shape != self.owner.shape:
+            self.done = np.zeros(self.owner.shape, dtype=np.bool_)
+
+    def shards_of(self, worker_id: str) -> list[int]:
+        """Every shard of `worker_id` in reading order (done ones included)."""
+        try:
+            index = self.members.index(worker_id)
+        except ValueError:
+            return []
+        mine = np.flatnonzero(self.owner == index)
+        return [int(s) for s in mine[np.argsort(self.position[mine], kind="stable")]]
+
+    def ranges_of(self, worker_id: str) -> list[ShardRange]:
+        return [self.dataset.shard_range(s) for s in self.shards_of(worker_id)]
+
+    def loads(self) -> dict[str, int]:
+        counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.members))
+        return {worker: int(counts[i]) for i, worker in enumerate(self.members)}
+
+    def mark_done(self, shard_ids: Iterable[int]) -> None:
+        ids = np.fromiter(shard_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.owner.size):
+            raise ValidationError(
+                f"progress names shards outside 0..{self.owner.size - 1}", field="completed"
+            )
+        self.done[ids] = True
+
+    def assignment(self) -> dict[str, list[int]]:
+        return {worker: self.shards_of(worker) for worker in self.members}
+
+
+def _check_members(members: Sequence[str]) -> list[str]:
+    ordered = sorted(set(members))
+    if not ordered:
+        raise ValidationError("a plan needs at least one live worker", field="members")
+    return ordered
+
+
+def initial_plan(spec: DatasetSpec, epoch: int, members: Sequence[str]) -> Plan:
+    """The epoch's first plan: its shard order dealt round-robin over the members."""
+    ordered = _check_members(members)
+    order = shard_order(spec, epoch)
+    position = np.empty_like(order)
+    position[order] = np.arange(order.size, dtype=np.int64)
+    owner = position % len(ordered)
+    return Plan(spec, epoch, ordered, owner, position)
+
+
+def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
+    """The plan after a membership change, and how many unfinished shards changed reader.
+
+    Done shards never move: their samples were consumed. The unfinished shards of departed members
+    go one by one to the least-loaded members; joiners first take the last unfinished shards of the
+    most-loaded members, up to an even share. Shards of members that stay move only to feed a
+    joiner, so a departure moves exactly the departed member's unfinished shards.
+    """
+    new_members = _check_members(members)
+    if new_members == plan.members:
+        return plan, 0
+    new_index = {w: i for i, w in enumerate(new_members)}
+    remap = np.array(
+        [new_index.get(w, UNASSIGNED) for w in plan.members] + [UNASSIGNED], dtype=np.int64
+    )
+    # A done shard of a departed reader has owner -1, which maps through the trailing entry.
+    carried = remap[plan.owner]
+    owner = carried.copy()
+    open_mask = ~plan.done
+    n = len(new_members)
+
+    pool = _in_order(plan, np.flatnonzero(open_mask & (owner < 0))).tolist()
+    held = np.flatnonzero(open_mask & (owner >= 0))
+    held = held[np.lexsort((plan.position[held], owner[held]))]
+    counts = np.bincount(owner[held], minlength=n)
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    loads = counts.tolist()
+
+    joiners = [i for i, w in enumerate(new_members) if w not in plan.members]
+    share = (sum(loads) + len(pool)) // n
+    wanted = sum(max(0, share - loads[j]) for j in joiners) - len(pool)
+    if wanted > 0:
+        # Take from the top: the most-loaded member gives its last unfinished shard, repeatedly.
+        taken_from = [0] * n
+        heap = [(-loads[i], new_members[i], i) for i in range(n) if i not in joiners]
+        heapq.heapify(heap)
+        for _ in range(wanted):
+            _, name, i = heapq.heappop(heap)
+            taken_from[i] += 1
+            loads[i] -= 1
+            heapq.heappush(heap, (-loads[i], name, i))
+        for i, count in enumerate(taken_from):
+            if count:
+                pool.extend(held[bounds[i + 1] - count : bounds[i + 1]].tolist())
+        pool.sort(key=lambda s: int(plan.position[s]))
+    # Fill from the bottom, in epoch order, so shards keep their place in the reading order.
+    heap = [(loads[i], new_members[i], i) for i in range(n)]
+    heapq.heapify(heap)
+    for shard in pool:
+        load, name, i = heapq.heappop(heap)
+        owner[shard] = i
+        heapq.heappush(heap, (load + 1, name, i))
+    changed = Plan(
+        plan.dataset,
+        plan.epoch,
+        new_members,
+        owner,
+        plan.position,
+        version=plan.version + 1,
+        done=plan.done.copy(),
+    )
+    moved = int(np.count_nonzero(open_mask & ((owner != carried) | (carried < 0))))
+    return changed, moved
+
+
+def _in_order(plan: Plan, shards: IndexArray) -> IndexArray:
+    return shards[np.argsort(plan.position[shards], kind="stable")]
