@@ -12,6 +12,9 @@ from pydantic import Field, StringConstraints
 
 from strata.events.models import (
     MAX_LABELS,
+    MAX_PROGRESS_ITEMS,
+    MAX_SHARDS,
+    MAX_TOTAL_SAMPLES,
     MAX_WORKERS,
     Epoch,
     Id,
@@ -20,6 +23,8 @@ from strata.events.models import (
     MembershipEpoch,
     Rank,
     Seconds,
+    ShardId,
+    ShardOffset,
     Step,
     StrictModel,
     Text,
@@ -106,3 +111,113 @@ class WorkerNotice(StrictModel):
     worker_id: Id
     kind: Literal["reregister"]
     reason: Text
+
+
+# -- sharding -------------------------------------------------------------------------------------
+
+TotalSamples = Annotated[int, Field(ge=1, le=MAX_TOTAL_SAMPLES)]
+ShardCount = Annotated[int, Field(ge=0, le=MAX_SHARDS)]
+
+
+class RegisterDatasetRequest(StrictModel):
+    job: Id
+    dataset_id: Id
+    total_samples: TotalSamples
+    shard_size: TotalSamples
+    shuffle: bool = True
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+
+
+class DatasetInfo(StrictModel):
+    job: Id
+    dataset_id: Id
+    total_samples: TotalSamples
+    shard_size: TotalSamples
+    shuffle: bool
+    seed: int
+    num_shards: ShardCount
+    created: bool = Field(description="False when the same dataset was already registered.")
+
+
+class GetShardsRequest(StrictModel):
+    job: Id
+    dataset_id: Id
+    worker_id: Id
+    epoch: Epoch
+
+
+class ShardSpan(StrictModel):
+    """Samples `[start, end)` of a shard; `offset` samples of it are already consumed."""
+
+    shard_id: ShardId
+    start: Annotated[int, Field(ge=0, le=MAX_TOTAL_SAMPLES)]
+    end: Annotated[int, Field(ge=0, le=MAX_TOTAL_SAMPLES)]
+    done: bool = False
+    offset: Annotated[int, Field(ge=0, le=MAX_TOTAL_SAMPLES)] = 0
+
+
+class ShardAssignment(StrictModel):
+    job: Id
+    dataset_id: Id
+    epoch: Epoch
+    worker_id: Id
+    plan_version: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    shards: Annotated[list[ShardSpan], Field(max_length=MAX_SHARDS)]
+
+
+class ReportProgressRequest(StrictModel):
+    job: Id
+    dataset_id: Id
+    epoch: Epoch
+    worker_id: Id
+    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+
+
+class ProgressResult(StrictModel):
+    job: Id
+    dataset_id: Id
+    epoch: Epoch
+    done_shards: ShardCount
+    total_shards: ShardCount
+
+
+class PlanRequest(StrictModel):
+    job: Id
+    dataset_id: Id
+    epoch: Epoch
+
+
+class PlanSummary(StrictModel):
+    job: Id
+    dataset_id: Id
+    epoch: Epoch
+    plan_version: Annotated[int, Field(ge=0)]
+    loads: Annotated[dict[Id, ShardCount], Field(max_length=MAX_WORKERS)]
+    done_shards: ShardCount
+    total_shards: ShardCount
+
+
+REGISTER_DATASET = endpoint(
+    "sharding",
+    "register_dataset",
+    RegisterDatasetRequest,
+    DatasetInfo,
+    "Register a dataset's sharding (idempotent for the same parameters).",
+)
+GET_SHARDS = endpoint(
+    "sharding", "get_shards", GetShardsRequest, ShardAssignment, "A worker's shards of an epoch."
+)
+REPORT_PROGRESS = endpoint(
+    "sharding",
+    "report_progress",
+    ReportProgressRequest,
+    ProgressResult,
+    "Record shards (or parts of shards) a worker has consumed.",
+)
+PLAN = endpoint("sharding", "plan", PlanRequest, PlanSummary, "Loads of an epoch's plan.")

@@ -1,8 +1,8 @@
 """Shard plans: which worker reads which shards of a dataset in an epoch, balanced and elastic.
 
-The shard order of an epoch comes from a numpy generator seeded with (seed, epoch), the same in every
-process and after every restart. The first plan of an epoch deals that order round-robin over the
-members (sorted by id), so loads differ by at most one shard. When membership changes, `replan`
+The shard order of an epoch comes from a numpy generator seeded with (seed, epoch), the same in
+every process and after every restart. The first plan of an epoch deals that order round-robin over
+the members (sorted by id), so loads differ by at most one shard. When membership changes, `replan`
 moves only unfinished shards, and as few as balance allows: a leaver's unfinished shards go to the
 least-loaded survivors, a joiner takes the surplus of the most-loaded. A plan is a function of the
 epoch's first members and its sequence of changes, all of which are events, so a replay rebuilds
@@ -140,9 +140,10 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     """The plan after a membership change, and how many unfinished shards changed reader.
 
     Done shards never move: their samples were consumed. The unfinished shards of departed members
-    go one by one to the least-loaded members; joiners first take the last unfinished shards of the
-    most-loaded members, up to an even share. Shards of members that stay move only to feed a
-    joiner, so a departure moves exactly the departed member's unfinished shards.
+    go one by one to the least-loaded members. Joiners first take the last unfinished shards of the
+    most-loaded members (never their first, which may be in progress), up to an even share. Shards
+    of members that stay move only to feed a joiner, so a departure moves exactly the departed
+    member's unfinished shards.
     """
     new_members = _check_members(members)
     if new_members == plan.members:
@@ -169,14 +170,18 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     wanted = sum(max(0, share - loads[j]) for j in joiners) - len(pool)
     if wanted > 0:
         # Take from the top: the most-loaded member gives its last unfinished shard, repeatedly.
+        # Nobody gives its first unfinished shard: it may be reading it right now.
         taken_from = [0] * n
-        heap = [(-loads[i], new_members[i], i) for i in range(n) if i not in joiners]
+        heap = [(-loads[i], new_members[i], i) for i in range(n) if loads[i] > 1]
         heapq.heapify(heap)
         for _ in range(wanted):
+            if not heap:
+                break
             _, name, i = heapq.heappop(heap)
             taken_from[i] += 1
             loads[i] -= 1
-            heapq.heappush(heap, (-loads[i], name, i))
+            if loads[i] > 1:
+                heapq.heappush(heap, (-loads[i], name, i))
         for i, count in enumerate(taken_from):
             if count:
                 pool.extend(held[bounds[i + 1] - count : bounds[i + 1]].tolist())

@@ -92,14 +92,19 @@ def test_a_join_moves_close_to_the_optimal_share(
     plan = initial_plan(spec, epoch, sorted(members))
     joined, moved = replan(plan, [*members, "joiner"])
     n = len(members) + 1
-    assert moved == spec.num_shards // n
+    givable = sum(max(0, load - 1) for load in plan.loads().values())
+    assert moved == min(spec.num_shards // n, givable)
     assert len(joined.shards_of("joiner")) == moved
     moved_from_others = {
         s for w in members for s in plan.shards_of(w) if s not in joined.shards_of(w)
     }
     assert moved_from_others == set(joined.shards_of("joiner"))
     loads = list(joined.loads().values())
-    assert max(loads) - min(loads) <= 1
+    if givable >= spec.num_shards // n:
+        assert max(loads) - min(loads) <= 1
+    for worker in members:
+        if plan.shards_of(worker):
+            assert joined.shards_of(worker)[0] == plan.shards_of(worker)[0]
 
 
 @given(

@@ -1,0 +1,1 @@
+"""The sharding service: datasets, per-epoch shard plans, progress and elastic re-planning."""

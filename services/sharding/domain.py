@@ -1,0 +1,361 @@
+"""The sharding service's pure core: datasets, plans per (dataset, epoch), progress, re-planning.
+
+Plans are never stored as assignments: `shard.plan_changed` records the members an epoch is planned
+over, and `evolve` recomputes the plan with the pure planner (`strata.sharding`), so every replica
+and every replay agrees. Membership comes from the registry's worker events. No I/O, no clock reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.errors import ConflictError, NotFound, StrataError, ValidationError
+from strata.events import (
+    DatasetRegistered,
+    Event,
+    ShardOffset,
+    ShardPlanChanged,
+    ShardProgress,
+    WorkerFailed,
+    WorkerLeft,
+    WorkerRegistered,
+)
+from strata.events.requests import (
+    DatasetInfo,
+    GetShardsRequest,
+    PlanSummary,
+    ProgressResult,
+    RegisterDatasetRequest,
+    ReportProgressRequest,
+    ShardAssignment,
+    ShardSpan,
+)
+from strata.services.registry.domain import event_id
+from strata.sharding import DatasetSpec, Plan, initial_plan, replan
+
+SOURCE = "sharding"
+
+
+@dataclass
+class EpochPlan:
+    plan: Plan
+    offsets: dict[int, int] = field(default_factory=dict)
+    """Samples consumed of shards not yet done."""
+
+
+@dataclass
+class JobSharding:
+    job: str
+    membership_epoch: int = 0
+    live: set[str] = field(default_factory=set)
+    datasets: dict[str, DatasetSpec] = field(default_factory=dict)
+    plans: dict[tuple[str, int], EpochPlan] = field(default_factory=dict)
+
+    def latest_epoch(self, dataset_id: str) -> int | None:
+        epochs = [epoch for (ds, epoch) in self.plans if ds == dataset_id]
+        return max(epochs) if epochs else None
+
+
+@dataclass
+class ShardingState:
+    jobs: dict[str, JobSharding] = field(default_factory=dict)
+    last_seq: int = 0
+
+    def job(self, job: str) -> JobSharding:
+        found = self.jobs.get(job)
+        if found is None:
+            found = self.jobs[job] = JobSharding(job)
+        return found
+
+
+def _spec(event: DatasetRegistered | RegisterDatasetRequest) -> DatasetSpec:
+    return DatasetSpec(
+        event.dataset_id, event.total_samples, event.shard_size, event.shuffle, event.seed
+    )
+
+
+# -- evolve ---------------------------------------------------------------------------------------
+
+
+def evolve(state: ShardingState, event: Event) -> ShardingState:
+    if isinstance(event, WorkerRegistered):
+        job = state.job(event.job)
+        job.live.add(event.worker_id)
+        job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
+    elif isinstance(event, WorkerFailed | WorkerLeft):
+        job = state.job(event.job)
+        job.live.discard(event.worker_id)
+        job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
+    elif isinstance(event, DatasetRegistered):
+        state.job(event.job).datasets.setdefault(event.dataset_id, _spec(event))
+    elif isinstance(event, ShardPlanChanged):
+        job = state.job(event.job)
+        spec = job.datasets.get(event.dataset_id)
+        if spec is None:
+            return state
+        key = (event.dataset_id, event.epoch)
+        current = job.plans.get(key)
+        if current is None:
+            plan = initial_plan(spec, event.epoch, event.members)
+            plan.version = event.plan_version
+            job.plans[key] = EpochPlan(plan)
+        else:
+            current.plan, _ = replan(current.plan, event.members)
+            current.plan.version = event.plan_version
+    elif isinstance(event, ShardProgress):
+        epoch_plan = state.job(event.job).plans.get((event.dataset_id, event.epoch))
+        if epoch_plan is None:
+            return state
+        valid = [s for s in event.completed if s < epoch_plan.plan.owner.size]
+        epoch_plan.plan.mark_done(valid)
+        for shard in valid:
+            epoch_plan.offsets.pop(shard, None)
+        for item in event.partial:
+            if (
+                item.shard_id < epoch_plan.plan.owner.size
+                and not epoch_plan.plan.done[item.shard_id]
+            ):
+                previous = epoch_plan.offsets.get(item.shard_id, 0)
+                epoch_plan.offsets[item.shard_id] = max(previous, item.offset)
+    return state
+
+
+# -- decisions ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    events: list[Event] = field(default_factory=list)
+    error: StrataError | None = None
+
+
+def register_dataset(state: ShardingState, request: RegisterDatasetRequest, now: float) -> Decision:
+    wanted = _spec(request)
+    existing = state.jobs.get(request.job, JobSharding(request.job)).datasets.get(
+        request.dataset_id
+    )
+    if existing is not None:
+        if existing == wanted:
+            return Decision()
+        return Decision(
+            error=ConflictError(
+                f"dataset {request.dataset_id!r} of job {request.job!r} is already registered "
+                f"with total_samples={existing.total_samples}, shard_size={existing.shard_size}, "
+                f"shuffle={existing.shuffle}, seed={existing.seed}; register it under another "
+                "id to change its sharding"
+            )
+        )
+    try:
+        event = DatasetRegistered(
+            id=event_id("dataset", request.job, request.dataset_id),
+            job=request.job,
+            source=SOURCE,
+            ts=int(now * 1e9),
+            dataset_id=request.dataset_id,
+            total_samples=request.total_samples,
+            shard_size=request.shard_size,
+            shuffle=request.shuffle,
+            seed=request.seed,
+        )
+    except ValueError as exc:  # the shard-count bound lives on the event
+        return Decision(error=ValidationError(str(exc).splitlines()[-1], field="shard_size"))
+    return Decision([event])
+
+
+def dataset_info(state: ShardingState, job: str, dataset_id: str, created: bool) -> DatasetInfo:
+    spec = state.job(job).datasets[dataset_id]
+    return DatasetInfo(
+        job=job,
+        dataset_id=dataset_id,
+        total_samples=spec.total_samples,
+        shard_size=spec.shard_size,
+        shuffle=spec.shuffle,
+        seed=spec.seed,
+        num_shards=spec.num_shards,
+        created=created,
+    )
+
+
+def _plan_event(
+    job: JobSharding, dataset_id: str, epoch: int, now: float, reason: str
+) -> ShardPlanChanged | None:
+    """The event that brings (dataset, epoch) in line with the live members, if anything must."""
+    members = sorted(job.live)
+    current = job.plans.get((dataset_id, epoch))
+    if current is not None and current.plan.members == members:
+        return None
+    if not members:
+        return None
+    if current is None:
+        version, moved = 0, 0
+    else:
+        version = current.plan.version + 1
+        _, moved = replan(current.plan, members)
+    return ShardPlanChanged(
+        id=event_id("plan", job.job, dataset_id, epoch, version),
+        job=job.job,
+        source=SOURCE,
+        ts=int(now * 1e9),
+        dataset_id=dataset_id,
+        epoch=epoch,
+        plan_version=version,
+        members=members,
+        membership_epoch=job.membership_epoch,
+        reason=reason,
+        moved_shards=moved,
+    )
+
+
+def _known(state: ShardingState, job_id: str, dataset_id: str) -> JobSharding | StrataError:
+    job = state.jobs.get(job_id)
+    if job is None or dataset_id not in job.datasets:
+        return NotFound(
+            f"dataset {dataset_id!r} is not registered in job {job_id!r}: "
+            "call register_dataset first"
+        )
+    return job
+
+
+def get_shards(state: ShardingState, request: GetShardsRequest, now: float) -> Decision:
+    """Plan the epoch on its first request, or catch it up with the membership."""
+    job = _known(state, request.job, request.dataset_id)
+    if isinstance(job, StrataError):
+        return Decision(error=job)
+    if request.worker_id not in job.live:
+        return Decision(
+            error=NotFound(
+                f"worker {request.worker_id!r} is not a live member of job {request.job!r}: "
+                "register it (strata.Worker.start) before asking for shards"
+            )
+        )
+    first = (request.dataset_id, request.epoch) not in job.plans
+    event = _plan_event(
+        job,
+        request.dataset_id,
+        request.epoch,
+        now,
+        "first request of the epoch" if first else "membership changed",
+    )
+    return Decision([event] if event else [])
+
+
+def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignment:
+    job = state.job(request.job)
+    epoch_plan = job.plans[(request.dataset_id, request.epoch)]
+    plan = epoch_plan.plan
+    spans = []
+    for shard in plan.shards_of(request.worker_id):
+        shard_range = plan.dataset.shard_range(shard)
+        spans.append(
+            ShardSpan(
+                shard_id=shard,
+                start=shard_range.start,
+                end=shard_range.end,
+                done=bool(plan.done[shard]),
+                offset=epoch_plan.offsets.get(shard, 0),
+            )
+        )
+    return ShardAssignment(
+        job=request.job,
+        dataset_id=request.dataset_id,
+        epoch=request.epoch,
+        worker_id=request.worker_id,
+        plan_version=plan.version,
+        world_size=len(plan.members),
+        shards=spans,
+    )
+
+
+def replan_after_membership_change(state: ShardingState, job_id: str, now: float) -> list[Event]:
+    """For each dataset's latest epoch, the plan change the new membership calls for."""
+    job = state.jobs.get(job_id)
+    if job is None:
+        return []
+    events: list[Event] = []
+    for dataset_id in sorted(job.datasets):
+        epoch = job.latest_epoch(dataset_id)
+        if epoch is None:
+            continue
+        event = _plan_event(job, dataset_id, epoch, now, "membership changed")
+        if event is not None:
+            events.append(event)
+    return events
+
+
+def report_progress(state: ShardingState, request: ReportProgressRequest, now: float) -> Decision:
+    job = _known(state, request.job, request.dataset_id)
+    if isinstance(job, StrataError):
+        return Decision(error=job)
+    epoch_plan = job.plans.get((request.dataset_id, request.epoch))
+    if epoch_plan is None:
+        return Decision(
+            error=NotFound(
+                f"epoch {request.epoch} of {request.dataset_id!r} has no plan yet: get_shards first"
+            )
+        )
+    plan = epoch_plan.plan
+    size = plan.owner.size
+    named = [*request.completed, *(p.shard_id for p in request.partial)]
+    outside = [s for s in named if s >= size]
+    if outside:
+        return Decision(
+            error=ValidationError(
+                f"shards {outside[:5]} do not exist ({request.dataset_id!r} has {size})",
+                field="completed",
+            )
+        )
+    mine = set(plan.shards_of(request.worker_id))
+    foreign = [s for s in named if s not in mine and not plan.done[s]]
+    if foreign:
+        return Decision(
+            error=ConflictError(
+                f"shards {foreign[:5]} are not {request.worker_id!r}'s in plan version "
+                f"{plan.version}: the plan changed; fetch your shards again"
+            )
+        )
+    completed = [s for s in dict.fromkeys(request.completed) if not plan.done[s]]
+    partial = [p for p in request.partial if not plan.done[p.shard_id]]
+    if not completed and not partial:
+        return Decision()
+    return Decision(
+        [
+            ShardProgress(
+                job=request.job,
+                source=SOURCE,
+                ts=int(now * 1e9),
+                dataset_id=request.dataset_id,
+                epoch=request.epoch,
+                worker_id=request.worker_id,
+                completed=completed,
+                partial=[ShardOffset(shard_id=p.shard_id, offset=p.offset) for p in partial],
+            )
+        ]
+    )
+
+
+def progress_result(state: ShardingState, request: ReportProgressRequest) -> ProgressResult:
+    plan = state.job(request.job).plans[(request.dataset_id, request.epoch)].plan
+    return ProgressResult(
+        job=request.job,
+        dataset_id=request.dataset_id,
+        epoch=request.epoch,
+        done_shards=int(plan.done.sum()),
+        total_shards=int(plan.owner.size),
+    )
+
+
+def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int) -> PlanSummary:
+    job = state.jobs.get(job_id)
+    epoch_plan = job.plans.get((dataset_id, epoch)) if job else None
+    if epoch_plan is None:
+        raise NotFound(f"no plan for epoch {epoch} of {dataset_id!r} in job {job_id!r}")
+    plan = epoch_plan.plan
+    return PlanSummary(
+        job=job_id,
+        dataset_id=dataset_id,
+        epoch=epoch,
+        plan_version=plan.version,
+        loads=plan.loads(),
+        done_shards=int(plan.done.sum()),
+        total_shards=int(plan.owner.size),
+    )
