@@ -107,8 +107,6 @@ class Job:
 @dataclass
 class RegistryState:
     jobs: dict[str, Job] = field(default_factory=dict)
-    last_seq: int = 0
-    """Stream sequence of the last event folded in (for snapshots)."""
 
     def job(self, job: str) -> Job:
         found = self.jobs.get(job)
@@ -398,7 +396,6 @@ def snapshot(state: RegistryState) -> dict[str, Any]:
     """Plain data of the whole state (msgpack-able), for the snapshot bucket."""
     return {
         "v": 1,
-        "last_seq": state.last_seq,
         "jobs": [
             {
                 "job": job.job,
@@ -428,7 +425,7 @@ def snapshot(state: RegistryState) -> dict[str, Any]:
 def restore(data: dict[str, Any]) -> RegistryState:
     if data.get("v") != 1:
         raise ValueError(f"unknown registry snapshot version {data.get('v')!r}")
-    state = RegistryState(last_seq=int(data["last_seq"]))
+    state = RegistryState()
     for raw in data["jobs"]:
         job = state.job(raw["job"])
         job.membership_epoch = raw["membership_epoch"]

@@ -1,0 +1,191 @@
+"""The shape every stateful service shares: a projection of the event stream that also decides.
+
+On start it restores its snapshot, replays the stream from there, then goes live. Its state changes
+only by folding events read back from the stream, and its commands are serialised: a command's
+events are published, then the command waits until they are folded in, so the next decision sees
+them. `sync()` gives read-your-writes across services (wait until everything stored so far is in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+import structlog
+from nats.js.kv import KeyValue
+from strata.bus import Bus, EventFeed
+from strata.bus.snapshots import load_snapshot, save_snapshot, snapshot_bucket
+from strata.config import Settings
+from strata.errors import BusError, StrataError
+from strata.events import subjects
+from strata.events.models import Event
+
+S = TypeVar("S")
+
+log = structlog.get_logger("strata.service")
+
+APPLY_TIMEOUT_S = 30.0
+SNAPSHOT_EVERY_S = 10.0
+
+
+class Projection(Generic[S]):
+    """Base of the registry, sharding, barrier and checkpoint services."""
+
+    name: str = "service"
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.state: S = self.initial_state()
+        self.last_seq = 0
+        self.bus_: Bus | None = None
+        self.lock = asyncio.Lock()
+        self._applied = asyncio.Condition()
+        self._feed: EventFeed | None = None
+        self._kv: KeyValue | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.live = False
+
+    # -- to implement -----------------------------------------------------------------------------
+
+    def initial_state(self) -> S:
+        raise NotImplementedError
+
+    def evolve(self, state: S, event: Event) -> S:
+        raise NotImplementedError
+
+    def snapshot(self, state: S) -> dict[str, Any] | None:
+        """Plain data of the state, or None for a service that always replays."""
+        return None
+
+    def restore(self, data: dict[str, Any]) -> S:
+        raise NotImplementedError
+
+    async def go_live(self, bus: Bus, settings: Settings) -> None:
+        """Subscriptions, RPC routes and tasks, once the state is rebuilt."""
+
+    async def on_applied(self, event: Event) -> None:
+        """Called after an event was folded in (for reactions such as re-planning)."""
+
+    async def before_stop(self) -> None:
+        """Undo `go_live` (RPC servers, subscriptions)."""
+
+    # -- life -------------------------------------------------------------------------------------
+
+    @property
+    def bus(self) -> Bus:
+        if self.bus_ is None:
+            raise BusError(f"{self.name} is not started")
+        return self.bus_
+
+    async def start(self, bus: Bus, settings: Settings) -> None:
+        self.bus_ = bus
+        started = time.monotonic()
+        self._kv = await snapshot_bucket(bus.js, settings.stream_replicas)
+        data = await load_snapshot(self._kv, self.name)
+        if data is not None:
+            try:
+                self.state = self.restore(data)
+                self.last_seq = int(data["last_seq"])
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                log.warning("snapshot_ignored", service=self.name, error=str(exc))
+                self.state, self.last_seq = self.initial_state(), 0
+        restored_at = self.last_seq
+        self._feed = EventFeed(
+            bus.js,
+            subjects.EVENTS_STREAM,
+            subjects.all_events(),
+            start_seq=self.last_seq + 1,
+            name=self.name,
+        )
+        await self._feed.start()
+        self.spawn(self._follow(self._feed), "feed")
+        # Set by the feed only once the last stored event has been folded in by `_follow`.
+        await self._feed.caught_up.wait()
+        log.info(
+            "state_rebuilt",
+            service=self.name,
+            snapshot_seq=restored_at,
+            last_seq=self.last_seq,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        await self.go_live(bus, settings)
+        if self.snapshot(self.state) is not None:
+            self.spawn(self._snapshots(), "snapshots")
+        self.live = True
+
+    async def stop(self) -> None:
+        self.live = False
+        await self.before_stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._feed is not None:
+            await self._feed.stop()
+        await self.save_snapshot()
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "ok") if self.live else (False, "rebuilding state from the stream")
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=f"{self.name}-{name}")
+        self._tasks.append(task)
+        return task
+
+    # -- state ------------------------------------------------------------------------------------
+
+    async def _follow(self, feed: EventFeed) -> None:
+        async for delivered in feed:
+            self.state = self.evolve(self.state, delivered.event)
+            self.last_seq = delivered.seq
+            async with self._applied:
+                self._applied.notify_all()
+            if self.live:
+                try:
+                    await self.on_applied(delivered.event)
+                except Exception:  # a reaction's failure must not stop the projection
+                    log.exception("reaction_failed", service=self.name, seq=delivered.seq)
+
+    async def wait_applied(self, seq: int, timeout: float = APPLY_TIMEOUT_S) -> None:
+        def applied() -> bool:
+            return self.last_seq >= seq
+
+        async with self._applied:
+            await asyncio.wait_for(self._applied.wait_for(applied), timeout)
+
+    async def publish_and_apply(self, events: list[Event]) -> None:
+        """Publish each event and wait until the feed has folded it in."""
+        for event in events:
+            ack = await self.bus.publish(event)
+            await self.wait_applied(ack.seq)
+
+    async def sync(self) -> None:
+        """Wait until every event stored so far is folded in (read-your-writes across services)."""
+        info = await self.bus.js.stream_info(subjects.EVENTS_STREAM)
+        await self.wait_applied(info.state.last_seq)
+
+    # -- snapshots --------------------------------------------------------------------------------
+
+    async def _snapshots(self) -> None:
+        saved = self.last_seq
+        while True:
+            await asyncio.sleep(SNAPSHOT_EVERY_S)
+            if self.last_seq != saved:
+                saved = self.last_seq
+                await self.save_snapshot()
+
+    async def save_snapshot(self) -> None:
+        if self._kv is None:
+            return
+        data = self.snapshot(self.state)
+        if data is None:
+            return
+        try:
+            await save_snapshot(self._kv, self.name, {**data, "last_seq": self.last_seq})
+        except (StrataError, Exception) as exc:  # a failed snapshot only slows the next start
+            log.warning("snapshot_failed", service=self.name, error=str(exc))
