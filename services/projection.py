@@ -46,6 +46,7 @@ class Projection(Generic[S]):
         self._feed: EventFeed | None = None
         self._kv: KeyValue | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._reactions: asyncio.Queue[Event] = asyncio.Queue()
         self.live = False
 
     # -- to implement -----------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class Projection(Generic[S]):
             last_seq=self.last_seq,
             seconds=round(time.monotonic() - started, 3),
         )
+        self.spawn(self._react(), "reactions")
         await self.go_live(bus, settings)
         if self.snapshot(self.state) is not None:
             self.spawn(self._snapshots(), "snapshots")
@@ -146,10 +148,16 @@ class Projection(Generic[S]):
             async with self._applied:
                 self._applied.notify_all()
             if self.live:
-                try:
-                    await self.on_applied(delivered.event)
-                except Exception:  # a reaction's failure must not stop the projection
-                    log.exception("reaction_failed", service=self.name, seq=delivered.seq)
+                # Reactions run on their own task: one that publishes waits for this very loop.
+                self._reactions.put_nowait(delivered.event)
+
+    async def _react(self) -> None:
+        while True:
+            event = await self._reactions.get()
+            try:
+                await self.on_applied(event)
+            except Exception:  # a reaction's failure must not stop the projection
+                log.exception("reaction_failed", service=self.name, event=event.type)
 
     async def wait_applied(self, seq: int, timeout: float = APPLY_TIMEOUT_S) -> None:
         def applied() -> bool:

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import structlog
+import structlog.tracebacks
 from structlog.typing import EventDict, WrappedLogger
 
 from strata.config import LogFormat
@@ -49,7 +50,9 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
     ]
     if use_json:
         renderer: list[Any] = [
-            structlog.processors.dict_tracebacks,
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            ),
             structlog.processors.JSONRenderer(),
         ]
     else:

@@ -309,8 +309,9 @@ def report_progress(state: ShardingState, request: ReportProgressRequest, now: f
     if foreign:
         return Decision(
             error=ConflictError(
-                f"shards {foreign[:5]} are not {request.worker_id!r}'s in plan version "
-                f"{plan.version}: the plan changed; fetch your shards again"
+                f"shards {foreign[:5]} belong to other workers in plan version {plan.version} "
+                f"of {request.dataset_id!r}, not to {request.worker_id!r}; if the plan changed, "
+                "fetch this worker's shards again"
             )
         )
     completed = [s for s in dict.fromkeys(request.completed) if not plan.done[s]]
