@@ -4,6 +4,8 @@ Workers use this package to register, heartbeat, get data shards, meet at barrie
 checkpoints; the services under `strata.services` coordinate them over NATS JetStream.
 """
 
+from strata import aio
+from strata.aio import WorkerNotStarted
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,
@@ -21,6 +23,7 @@ from strata.errors import (
     StrataError,
     ValidationError,
 )
+from strata.worker import Worker
 
 __version__ = "0.1.0"
 
@@ -40,5 +43,8 @@ __all__ = [
     "ServiceUnavailable",
     "StrataError",
     "ValidationError",
+    "Worker",
+    "WorkerNotStarted",
     "__version__",
+    "aio",
 ]

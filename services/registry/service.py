@@ -20,7 +20,7 @@ from nats.aio.subscription import Subscription
 from strata.bus import Bus, RpcServer
 from strata.config import Settings
 from strata.errors import StrataError
-from strata.events import WorkerHeartbeat, decode_event, pack, subjects
+from strata.events import WorkerHeartbeat, WorkerRegistered, decode_event, pack, subjects
 from strata.events.models import Event
 from strata.events.requests import (
     LeaveRequest,
@@ -58,7 +58,13 @@ class Registry(Projection[RegistryState]):
         return RegistryState()
 
     def evolve(self, state: RegistryState, event: Event) -> RegistryState:
-        return domain.evolve(state, event)
+        state = domain.evolve(state, event)
+        if self.live and isinstance(event, WorkerRegistered):
+            # Folded late (a slow stream, a reconnect): the registration is a sign of life now,
+            # not only when it was decided, or the worker would be failed on arrival.
+            member = state.job(event.job).members[event.worker_id]
+            member.last_seen = max(member.last_seen, self.clock())
+        return state
 
     def snapshot(self, state: RegistryState) -> dict[str, Any]:
         return domain.snapshot(state)
