@@ -25,6 +25,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from strata._barrier import BarrierClient
 from strata.bus import Bus
 from strata.config import Settings, load_settings
 from strata.errors import ConfigError, ConflictError, NotFound, StrataError, ValidationError
@@ -260,6 +261,7 @@ class Worker:
         self._heartbeat_failures = 0
         self._heartbeats_suspended = False
         self._sampler = _ProcessSampler()
+        self._barriers: BarrierClient | None = None
         self._log = log.bind(job=self._job, worker=self._worker_id)
 
     def __repr__(self) -> str:
@@ -423,6 +425,9 @@ class Worker:
             self._stopping = True
             try:
                 await self._cancel_background()
+                if self._barriers is not None:
+                    await self._barriers.close()
+                    self._barriers = None
                 await self._leave()
             finally:
                 await self._close_bus()
@@ -513,6 +518,23 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # -- barriers ---------------------------------------------------------------------------------
+
+    async def barrier(
+        self, name: str, timeout: float = 60.0, *, expected: int | None = None
+    ) -> int:
+        """Wait until every expected participant has arrived at `name`; returns the generation.
+
+        Expected participants are the job's live workers when the barrier opens, or `expected`
+        workers when given. Raises `strata.BarrierBroken` as soon as a participant fails or
+        leaves, and `strata.BarrierTimeout` if it is not complete within `timeout` seconds.
+        """
+        self._registered("barrier()")
+        if self._barriers is None:
+            self._barriers = BarrierClient(self)
+        outcome = await self._barriers.wait(name, timeout, expected)
+        return outcome.generation
 
     # -- state and heartbeats ---------------------------------------------------------------------
 

@@ -149,6 +149,14 @@ class Worker:
         """The job's membership as the registry sees it (live workers; all with include_gone)."""
         return self._runner.run(self._aio.members(include_gone=include_gone, retry_for=retry_for))
 
+    def barrier(self, name: str, timeout: float = 60.0, *, expected: int | None = None) -> int:
+        """Wait at barrier `name` until every participant arrives; returns its generation.
+
+        Raises `strata.BarrierBroken` when a participant fails or leaves meanwhile, and
+        `strata.BarrierTimeout` when it is not complete within `timeout` seconds.
+        """
+        return self._runner.run(self._aio.barrier(name, timeout, expected=expected))
+
     # -- properties -------------------------------------------------------------------------------
 
     @property

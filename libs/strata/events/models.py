@@ -246,6 +246,7 @@ class BarrierArrived(Event):
     name: Id
     generation: Count
     worker_id: Id
+    arrival: Count = Field(default=0, description="The worker's own count of arrivals at the name.")
     arrived: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
 
 

@@ -221,3 +221,43 @@ REPORT_PROGRESS = endpoint(
     "Record shards (or parts of shards) a worker has consumed.",
 )
 PLAN = endpoint("sharding", "plan", PlanRequest, PlanSummary, "Loads of an epoch's plan.")
+
+
+# -- barrier --------------------------------------------------------------------------------------
+
+BarrierStatus = Literal["waiting", "released", "broken", "timed_out"]
+
+
+class ArriveRequest(StrictModel):
+    """One worker reaching a named barrier; `arrival` counts this worker's arrivals at the name.
+
+    A retried request (same worker, same `arrival`) is the same arrival: it counts once and gets the
+    same generation and outcome back, also after a restart of the barrier service.
+    """
+
+    job: Id
+    name: Id
+    worker_id: Id
+    arrival: Annotated[int, Field(ge=0, le=2**62)]
+    timeout_s: Seconds = 300.0
+    expected_count: Annotated[int, Field(ge=1, le=MAX_WORKERS)] | None = None
+
+
+class BarrierOutcome(StrictModel):
+    job: Id
+    name: Id
+    generation: Annotated[int, Field(ge=0)]
+    status: BarrierStatus
+    arrived: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+    expected: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS)] = Field(default_factory=list)
+    reason: Text = ""
+
+
+ARRIVE = endpoint(
+    "barrier",
+    "arrive",
+    ArriveRequest,
+    BarrierOutcome,
+    "Arrive at a barrier (idempotent); the answer says whether it is released already.",
+)

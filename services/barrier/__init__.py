@@ -1,0 +1,1 @@
+"""The barrier service: named, generational barriers that release together and never hang."""
