@@ -57,8 +57,7 @@ def _raise_for(outcome: BarrierOutcome) -> None:
     if outcome.status == "timed_out":
         arrived = f"{outcome.arrived}/{outcome.expected}" if outcome.expected else outcome.arrived
         raise BarrierTimeout(
-            f"{where} timed out with {arrived} arrived; "
-            f"missing: {missing or 'unknown'}",
+            f"{where} timed out with {arrived} arrived; missing: {missing or 'unknown'}",
             name=outcome.name,
             generation=outcome.generation,
             missing=outcome.missing,
