@@ -47,6 +47,7 @@ class Projection(Generic[S]):
         self._kv: KeyValue | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._reactions: asyncio.Queue[Event] = asyncio.Queue()
+        self._wakers: set[asyncio.Task[None]] = set()
         self.live = False
 
     # -- to implement -----------------------------------------------------------------------------
@@ -94,17 +95,19 @@ class Projection(Generic[S]):
                 log.warning("snapshot_ignored", service=self.name, error=str(exc))
                 self.state, self.last_seq = self.initial_state(), 0
         restored_at = self.last_seq
+        # Everything stored before the feed starts is folded in before going live.
+        target = (await bus.js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
         self._feed = EventFeed(
             bus.js,
             subjects.EVENTS_STREAM,
             subjects.all_events(),
             start_seq=self.last_seq + 1,
             name=self.name,
+            on_reject=self._on_reject,
         )
         await self._feed.start()
         self.spawn(self._follow(self._feed), "feed")
-        # Set by the feed only once the last stored event has been folded in by `_follow`.
-        await self._feed.caught_up.wait()
+        await self.wait_applied(target, timeout=None)
         log.info(
             "state_rebuilt",
             service=self.name,
@@ -159,7 +162,21 @@ class Projection(Generic[S]):
             except Exception:  # a reaction's failure must not stop the projection
                 log.exception("reaction_failed", service=self.name, event=event.type)
 
-    async def wait_applied(self, seq: int, timeout: float = APPLY_TIMEOUT_S) -> None:
+    def _on_reject(self, subject: str, error: StrataError) -> None:
+        # Messages are taken in order, so every valid event before this one is folded in already.
+        assert self._feed is not None
+        self.last_seq = max(self.last_seq, self._feed.position)
+        task = asyncio.create_task(self._wake_waiters())
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
+
+    async def _wake_waiters(self) -> None:
+        async with self._applied:
+            self._applied.notify_all()
+
+    async def wait_applied(self, seq: int, timeout: float | None = APPLY_TIMEOUT_S) -> None:
+        """Wait until every event up to stream sequence `seq` is folded in (or rejected)."""
+
         def applied() -> bool:
             return self.last_seq >= seq
 

@@ -6,120 +6,42 @@ re-registration after a failure, and riding out a registry restart and a NATS re
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from uuid import uuid4
 
 import pytest
 import strata
-from strata import procutil
 from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
-from strata.config import Env
 from strata.events.requests import MemberInfo, MembersResult, Registration
+
+from tests import support
+from tests.support import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    ServiceProcess,
+    async_wait_until,
+    wait_until,
+)
 
 pytestmark = pytest.mark.nats
 
-HEARTBEAT_INTERVAL = 0.2
-HEARTBEAT_TIMEOUT = 1.0
-POLL = 0.02
-
 
 def new_job() -> str:
-    return f"sdk-{uuid4().hex[:8]}"
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(POLL)
-
-
-async def async_wait_until(
-    condition: Callable[[], Awaitable[bool]], timeout: float, what: str
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(POLL)
+    return support.new_job("sdk")
 
 
 def member(result: MembersResult, worker_id: str) -> MemberInfo | None:
     return next((m for m in result.members if m.worker_id == worker_id), None)
 
 
-class RegistryProcess:
-    """`python -m strata.services.registry` in a child process, ready once /readyz says 200."""
-
+class RegistryProcess(ServiceProcess):
     def __init__(
         self, nats_url: str, log_dir: Path, *, heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     ) -> None:
-        self.health_port = procutil.free_port()
-        self.log_file = log_dir / f"registry-{self.health_port}.log"
-        self.env = {
-            **os.environ,
-            Env.NATS_URL: nats_url,
-            Env.HEARTBEAT_INTERVAL: str(HEARTBEAT_INTERVAL),
-            Env.HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
-            Env.HEALTH_PORT: str(self.health_port),
-            Env.LOG_FORMAT: "json",
-        }
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def _ready(self) -> bool:
-        url = f"http://127.0.0.1:{self.health_port}/readyz"
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def log_tail(self, lines: int = 30) -> str:
-        text = self.log_file.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def start(self, timeout: float = 30.0) -> None:
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_file.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "strata.services.registry"],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=procutil.child_preexec,
-            )
-        deadline = time.monotonic() + timeout
-        while not self._ready():
-            if self.proc.poll() is not None:
-                pytest.fail(f"registry exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() >= deadline:
-                self.kill()
-                pytest.fail(f"registry not ready after {timeout}s:\n{self.log_tail()}")
-            # Waiting on the process is the pause between polls, and notices a crash at once.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=0.05)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            procutil.terminate(self.proc, timeout=10)
+        super().__init__("registry", nats_url, log_dir, heartbeat_timeout=heartbeat_timeout)
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,13 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
     delays = backoff_delays(opts.initial_backoff, opts.max_backoff)
     attempt = 0
 
+    errors_seen = 0
+    last_seen: Exception | None = None
+
     async def on_error(exc: Exception) -> None:
+        nonlocal errors_seen, last_seen
+        errors_seen += 1
+        last_seen = exc
         log.warning("nats_error", client=opts.name, error=f"{type(exc).__name__}: {exc}")
 
     async def on_disconnect() -> None:
@@ -66,37 +72,53 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
 
     while True:
         attempt += 1
+        nc = NATS()
         try:
-            return await nats.connect(
-                servers=urls,
-                name=opts.name,
-                user=opts.user,
-                password=opts.password,
-                connect_timeout=max(1, round(opts.connect_timeout)),
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=opts.reconnect_wait,
-                ping_interval=opts.ping_interval,
-                max_outstanding_pings=opts.max_outstanding_pings,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                # Publishes made while reconnecting are buffered up to this size, not lost.
-                pending_size=64 * 1024 * 1024,
+            # With reconnects allowed forever, nats-py's first connect also retries forever when
+            # nothing listens, so the deadline has to be enforced around it.
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=urls,
+                    name=opts.name,
+                    user=opts.user,
+                    password=opts.password,
+                    connect_timeout=max(1, round(opts.connect_timeout)),
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    # nats-py annotates these two as int but takes (and documents) seconds as float.
+                    reconnect_time_wait=opts.reconnect_wait,  # type: ignore[arg-type]
+                    ping_interval=opts.ping_interval,  # type: ignore[arg-type]
+                    max_outstanding_pings=opts.max_outstanding_pings,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    # Publishes made while reconnecting are buffered up to this size, not lost.
+                    pending_size=64 * 1024 * 1024,
+                ),
+                timeout=max(0.001, deadline - time.monotonic()),
             )
+            return nc
         except nats.errors.NoServersError as exc:
             last_error: Exception = exc
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            if isinstance(exc, nats.errors.AuthorizationError):
+            if not nc.is_closed:
+                await nc.close()
+            # A timeout here is the deadline; what nats-py kept retrying says more.
+            cause: Exception = last_seen if isinstance(exc, TimeoutError) and last_seen else exc
+            if (
+                isinstance(cause, nats.errors.AuthorizationError)
+                or "authorization" in str(cause).lower()
+            ):
                 raise BusError(
                     f"NATS at {', '.join(urls)} refused the credentials of {opts.name!r}: "
                     "check STRATA_NATS_USER / STRATA_NATS_PASSWORD"
                 ) from None
-            last_error = exc
+            last_error = cause
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise BusError(
-                f"cannot reach NATS at {', '.join(urls)} after {attempt} attempts over "
+                f"cannot reach NATS at {', '.join(urls)} after {max(attempt, errors_seen)} "
+                f"attempts over "
                 f"{opts.deadline:.0f}s ({type(last_error).__name__}: {last_error}); "
                 "is nats-server running (strata up starts one) and STRATA_NATS_URL right?"
             )

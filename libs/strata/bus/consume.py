@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import datetime
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
@@ -79,8 +79,11 @@ class EventFeed:
         self._on_reject = on_reject
         self._sub: object | None = None
         self.caught_up = asyncio.Event()
+        self._caught_up_at: int | None = None
         self.rejected: Counter[str] = Counter()
         self.last_seq = 0
+        self.position = 0
+        """Stream sequence of the last message taken, valid or rejected."""
 
     async def start(self) -> EventFeed:
         config = ConsumerConfig()
@@ -102,7 +105,13 @@ class EventFeed:
         self._sub = sub
         info = await sub.consumer_info()
         if (info.num_pending or 0) == 0:
-            self.caught_up.set()
+            delivered = info.delivered
+            if delivered is None or delivered.consumer_seq == 0:
+                self.caught_up.set()
+            else:
+                # The server pushes at once, so "nothing pending" can mean "all of it is already
+                # in this client's buffer": caught up once the last of that is delivered.
+                self._caught_up_at = delivered.stream_seq
         return self
 
     async def stop(self) -> None:
@@ -124,25 +133,28 @@ class EventFeed:
         if self._on_reject is not None:
             self._on_reject(subject, error)
 
-    async def __aiter__(self) -> AsyncIterator[Delivered]:
+    async def __aiter__(self) -> AsyncGenerator[Delivered, None]:
         if self._sub is None:
             await self.start()
         sub = self._sub
         assert sub is not None
         async for msg in sub.messages:  # type: ignore[attr-defined]
-            pending = msg.metadata.num_pending
+            meta = msg.metadata
+            self.position = meta.sequence.stream
+            # Set before handing the event out, so the code handling the last stored event
+            # already sees `caught_up`.
+            if meta.num_pending == 0 or (
+                self._caught_up_at is not None and meta.sequence.stream >= self._caught_up_at
+            ):
+                self.caught_up.set()
             try:
                 delivered = _decode(msg)
             except StrataError as exc:
                 self._reject(msg.subject, exc)
-                if pending == 0:
-                    self.caught_up.set()
                 continue
             self.last_seq = delivered.seq
             EVENTS_CONSUMED.labels(self._name).inc()
             yield delivered
-            if pending == 0:
-                self.caught_up.set()
 
 
 Handler = Callable[[Delivered], Awaitable[None]]
@@ -180,6 +192,7 @@ class DurableConsumer:
         self._retry_delay = retry_delay
         self._on_reject = on_reject
         self._task: asyncio.Task[None] | None = None
+        self._sub: JetStreamContext.PullSubscription | None = None
         self.rejected: Counter[str] = Counter()
         self.handled = 0
 
@@ -197,6 +210,7 @@ class DurableConsumer:
             config.filter_subjects = list(self._filters)
         await self._js.add_consumer(self._stream, config)
         sub = await self._js.pull_subscribe_bind(self._durable, self._stream)
+        self._sub = sub
         self._task = asyncio.create_task(self._run(sub), name=f"consumer-{self._durable}")
         return self
 
@@ -206,6 +220,12 @@ class DurableConsumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        # Left subscribed, replies to the cancelled fetch stay unread and a later drain of the
+        # connection waits for them until its timeout.
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+            self._sub = None
 
     async def _run(self, sub: JetStreamContext.PullSubscription) -> None:
         while True:

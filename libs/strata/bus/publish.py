@@ -105,10 +105,16 @@ async def publish_bytes(
             last_error = exc
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            hint = "Is the stream's cluster up and does it have a leader?"
+            if isinstance(last_error, nats.js.errors.NoStreamResponseError):
+                hint = (
+                    "No stream answered for this subject: are the streams provisioned "
+                    "(Bus.ensure_streams, or strata up) and does the stream have a leader?"
+                )
             raise PublishTimeout(
                 f"no acknowledgement for {subject} (msg id {msg_id}) after {attempts} attempts "
                 f"over {options.deadline:.1f}s; last error: {type(last_error).__name__} "
-                f"{last_error}. Is the stream's cluster up and does it have a leader?"
+                f"{last_error}. {hint}"
             )
         await asyncio.sleep(min(next(delays), remaining))
 

@@ -101,6 +101,11 @@ class RpcServer:
             cb=self._on_message,
             pending_msgs_limit=262_144,
         )
+        # Until the server has the SUB, callers get "no responders". nats-py writes flush()'s PING
+        # straight to the socket, ahead of the still-buffered SUB, so one round trip is not proof;
+        # by the second the SUB has been written, and that PONG comes after the server took it.
+        await self._nc.flush()
+        await self._nc.flush()
         return self
 
     async def stop(self) -> None:

@@ -1,0 +1,119 @@
+"""Helpers shared by the tests: real service processes, polling with a deadline, unique job ids."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+from strata import procutil
+from strata.config import Env
+
+HEARTBEAT_INTERVAL = 0.2
+HEARTBEAT_TIMEOUT = 1.0
+POLL = 0.02
+
+
+def new_job(prefix: str = "job") -> str:
+    """A job id of the test's own, so tests on a shared server never see each other's events."""
+    return f"{prefix}-{uuid4().hex[:8]}"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(POLL)
+
+
+async def async_wait_until(
+    condition: Callable[[], Awaitable[bool]], timeout: float, what: str
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(POLL)
+
+
+class ServiceProcess:
+    """`python -m strata.services.<name>` in a child process, ready once /readyz says 200."""
+
+    def __init__(
+        self,
+        name: str,
+        nats_url: str,
+        log_dir: Path,
+        *,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.health_port = procutil.free_port()
+        self.log_file = log_dir / f"{name}-{self.health_port}.log"
+        self.env = {
+            **os.environ,
+            Env.NATS_URL: nats_url,
+            Env.HEARTBEAT_INTERVAL: str(heartbeat_interval),
+            Env.HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
+            Env.HEALTH_PORT: str(self.health_port),
+            Env.LOG_FORMAT: "json",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _ready(self) -> bool:
+        url = f"http://127.0.0.1:{self.health_port}/readyz"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_file.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def start(self, timeout: float = 30.0) -> ServiceProcess:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_file.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", f"strata.services.{self.name}"],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=procutil.child_preexec,
+            )
+        deadline = time.monotonic() + timeout
+        while not self._ready():
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() >= deadline:
+                self.kill()
+                pytest.fail(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
+            # Waiting on the process is the pause between polls, and notices a crash at once.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=0.05)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            procutil.terminate(self.proc, timeout=10)
