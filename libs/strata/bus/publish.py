@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,24 @@ def _is_transient(exc: BaseException) -> bool:
     )
 
 
+def _refusal(
+    exc: BaseException, subject: str, expected_last_subject_seq: int | None
+) -> Exception | None:
+    """The error to raise at once for a failed attempt, or None when it is worth retrying."""
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST_SEQUENCE:
+        return ConflictError(
+            f"{subject} moved on since sequence {expected_last_subject_seq}: "
+            "another writer got there first; reload the state and decide again"
+        )
+    if isinstance(exc, nats.errors.ConnectionClosedError):
+        return BusError(f"cannot publish to {subject}: the NATS connection is closed")
+    if _is_transient(exc):
+        return None
+    if isinstance(exc, nats.js.errors.APIError):
+        return BusError(f"JetStream refused the publish to {subject}: {exc}")
+    return BusError(f"cannot publish to {subject}: {type(exc).__name__}: {exc}")
+
+
 async def publish_bytes(
     js: JetStreamContext,
     subject: str,
@@ -73,36 +92,18 @@ async def publish_bytes(
     headers = {MSG_ID: msg_id}
     if expected_last_subject_seq is not None:
         headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_last_subject_seq)
+    # The first attempt carries no retry bookkeeping: it is the one that almost always succeeds.
+    try:
+        return await js.publish(subject, payload, timeout=options.attempt_timeout, headers=headers)
+    except (TimeoutError, nats.errors.Error) as exc:
+        refusal = _refusal(exc, subject, expected_last_subject_seq)
+        if refusal is not None:
+            raise refusal from None
+        last_error: BaseException = exc
     deadline = time.monotonic() + options.deadline
     delays = backoff_delays(options.initial_backoff, options.max_backoff)
-    attempts = 0
+    attempts = 1
     while True:
-        attempts += 1
-        remaining = deadline - time.monotonic()
-        try:
-            return await js.publish(
-                subject,
-                payload,
-                timeout=max(0.001, min(options.attempt_timeout, remaining)),
-                headers=dict(headers),
-            )
-        except nats.js.errors.APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                raise ConflictError(
-                    f"{subject} moved on since sequence {expected_last_subject_seq}: "
-                    "another writer got there first; reload the state and decide again"
-                ) from None
-            if not _is_transient(exc):
-                raise BusError(f"JetStream refused the publish to {subject}: {exc}") from None
-            last_error: BaseException = exc
-        except nats.errors.ConnectionClosedError:
-            raise BusError(f"cannot publish to {subject}: the NATS connection is closed") from None
-        except (TimeoutError, nats.errors.Error) as exc:
-            if not _is_transient(exc):
-                raise BusError(
-                    f"cannot publish to {subject}: {type(exc).__name__}: {exc}"
-                ) from None
-            last_error = exc
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             hint = "Is the stream's cluster up and does it have a leader?"
@@ -117,6 +118,20 @@ async def publish_bytes(
                 f"{last_error}. {hint}"
             )
         await asyncio.sleep(min(next(delays), remaining))
+        attempts += 1
+        remaining = deadline - time.monotonic()
+        try:
+            return await js.publish(
+                subject,
+                payload,
+                timeout=max(0.001, min(options.attempt_timeout, remaining)),
+                headers=headers,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            refusal = _refusal(exc, subject, expected_last_subject_seq)
+            if refusal is not None:
+                raise refusal from None
+            last_error = exc
 
 
 async def publish_event(
@@ -145,20 +160,50 @@ async def publish_events(
 ) -> list[PubAck]:
     """Publish many events with up to `window` acks outstanding; acks come back in input order.
 
-    Each event is retried on its own, so one slow ack never makes the others re-send.
+    Events are sent pipelined on the connection (so they are stored in input order), each ack
+    awaited for at most one attempt's timeout. An event whose first attempt fails goes through
+    `publish_bytes`'s retries alone: its id makes a re-send harmless if it was stored after all.
     """
     if window < 1:
         raise ValueError("window must be at least 1")
     encoded = [(subject_for(e), encode_event(e), e.id) for e in events]
     results: list[PubAck | None] = [None] * len(encoded)
-    gate = asyncio.Semaphore(window)
+    failed: list[int] = []
+    in_flight: deque[tuple[int, float, asyncio.Future[PubAck]]] = deque()
+    loop = asyncio.get_running_loop()
 
-    async def one(index: int) -> None:
+    async def settle_oldest() -> None:
+        index, sent_at, future = in_flight.popleft()
+        if not future.done():
+            # Only a late ack costs a timed wait; most are in by the time the window is full.
+            late_by = sent_at + options.attempt_timeout - loop.time()
+            if late_by > 0:
+                await asyncio.wait((future,), timeout=late_by)
+            if not future.done():
+                future.cancel()
+                failed.append(index)
+                return
+        if future.cancelled() or future.exception() is not None:
+            failed.append(index)
+        else:
+            results[index] = future.result()
+
+    for index, (subject, payload, msg_id) in enumerate(encoded):
+        while in_flight and (len(in_flight) >= window or in_flight[0][2].done()):
+            await settle_oldest()
+        try:
+            # No wait_stall: with one, nats-py yields to the loop on every call, which sends each
+            # message in its own write. The window keeps us far below its pending limit anyway.
+            future = await js.publish_async(subject, payload, headers={MSG_ID: msg_id})
+        except (TimeoutError, nats.errors.Error):
+            failed.append(index)
+            continue
+        in_flight.append((index, loop.time(), future))
+    while in_flight:
+        await settle_oldest()
+    for index in sorted(failed):
         subject, payload, msg_id = encoded[index]
-        async with gate:
-            results[index] = await publish_bytes(js, subject, payload, msg_id, options=options)
-
-    await asyncio.gather(*(one(i) for i in range(len(encoded))))
+        results[index] = await publish_bytes(js, subject, payload, msg_id, options=options)
     return [ack for ack in results if ack is not None]
 
 

@@ -77,6 +77,9 @@ class RpcServer:
         self._gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
         self._tasks: set[asyncio.Task[None]] = set()
         self.rejected: Counter[str] = Counter()
+        # Metric children looked up once: a labels() call per request costs more than the handler.
+        self._latency = RPC_LATENCY.labels(service)
+        self._counted: dict[tuple[str, str], Any] = {}
         self.route("ping", PingRequest, self._ping)
 
     def route(
@@ -140,7 +143,11 @@ class RpcServer:
         started = time.perf_counter()
         verb = msg.subject.rsplit(".", 1)[-1]
         reply, outcome = await self._reply_for(msg, verb)
-        RPC_REQUESTS.labels(self.service, verb if verb in self._routes else "?", outcome).inc()
+        key = (verb if verb in self._routes else "?", outcome)
+        counter = self._counted.get(key)
+        if counter is None:
+            counter = self._counted[key] = RPC_REQUESTS.labels(self.service, *key)
+        counter.inc()
         if outcome != "ok":
             self._count_reject(outcome)
         if not msg.reply:
@@ -150,7 +157,7 @@ class RpcServer:
             await self._nc.publish(msg.reply, reply)
         except nats.errors.Error as exc:
             log.warning("rpc_reply_failed", service=self.service, verb=verb, error=str(exc))
-        RPC_LATENCY.labels(self.service).observe(time.perf_counter() - started)
+        self._latency.observe(time.perf_counter() - started)
 
     async def _reply_for(self, msg: Msg, verb: str) -> tuple[bytes, str]:
         route = self._routes.get(verb)
@@ -229,7 +236,7 @@ class RpcClient:
         """
         subject = subjects.rpc_subject(service, verb)
         if isinstance(request, pydantic.BaseModel):
-            payload = pack(request.model_dump(mode="python"))
+            payload = pack(request.__pydantic_serializer__.to_python(request))
         else:
             payload = pack(request or {})
         per_attempt = timeout if timeout is not None else self._timeout

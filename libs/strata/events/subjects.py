@@ -8,6 +8,7 @@ ids are encoded into tokens with `.` -> `~` (ids never contain `~`, so the mappi
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Final
 
@@ -52,6 +53,7 @@ def _check_name(kind: str, name: str) -> str:
 # -- events ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
 def event_subject(job: str, event_type: str) -> str:
     """`strata.evt.<job>.<area>.<event>` for one event type of one job."""
     return f"{EVENTS}.{token(job)}.{_check_event_type(event_type)}"
@@ -121,6 +123,7 @@ def control_subject(job: str, worker_id: str) -> str:
 # -- requests -------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)
 def rpc_subject(service: str, verb: str) -> str:
     return f"{RPC}.{_check_name('service', service)}.{_check_name('verb', verb)}"
 
