@@ -290,6 +290,11 @@ class Worker:
         return self._instance
 
     @property
+    def settings(self) -> Settings:
+        """The settings this worker was built with (storage, heartbeats, NATS)."""
+        return self._settings
+
+    @property
     def job(self) -> str:
         return self._job
 

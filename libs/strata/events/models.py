@@ -303,6 +303,19 @@ class CheckpointStarted(Event):
     timeout_s: Seconds
 
 
+class DataCursor(StrictModel):
+    """Where a worker is in a dataset's epoch: shards done and offsets into shards begun."""
+
+    dataset_id: Id
+    epoch: Epoch
+    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+
+
 class CheckpointShardSaved(Event):
     """A rank's shard is durable in storage (phase one of the commit)."""
 
@@ -313,8 +326,10 @@ class CheckpointShardSaved(Event):
     rank: Rank
     worker_id: Id
     uri: Uri
+    key: Uri
     bytes: ByteCount
     checksum: Checksum
+    cursors: Annotated[list[DataCursor], Field(max_length=16)] = Field(default_factory=list)
 
 
 class CheckpointCommitted(Event):

@@ -16,11 +16,15 @@ from strata.events.models import (
     MAX_SHARDS,
     MAX_TOTAL_SAMPLES,
     MAX_WORKERS,
+    ByteCount,
+    Checksum,
+    DataCursor,
     Epoch,
     Id,
     LabelKey,
     LabelValue,
     MembershipEpoch,
+    Participant,
     Rank,
     Seconds,
     ShardId,
@@ -28,6 +32,7 @@ from strata.events.models import (
     Step,
     StrictModel,
     Text,
+    Uri,
     WorkerState,
 )
 from strata.events.rpc import endpoint
@@ -260,4 +265,85 @@ ARRIVE = endpoint(
     ArriveRequest,
     BarrierOutcome,
     "Arrive at a barrier (idempotent); the answer says whether it is released already.",
+)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+CheckpointStatus = Literal["open", "committed", "aborted"]
+
+
+class ManifestShard(StrictModel):
+    rank: Rank
+    worker_id: Id
+    key: Uri
+    uri: Uri
+    bytes: ByteCount
+    checksum: Checksum
+    cursors: Annotated[list[DataCursor], Field(max_length=16)] = Field(default_factory=list)
+
+
+class Manifest(StrictModel):
+    """The commit marker of a checkpoint, written atomically beside its shards."""
+
+    format: Literal["strata.checkpoint/1"] = "strata.checkpoint/1"
+    job: Id
+    step: Step
+    epoch: Epoch
+    root_uri: Uri
+    committed_ts: Annotated[int, Field(ge=0)]
+    participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS)]
+    shards: Annotated[list[ManifestShard], Field(max_length=MAX_WORKERS)]
+    total_bytes: ByteCount
+
+
+class BeginCheckpointRequest(StrictModel):
+    """Open the checkpoint of `step` (idempotent: every participant sends it)."""
+
+    job: Id
+    worker_id: Id
+    step: Step
+    epoch: Epoch
+    root_uri: Uri
+    keep_count: Annotated[int, Field(ge=1, le=10_000)] = 5
+    timeout_s: Seconds = 300.0
+
+
+class CheckpointInfo(StrictModel):
+    job: Id
+    step: Step
+    epoch: Epoch
+    status: CheckpointStatus
+    root_uri: Uri
+    participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS)]
+    acked_ranks: Annotated[list[Rank], Field(max_length=MAX_WORKERS)] = Field(default_factory=list)
+    manifest_uri: Uri | None = None
+    total_bytes: ByteCount = 0
+    reason: Text = ""
+
+
+class CheckpointQuery(StrictModel):
+    job: Id
+    step: Step | None = Field(default=None, description="None: the latest committed one.")
+
+
+class CheckpointAnswer(StrictModel):
+    found: bool
+    checkpoint: CheckpointInfo | None = None
+    manifest: Manifest | None = None
+
+
+BEGIN_CHECKPOINT = endpoint(
+    "checkpoint",
+    "begin",
+    BeginCheckpointRequest,
+    CheckpointInfo,
+    "Open a step's checkpoint (idempotent); freezes its participants.",
+)
+CHECKPOINT_STATUS = endpoint(
+    "checkpoint",
+    "status",
+    CheckpointQuery,
+    CheckpointAnswer,
+    "A checkpoint's state, or the latest committed one with its manifest.",
 )

@@ -1,0 +1,1 @@
+"""The checkpoint service: two-phase commit of globally consistent checkpoints, and retention."""
