@@ -222,6 +222,11 @@ class Worker:
             _check_id("worker_id", worker_id, "pass another worker_id=..., or none to get one")
         self._nats_url = _check_nats_url(nats_url if nats_url else self._settings.nats_url)
         self._instance = uuid.uuid4().hex
+        user = self._settings.nats_user
+        if worker_id is None and user and _ID.match(user) and not user.startswith("strata-"):
+            # With per-worker NATS credentials (strata up --secure, the Helm chart), the user
+            # name is the worker id: it may only publish heartbeats under that id.
+            worker_id = user
         # The registry's rule for an id it has to make up; its reply has the last word.
         self._worker_id = worker_id or f"w-{self._instance[:24]}"
         try:

@@ -33,11 +33,20 @@ from strata.bus.server import NatsServer
 from strata.config import Env, Settings, load_settings
 from strata.errors import ConfigError
 from strata.logs import configure_logging
+from strata.security import (
+    Credential,
+    authorization_config,
+    by_role,
+    generate_credentials,
+    load_credentials,
+    save_credentials,
+)
 
 log = structlog.get_logger("strata.up")
 console = Console(stderr=True)
 
 READY_TIMEOUT_S = 60.0
+CREDENTIALS_FILE = "credentials.json"
 RESTART_DELAY_S = 1.0
 
 
@@ -88,8 +97,18 @@ def _check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 
 async def _provision(url: str, settings: Settings) -> None:
-    async with await Bus.connect(url, name="strata-up", deadline=15.0) as bus:
+    async with await Bus.connect(url, settings=settings, name="strata-up", deadline=15.0) as bus:
         await bus.ensure_streams(settings.stream_replicas)
+
+
+def _credentials(data_dir: Path, workers: int) -> list[Credential]:
+    """Reuse the credentials of an earlier `strata up --secure`, or make them."""
+    path = data_dir / CREDENTIALS_FILE
+    if path.exists():
+        return load_credentials(path)
+    made = generate_credentials([f"worker-{i}" for i in range(workers)])
+    save_credentials(path, made)
+    return made
 
 
 def up(args: argparse.Namespace) -> int:
@@ -110,16 +129,22 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    secure = bool(getattr(args, "secure", False))
+    workers = int(getattr(args, "worker_credentials", 16))
+    credentials = _credentials(data_dir, workers) if secure else []
     nats = NatsServer(
         store_dir=data_dir / "nats",
         host=args.host,
         port=args.nats_port,
         log_file=data_dir / "logs" / "nats-server.log",
+        extra_config=authorization_config(credentials) if secure else "",
     )
+    service_env = by_role(credentials, "services")[0].env() if secure else {}
+    gateway_env = by_role(credentials, "gateway")[0].env() if secure else {}
     children: list[Child] = []
     try:
         nats.start()
-        asyncio.run(_provision(nats.url, settings))
+        asyncio.run(_provision(nats.url, load_settings(nats_url=nats.url, **_lower(service_env))))
         base_env = {
             **os.environ,
             Env.NATS_URL: nats.url,
@@ -131,13 +156,17 @@ def up(args: argparse.Namespace) -> int:
                 name=name,
                 health_port=procutil.free_port(),
                 log_path=data_dir / "logs" / f"{name}.log",
-                env={**base_env, Env.HEALTH_PORT: "0", Env.HTTP_PORT: str(args.http_port)},
+                env={
+                    **base_env,
+                    **(gateway_env if name == "gateway" else service_env),
+                    Env.HTTP_PORT: str(args.http_port),
+                },
             )
             child.env[Env.HEALTH_PORT] = str(child.health_port)
             child.spawn()
             children.append(child)
         _wait_ready(children, stop)
-        _print_summary(nats, children, args, data_dir)
+        _print_summary(nats, children, args, data_dir, secure)
         _supervise(children, stop)
     finally:
         for child in reversed(children):
@@ -182,8 +211,13 @@ def _supervise(children: list[Child], stop: threading.Event) -> None:
             child.spawn()
 
 
+def _lower(env: dict[str, str]) -> dict[str, str]:
+    """STRATA_NATS_USER=... -> nats_user=... (settings field names)."""
+    return {key.removeprefix("STRATA_").lower(): value for key, value in env.items()}
+
+
 def _print_summary(
-    nats: NatsServer, children: list[Child], args: argparse.Namespace, data_dir: Path
+    nats: NatsServer, children: list[Child], args: argparse.Namespace, data_dir: Path, secure: bool
 ) -> None:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     table = Table(title="Strata is up", show_header=True)
@@ -197,5 +231,10 @@ def _print_summary(
         )
     table.add_row("dashboard", f"http://{host}:{args.http_port}/")
     table.add_row("data", str(data_dir))
+    if secure:
+        table.add_row(
+            "credentials",
+            f"{data_dir / CREDENTIALS_FILE} (workers: STRATA_NATS_USER=worker-N, the worker id)",
+        )
     Console().print(table)
     console.print("Ctrl-C stops everything.")
