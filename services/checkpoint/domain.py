@@ -31,6 +31,7 @@ from strata.events.requests import (
     ManifestShard,
 )
 from strata.services.registry.domain import event_id
+from strata.storage.base import shard_key
 
 SOURCE = "checkpoint"
 
@@ -75,8 +76,8 @@ class JobCheckpoints:
     """Live worker id -> rank."""
     open: dict[int, OpenCheckpoint] = field(default_factory=dict)
     committed: dict[int, CommittedCheckpoint] = field(default_factory=dict)
-    aborted: dict[int, str] = field(default_factory=dict)
-    """Step -> reason."""
+    aborted: dict[int, tuple[OpenCheckpoint, str]] = field(default_factory=dict)
+    """Step -> the checkpoint as it was, and why it was aborted."""
 
     def latest(self) -> CommittedCheckpoint | None:
         return self.committed[max(self.committed)] if self.committed else None
@@ -141,8 +142,9 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
             )
     elif isinstance(event, CheckpointAborted):
         job = state.job(event.job)
-        if job.open.pop(event.step, None) is not None:
-            job.aborted[event.step] = event.reason
+        dropped = job.open.pop(event.step, None)
+        if dropped is not None:
+            job.aborted[event.step] = (dropped, event.reason)
     elif isinstance(event, CheckpointPruned):
         state.job(event.job).committed.pop(event.step, None)
     return state
@@ -157,6 +159,12 @@ def ack_problem(opened: OpenCheckpoint, ack: CheckpointShardSaved) -> str | None
         return f"{ack.worker_id!r} has rank {rank} in step {ack.step}, not {ack.rank}"
     if ack.epoch != opened.epoch:
         return f"step {ack.step} is of epoch {opened.epoch}, not {ack.epoch}"
+    expected_key = shard_key(ack.job, ack.step, ack.rank)
+    if ack.key != expected_key or ack.uri != f"{opened.root_uri.rstrip('/')}/{expected_key}":
+        return (
+            f"the shard of rank {ack.rank} must be stored as {expected_key} under "
+            f"{opened.root_uri}, not at {ack.uri}"
+        )
     return None
 
 
@@ -176,7 +184,7 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
     if request.step in job.aborted:
         return Decision(
             error=ConflictError(
-                f"checkpoint of step {request.step} was aborted ({job.aborted[request.step]}); "
+                f"checkpoint of step {request.step} was aborted ({job.aborted[request.step][1]}); "
                 "save under a later step"
             )
         )
@@ -232,7 +240,17 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             total_bytes=done.total_bytes,
         )
     if step in job.aborted:
-        raise ConflictError(f"checkpoint of step {step} was aborted: {job.aborted[step]}")
+        dropped, reason = job.aborted[step]
+        return CheckpointInfo(
+            job=job_id,
+            step=step,
+            epoch=dropped.epoch,
+            status="aborted",
+            root_uri=dropped.root_uri,
+            participants=_participants(dropped.participants),
+            acked_ranks=sorted(dropped.acks),
+            reason=reason,
+        )
     raise NotFound(f"job {job_id!r} has no checkpoint of step {step}")
 
 

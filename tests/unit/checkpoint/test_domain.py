@@ -202,3 +202,23 @@ def test_evolve_is_idempotent_and_commits_only_complete_steps(acks: list[tuple[i
     assert opened.complete() == (set(opened.acks) == {0, 1, 2, 3})
     started = [e for e in events if isinstance(e, CheckpointStarted | CheckpointCommitted)]
     assert started == []
+
+
+def test_an_ack_pointing_outside_its_slot_is_refused() -> None:
+    state = with_workers(1)
+    begin(state, 2)
+    opened = state.job(JOB).open[2]
+    honest = ack(2, 0)
+    for key, uri in (
+        ("../../etc/passwd", f"{ROOT}/../../etc/passwd"),
+        (honest.key, "/elsewhere/" + honest.key),
+        (
+            f"{JOB}/step-000000000002/rank-00001.bin",
+            f"{ROOT}/{JOB}/step-000000000002/rank-00001.bin",
+        ),
+    ):
+        forged = honest.model_copy(update={"key": key, "uri": uri})
+        problem = domain.ack_problem(opened, forged)
+        assert problem is not None
+        assert "must be stored as" in problem
+    assert domain.ack_problem(opened, honest) is None
