@@ -6,6 +6,7 @@ checkpoints; the services under `strata.services` coordinate them over NATS JetS
 
 from strata import aio
 from strata.aio import WorkerNotStarted
+from strata.datasets import DatasetRegistry
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,
@@ -35,6 +36,7 @@ __all__ = [
     "CodecError",
     "ConfigError",
     "ConflictError",
+    "DatasetRegistry",
     "InvalidRequest",
     "NotFound",
     "PublishTimeout",

@@ -53,7 +53,12 @@ from strata.events.requests import (
     WorkerNotice,
 )
 
-__all__ = ["OnRejoin", "Worker", "WorkerNotStarted"]
+__all__ = [
+    "DatasetRegistry",
+    "OnRejoin",
+    "Worker",
+    "WorkerNotStarted",
+]
 
 REGISTRY: Final = "registry"
 RPC_TIMEOUT_S: Final = 5.0
@@ -755,3 +760,7 @@ class Worker:
             except StrataError as exc:
                 self._log.debug("membership_refresh_failed", error=str(exc))
                 return
+
+
+# The other asyncio SDK parts, under their public names (they import this module for types only).
+from strata.datasets import AsyncDatasetRegistry as DatasetRegistry  # noqa: E402

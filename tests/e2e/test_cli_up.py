@@ -180,7 +180,7 @@ def test_up_refuses_a_busy_port_with_an_actionable_message(stack: Stack, tmp_pat
 
 def test_unbuilt_verbs_say_so_and_fail() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "strata", "replay", "--job", "x"],
+        [sys.executable, "-m", "strata", "demo", "--workers", "2"],
         capture_output=True,
         text=True,
         timeout=30,

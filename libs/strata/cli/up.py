@@ -35,6 +35,7 @@ from strata.errors import ConfigError
 from strata.logs import configure_logging
 from strata.security import (
     Credential,
+    Role,
     authorization_config,
     by_role,
     generate_credentials,
@@ -111,16 +112,87 @@ def _credentials(data_dir: Path, workers: int) -> list[Credential]:
     return made
 
 
-def up(args: argparse.Namespace) -> int:
-    from strata.services import catalog
+class LocalStack:
+    """NATS, every service and the gateway on this machine, as `strata up` and `strata demo` run
+    them. `start()` returns once all are ready; `stop()` stops the services, then NATS."""
 
-    settings = load_settings(data_dir=args.data_dir, http_port=args.http_port)
-    configure_logging(settings.log_format, settings.log_level)
-    data_dir = settings.data_dir.resolve()
-    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
-    _check_port_free(args.host, args.nats_port, "NATS", "--nats-port")
-    _check_port_free(args.host, args.http_port, "HTTP", "--http-port")
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        nats_port: int,
+        http_port: int,
+        host: str = "127.0.0.1",
+        secure: bool = False,
+        worker_credentials: int = 16,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        self.http_port = http_port
+        self.host = host
+        self.secure = secure
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        _check_port_free(host, nats_port, "NATS", "--nats-port")
+        _check_port_free(host, http_port, "HTTP", "--http-port")
+        self.credentials = _credentials(self.data_dir, worker_credentials) if secure else []
+        self.nats = NatsServer(
+            store_dir=self.data_dir / "nats",
+            host=host,
+            port=nats_port,
+            log_file=self.data_dir / "logs" / "nats-server.log",
+            extra_config=authorization_config(self.credentials) if secure else "",
+        )
+        self._extra_env = env or {}
+        self.children: list[Child] = []
 
+    def role_env(self, role: Role) -> dict[str, str]:
+        return by_role(self.credentials, role)[0].env() if self.secure else {}
+
+    @property
+    def dashboard_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.http_port}/"
+
+    def start(self, stop: threading.Event) -> None:
+        from strata.services import catalog
+
+        self.nats.start()
+        service_env = self.role_env("services")
+        asyncio.run(
+            _provision(self.nats.url, load_settings(nats_url=self.nats.url, **_lower(service_env)))
+        )
+        base_env = {
+            **os.environ,
+            **self._extra_env,
+            Env.NATS_URL: self.nats.url,
+            Env.DATA_DIR: str(self.data_dir),
+            Env.LOG_FORMAT: "json",
+        }
+        for name in catalog.available():
+            role_env = self.role_env("gateway") if name == "gateway" else service_env
+            child = Child(
+                name=name,
+                health_port=procutil.free_port(),
+                log_path=self.data_dir / "logs" / f"{name}.log",
+                env={**base_env, **role_env, Env.HTTP_PORT: str(self.http_port)},
+            )
+            child.env[Env.HEALTH_PORT] = str(child.health_port)
+            child.spawn()
+            self.children.append(child)
+        _wait_ready(self.children, stop)
+
+    def supervise(self, stop: threading.Event) -> None:
+        _supervise(self.children, stop)
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.proc is not None:
+                procutil.terminate(child.proc, timeout=10)
+        self.nats.stop()
+
+
+def install_stop_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (Ctrl-C)."""
     stop = threading.Event()
 
     def on_signal(signum: int, _: object) -> None:
@@ -128,51 +200,27 @@ def up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
 
-    secure = bool(getattr(args, "secure", False))
-    workers = int(getattr(args, "worker_credentials", 16))
-    credentials = _credentials(data_dir, workers) if secure else []
-    nats = NatsServer(
-        store_dir=data_dir / "nats",
+
+def up(args: argparse.Namespace) -> int:
+    settings = load_settings(data_dir=args.data_dir, http_port=args.http_port)
+    configure_logging(settings.log_format, settings.log_level)
+    stack = LocalStack(
+        settings.data_dir,
+        nats_port=args.nats_port,
+        http_port=args.http_port,
         host=args.host,
-        port=args.nats_port,
-        log_file=data_dir / "logs" / "nats-server.log",
-        extra_config=authorization_config(credentials) if secure else "",
+        secure=bool(getattr(args, "secure", False)),
+        worker_credentials=int(getattr(args, "worker_credentials", 16)),
     )
-    service_env = by_role(credentials, "services")[0].env() if secure else {}
-    gateway_env = by_role(credentials, "gateway")[0].env() if secure else {}
-    children: list[Child] = []
+    stop = install_stop_signals()
     try:
-        nats.start()
-        asyncio.run(_provision(nats.url, load_settings(nats_url=nats.url, **_lower(service_env))))
-        base_env = {
-            **os.environ,
-            Env.NATS_URL: nats.url,
-            Env.DATA_DIR: str(data_dir),
-            Env.LOG_FORMAT: "json",
-        }
-        for name in catalog.available():
-            child = Child(
-                name=name,
-                health_port=procutil.free_port(),
-                log_path=data_dir / "logs" / f"{name}.log",
-                env={
-                    **base_env,
-                    **(gateway_env if name == "gateway" else service_env),
-                    Env.HTTP_PORT: str(args.http_port),
-                },
-            )
-            child.env[Env.HEALTH_PORT] = str(child.health_port)
-            child.spawn()
-            children.append(child)
-        _wait_ready(children, stop)
-        _print_summary(nats, children, args, data_dir, secure)
-        _supervise(children, stop)
+        stack.start(stop)
+        _print_summary(stack)
+        stack.supervise(stop)
     finally:
-        for child in reversed(children):
-            if child.proc is not None:
-                procutil.terminate(child.proc, timeout=10)
-        nats.stop()
+        stack.stop()
         console.print("[green]stopped[/] every service and NATS")
     return 0
 
@@ -216,25 +264,23 @@ def _lower(env: dict[str, str]) -> dict[str, str]:
     return {key.removeprefix("STRATA_").lower(): value for key, value in env.items()}
 
 
-def _print_summary(
-    nats: NatsServer, children: list[Child], args: argparse.Namespace, data_dir: Path, secure: bool
-) -> None:
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+def _print_summary(stack: LocalStack) -> None:
     table = Table(title="Strata is up", show_header=True)
     table.add_column("part")
     table.add_column("where")
-    table.add_row("NATS", nats.url)
-    for child in children:
+    table.add_row("NATS", stack.nats.url)
+    for child in stack.children:
         assert child.proc is not None
         table.add_row(
             child.name, f"pid {child.proc.pid}, probes http://127.0.0.1:{child.health_port}"
         )
-    table.add_row("dashboard", f"http://{host}:{args.http_port}/")
-    table.add_row("data", str(data_dir))
-    if secure:
+    table.add_row("dashboard", stack.dashboard_url)
+    table.add_row("data", str(stack.data_dir))
+    if stack.secure:
         table.add_row(
             "credentials",
-            f"{data_dir / CREDENTIALS_FILE} (workers: STRATA_NATS_USER=worker-N, the worker id)",
+            f"{stack.data_dir / CREDENTIALS_FILE} "
+            "(workers: STRATA_NATS_USER=worker-N, their worker id)",
         )
     Console().print(table)
     console.print("Ctrl-C stops everything.")

@@ -15,7 +15,7 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -158,14 +158,20 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     open_mask = ~plan.done
     n = len(new_members)
 
-    pool = _in_order(plan, np.flatnonzero(open_mask & (owner < 0))).tolist()
-    held = np.flatnonzero(open_mask & (owner >= 0))
-    held = held[np.lexsort((plan.position[held], owner[held]))]
+    # Everything below walks shards in epoch order; inverting the permutation costs no sort.
+    in_order = _epoch_order(plan)
+    open_in_order = open_mask[in_order]
+    owner_in_order = owner[in_order]
+    pool = in_order[open_in_order & (owner_in_order < 0)].tolist()
+    held = in_order[open_in_order & (owner_in_order >= 0)]
+    # Grouped by reader, each reader's shards still in epoch order.
+    held = held[np.argsort(_narrow(owner[held], n), kind="stable")]
     counts = np.bincount(owner[held], minlength=n)
     bounds = np.concatenate(([0], np.cumsum(counts)))
     loads = counts.tolist()
 
-    joiners = [i for i, w in enumerate(new_members) if w not in plan.members]
+    old_members = set(plan.members)
+    joiners = [i for i, w in enumerate(new_members) if w not in old_members]
     share = (sum(loads) + len(pool)) // n
     wanted = sum(max(0, share - loads[j]) for j in joiners) - len(pool)
     if wanted > 0:
@@ -185,7 +191,7 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
         for i, count in enumerate(taken_from):
             if count:
                 pool.extend(held[bounds[i + 1] - count : bounds[i + 1]].tolist())
-        pool.sort(key=lambda s: int(plan.position[s]))
+        pool.sort(key=plan.position.__getitem__)
     # Fill from the bottom, in epoch order, so shards keep their place in the reading order.
     heap = [(loads[i], new_members[i], i) for i in range(n)]
     heapq.heapify(heap)
@@ -206,5 +212,13 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     return changed, moved
 
 
-def _in_order(plan: Plan, shards: IndexArray) -> IndexArray:
-    return shards[np.argsort(plan.position[shards], kind="stable")]
+def _epoch_order(plan: Plan) -> IndexArray:
+    """Shard ids in epoch order: the inverse of the `position` permutation."""
+    order = np.empty_like(plan.position)
+    order[plan.position] = np.arange(plan.position.size, dtype=np.int64)
+    return order
+
+
+def _narrow(indices: IndexArray, bound: int) -> npt.NDArray[np.integer[Any]]:
+    """`indices` (all below `bound`) as 16-bit integers when they fit: numpy radix-sorts those."""
+    return indices.astype(np.int16) if bound <= np.iinfo(np.int16).max else indices

@@ -1,0 +1,424 @@
+"""The worker side of sharding: register a dataset, ask for this worker's shards, report progress.
+
+`AsyncDatasetRegistry` (exported as `strata.aio.DatasetRegistry`) talks to the sharding service
+over the worker's bus; `DatasetRegistry` (`strata.DatasetRegistry`) is its blocking twin for
+ordinary training loops. Arguments are checked here, before any network call, with errors that say
+what to change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import operator
+import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Final, TypeVar
+
+import pydantic
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from strata.errors import StrataError, ValidationError
+from strata.events import ID_PATTERN, ShardPlanChanged, decode_event, subjects
+from strata.events.models import (
+    MAX_EPOCH,
+    MAX_PROGRESS_ITEMS,
+    MAX_SHARDS,
+    MAX_TOTAL_SAMPLES,
+    ShardOffset,
+)
+from strata.events.requests import (
+    DatasetInfo,
+    GetShardsRequest,
+    PlanRequest,
+    PlanSummary,
+    ProgressResult,
+    RegisterDatasetRequest,
+    ReportProgressRequest,
+    ShardAssignment,
+)
+
+if TYPE_CHECKING:
+    from strata.aio import Worker as AsyncWorker
+    from strata.sharding.plan import ShardRange
+    from strata.worker import Worker
+
+__all__ = ["AsyncDatasetRegistry", "DatasetRegistry", "remaining_ranges"]
+
+SERVICE: Final = "sharding"
+RPC_TIMEOUT_S: Final = 5.0
+RETRY_FOR_S: Final = 30.0
+"""How long a call keeps retrying while no sharding service answers: long enough for a restart."""
+MAX_SEED: Final = 2**63 - 1
+_ID = re.compile(ID_PATTERN)
+_R = TypeVar("_R", bound=pydantic.BaseModel)
+
+log = structlog.get_logger("strata.datasets")
+
+
+# -- argument checks ------------------------------------------------------------------------------
+
+
+def _check_id(what: str, value: object) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ValidationError(
+            f"{what} {value!r} is not a valid id: use 1 to 128 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit",
+            field=what,
+        )
+    return value
+
+
+def _check_int(what: str, value: object, low: int, high: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]  # TypeError is the check
+    except TypeError:
+        raise ValidationError(
+            f"{what} must be an integer, got {type(value).__name__} {value!r}", field=what
+        ) from None
+    if not low <= number <= high:
+        raise ValidationError(f"{what} must be between {low} and {high}, got {value!r}", field=what)
+    return int(number)
+
+
+def _check_epoch(epoch: object) -> int:
+    return _check_int("epoch", epoch, 0, MAX_EPOCH)
+
+
+def _check_progress(
+    completed: Iterable[int], partial: Mapping[int, int] | None
+) -> tuple[list[int], list[ShardOffset]]:
+    if isinstance(completed, str | bytes):
+        raise ValidationError("completed must be shard ids, not a string", field="completed")
+    done = list(dict.fromkeys(_check_int("completed", s, 0, MAX_SHARDS - 1) for s in completed))
+    offsets = []
+    for shard, offset in (partial or {}).items():
+        shard_id = _check_int("partial shard id", shard, 0, MAX_SHARDS - 1)
+        if shard_id in done:
+            continue  # completed says more than any offset
+        offsets.append(
+            ShardOffset(
+                shard_id=shard_id,
+                offset=_check_int("partial offset", offset, 0, MAX_TOTAL_SAMPLES),
+            )
+        )
+    return done, offsets
+
+
+def remaining_ranges(assignment: ShardAssignment) -> list[ShardRange]:
+    """What is left to read of an assignment, in reading order.
+
+    Done shards are left out, and a shard with a recorded offset starts that many samples later:
+    right for readers that read each shard in its natural order (`ShardSampler` without
+    `shuffle_within_shard`), whose offsets count samples from the shard's start.
+    """
+    # Imported here: the planner needs numpy, which `import strata` should not load.
+    from strata.sharding.plan import ShardRange
+
+    return [
+        ShardRange(span.shard_id, span.start + span.offset, span.end)
+        for span in assignment.shards
+        if not span.done and span.start + span.offset < span.end
+    ]
+
+
+# -- asyncio --------------------------------------------------------------------------------------
+
+
+class AsyncDatasetRegistry:
+    """Datasets and shards of a job, for asyncio code (`strata.aio.DatasetRegistry`).
+
+    Every call retries for `retry_for` seconds while no sharding service answers (a restart) and
+    after a timed-out attempt, which is safe: registering the same dataset again, asking for shards
+    and reporting the same progress again all change nothing.
+    """
+
+    def __init__(
+        self,
+        worker: AsyncWorker,
+        *,
+        timeout: float = RPC_TIMEOUT_S,
+        retry_for: float = RETRY_FOR_S,
+    ) -> None:
+        if not 0 < timeout <= 3600 or not 0 <= retry_for <= 86_400:
+            raise ValidationError(
+                f"timeout must be in (0, 3600] s and retry_for in [0, 86400] s, "
+                f"got {timeout!r} and {retry_for!r}"
+            )
+        self._worker = worker
+        self._timeout = timeout
+        self._retry_for = retry_for
+        self._plan_versions: dict[tuple[str, int], int] = {}
+        self._watch: tuple[NATS, Subscription] | None = None
+        self._watch_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+
+    def __repr__(self) -> str:
+        return f"<strata.aio.DatasetRegistry job={self._worker.job} worker={self._worker.id}>"
+
+    @property
+    def worker(self) -> AsyncWorker:
+        return self._worker
+
+    async def register_dataset(
+        self,
+        dataset_id: str,
+        total_samples: int,
+        shard_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> DatasetInfo:
+        """Register a dataset's sharding; registering it again with the same parameters is a no-op.
+
+        Shard `s` covers samples `[s * shard_size, min((s + 1) * shard_size, total_samples))`.
+        Raises `strata.ConflictError` when the dataset exists with other parameters.
+        """
+        _check_id("dataset_id", dataset_id)
+        total = _check_int("total_samples", total_samples, 1, MAX_TOTAL_SAMPLES)
+        size = _check_int("shard_size", shard_size, 1, MAX_TOTAL_SAMPLES)
+        if not isinstance(shuffle, bool):
+            raise ValidationError(
+                f"shuffle must be True or False, got {shuffle!r}", field="shuffle"
+            )
+        seed = _check_int("seed", seed, 0, MAX_SEED)
+        if -(-total // size) > MAX_SHARDS:
+            smallest = -(-total // MAX_SHARDS)
+            raise ValidationError(
+                f"{total} samples in shards of {size} make {-(-total // size)} shards; "
+                f"at most {MAX_SHARDS} are allowed: use shard_size >= {smallest}",
+                field="shard_size",
+            )
+        request = RegisterDatasetRequest(
+            job=self._worker.job,
+            dataset_id=dataset_id,
+            total_samples=total,
+            shard_size=size,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        return await self._call("register_dataset", request, DatasetInfo)
+
+    async def assignment(
+        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+    ) -> ShardAssignment:
+        """Every shard of a worker (default: this one) for an epoch, in reading order, with each
+        shard's `done` flag and consumed `offset`.
+
+        The first request of an epoch plans it over the live workers. Raises `strata.NotFound`
+        for a dataset never registered, or a worker that is not a live member of the job.
+        """
+        _check_id("dataset_id", dataset_id)
+        worker = self._worker.id if worker_id is None else _check_id("worker_id", worker_id)
+        epoch = _check_epoch(epoch)
+        # Watching before asking: no plan change can fall between the answer and the watch.
+        await self._ensure_watch()
+        request = GetShardsRequest(
+            job=self._worker.job, dataset_id=dataset_id, worker_id=worker, epoch=epoch
+        )
+        assignment = await self._call("get_shards", request, ShardAssignment)
+        self._saw_version(dataset_id, epoch, assignment.plan_version)
+        return assignment
+
+    async def get_shard_for_worker(
+        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+    ) -> list[ShardRange]:
+        """What a worker (default: this one) has left to read of an epoch, in reading order.
+
+        Done shards are left out and a partly read shard starts after its recorded offset; use
+        `assignment()` for every shard with its state.
+        """
+        return remaining_ranges(await self.assignment(dataset_id, worker_id, epoch))
+
+    async def report_progress(
+        self,
+        dataset_id: str,
+        epoch: int,
+        completed: Iterable[int] = (),
+        partial: Mapping[int, int] | None = None,
+    ) -> ProgressResult:
+        """Record this worker's progress: shards read to the end, and samples read of others.
+
+        A done shard never moves to another worker again; a partial offset (samples consumed from
+        the shard's start, in reading order) lets whoever reads the rest start there. Raises
+        `strata.ConflictError` when a named shard is no longer this worker's (the plan changed:
+        fetch the assignment again); nothing of such a report is recorded.
+        """
+        _check_id("dataset_id", dataset_id)
+        epoch = _check_epoch(epoch)
+        done, offsets = _check_progress(completed, partial)
+        result: ProgressResult | None = None
+        # Large reports go in pieces the service accepts; each piece is recorded on its own.
+        for start in range(0, max(len(done), len(offsets), 1), MAX_PROGRESS_ITEMS):
+            request = ReportProgressRequest(
+                job=self._worker.job,
+                dataset_id=dataset_id,
+                epoch=epoch,
+                worker_id=self._worker.id,
+                completed=done[start : start + MAX_PROGRESS_ITEMS],
+                partial=offsets[start : start + MAX_PROGRESS_ITEMS],
+            )
+            result = await self._call("report_progress", request, ProgressResult)
+        assert result is not None
+        return result
+
+    async def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:
+        """The epoch's plan as a whole: version, shards per worker, shards done of all."""
+        _check_id("dataset_id", dataset_id)
+        request = PlanRequest(
+            job=self._worker.job, dataset_id=dataset_id, epoch=_check_epoch(epoch)
+        )
+        return await self._call("plan", request, PlanSummary)
+
+    def plan_version_seen(self, dataset_id: str, epoch: int) -> int | None:
+        """The newest plan version of (dataset, epoch) this registry has heard of, if any.
+
+        Plan changes are followed from the time of the first `assignment()` call; one published
+        while the connection was down is missed, so a newer version here means "fetch again",
+        never the converse. Safe to call from any thread.
+        """
+        return self._plan_versions.get((dataset_id, epoch))
+
+    async def close(self) -> None:
+        """Stop following plan changes (the worker's `stop()` ends it too)."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            with contextlib.suppress(Exception):
+                await watch[1].unsubscribe()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    async def _call(self, verb: str, request: pydantic.BaseModel, result: type[_R]) -> _R:
+        return await self._worker.bus.rpc.call(
+            SERVICE,
+            verb,
+            request,
+            result=result,
+            timeout=self._timeout,
+            retry_for=self._retry_for,
+            idempotent=True,
+        )
+
+    def _saw_version(self, dataset_id: str, epoch: int, version: int) -> None:
+        key = (dataset_id, epoch)
+        if version > self._plan_versions.get(key, -1):
+            self._plan_versions[key] = version
+
+    def _lock(self) -> asyncio.Lock:
+        # The sync registry may run this object on a new loop after its worker restarted.
+        loop = asyncio.get_running_loop()
+        if self._watch_lock is None or self._watch_lock[0] is not loop:
+            self._watch_lock = (loop, asyncio.Lock())
+        return self._watch_lock[1]
+
+    async def _ensure_watch(self) -> None:
+        nc = self._worker.bus.nc
+        if self._watch is not None and self._watch[0] is nc:
+            return
+        async with self._lock():
+            if self._watch is not None and self._watch[0] is nc:
+                return
+            subject = subjects.event_subject(self._worker.job, "shard.plan_changed")
+            self._watch = (nc, await nc.subscribe(subject, cb=self._on_plan_changed))
+
+    async def _on_plan_changed(self, msg: Msg) -> None:
+        try:
+            event = decode_event(msg.data)
+        except StrataError:
+            return
+        if isinstance(event, ShardPlanChanged):
+            self._saw_version(event.dataset_id, event.epoch, event.plan_version)
+
+
+# -- blocking -------------------------------------------------------------------------------------
+
+
+class DatasetRegistry:
+    """Datasets and shards of a job, for ordinary training loops (`strata.DatasetRegistry`).
+
+    >>> reg = strata.DatasetRegistry(worker)                       # doctest: +SKIP
+    >>> reg.register_dataset("imagenet-1k", 1281167, 10000, shuffle=True, seed=42)
+    >>> reg.get_shard_for_worker("imagenet-1k", epoch=0)           # what is left to read
+    [ShardRange(shard_id=87, start=870000, end=880000), ...]
+
+    Each call runs the coroutine of `strata.aio.DatasetRegistry` on the worker's background loop.
+    """
+
+    def __init__(
+        self,
+        worker: Worker,
+        *,
+        timeout: float = RPC_TIMEOUT_S,
+        retry_for: float = RETRY_FOR_S,
+    ) -> None:
+        self._worker = worker
+        self._aio = AsyncDatasetRegistry(worker.aio, timeout=timeout, retry_for=retry_for)
+
+    def __repr__(self) -> str:
+        return repr(self._aio).replace("strata.aio.DatasetRegistry", "strata.DatasetRegistry", 1)
+
+    @property
+    def aio(self) -> AsyncDatasetRegistry:
+        return self._aio
+
+    @property
+    def worker(self) -> Worker:
+        return self._worker
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker.id
+
+    def register_dataset(
+        self,
+        dataset_id: str,
+        total_samples: int,
+        shard_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> DatasetInfo:
+        """Register a dataset's sharding (a no-op when it exists with the same parameters;
+        `strata.ConflictError` when it exists with others)."""
+        return self._worker.runner.run(
+            self._aio.register_dataset(dataset_id, total_samples, shard_size, shuffle, seed)
+        )
+
+    def assignment(
+        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+    ) -> ShardAssignment:
+        """Every shard of a worker (default: this one) for an epoch, with `done` and `offset`."""
+        return self._worker.runner.run(self._aio.assignment(dataset_id, worker_id, epoch))
+
+    def get_shard_for_worker(
+        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+    ) -> list[ShardRange]:
+        """What a worker (default: this one) has left to read of an epoch, in reading order."""
+        return self._worker.runner.run(self._aio.get_shard_for_worker(dataset_id, worker_id, epoch))
+
+    def report_progress(
+        self,
+        dataset_id: str,
+        epoch: int,
+        completed: Iterable[int] = (),
+        partial: Mapping[int, int] | None = None,
+    ) -> ProgressResult:
+        """Record shards this worker read to the end (`completed`) and samples read of others
+        (`partial`: shard id -> offset); `strata.ConflictError` if one is no longer its own."""
+        return self._worker.runner.run(
+            self._aio.report_progress(dataset_id, epoch, completed, partial)
+        )
+
+    def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:
+        """The epoch's plan as a whole: version, shards per worker, shards done of all."""
+        return self._worker.runner.run(self._aio.plan(dataset_id, epoch))
+
+    def plan_version_seen(self, dataset_id: str, epoch: int) -> int | None:
+        """The newest plan version of (dataset, epoch) heard of since the first `assignment()`."""
+        return self._aio.plan_version_seen(dataset_id, epoch)
+
+    def close(self) -> None:
+        if self._worker.runner.running:
+            self._worker.runner.run(self._aio.close())

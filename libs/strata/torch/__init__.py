@@ -1,0 +1,9 @@
+"""PyTorch helpers: `ShardSampler` reads this worker's shards of an epoch through a DataLoader.
+
+This package imports torch, so `import strata` never does; import `strata.torch` where the training
+code already uses torch.
+"""
+
+from strata.torch.sampler import ShardSampler, ShardSource, within_shard_order
+
+__all__ = ["ShardSampler", "ShardSource", "within_shard_order"]

@@ -1,0 +1,533 @@
+"""`ShardSampler`: a `torch.utils.data.Sampler` over this worker's unread samples of an epoch.
+
+It reads the worker's shards in the plan's order, reports each shard as done once it is consumed,
+follows plan changes (shards of a failed worker arrive, shards go to a joiner), and keeps a cursor
+(`state_dict`) that resumes exactly where the training loop stopped. The pure parts (within-shard
+order, reading queue, cursor checks) are functions here, so they are tested without a service.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple, Protocol
+
+import numpy as np
+import structlog
+from torch.utils.data import Sampler
+
+from strata.errors import ConflictError, ValidationError
+from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES
+from strata.events.requests import PlanSummary, ProgressResult, ShardAssignment
+
+__all__ = [
+    "CURSOR_VERSION",
+    "Queued",
+    "ShardSampler",
+    "ShardSource",
+    "check_cursor",
+    "reading_queue",
+    "within_shard_order",
+]
+
+CURSOR_VERSION: Final = 1
+REPORT_ATTEMPTS: Final = 3
+"""A report that keeps conflicting after this many re-fetches means the plan is changing faster
+than the sampler can follow; it is an error rather than a silent loss."""
+POLL_S: Final = 0.05
+MAX_POLL_S: Final = 1.0
+REFETCH_S: Final = 2.0
+
+log = structlog.get_logger("strata.sampler")
+
+
+class ShardSource(Protocol):
+    """What the sampler needs of a registry; `strata.DatasetRegistry` is one."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    def assignment(
+        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+    ) -> ShardAssignment: ...
+
+    def report_progress(
+        self,
+        dataset_id: str,
+        epoch: int,
+        completed: Iterable[int] = (),
+        partial: Mapping[int, int] | None = None,
+    ) -> ProgressResult: ...
+
+    def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary: ...
+
+    def plan_version_seen(self, dataset_id: str, epoch: int) -> int | None: ...
+
+
+# -- pure parts -----------------------------------------------------------------------------------
+
+
+def within_shard_order(
+    start: int, end: int, *, shuffle: bool, seed: int, epoch: int, shard_id: int
+) -> list[int]:
+    """The sample indices of shard `[start, end)` in reading order.
+
+    Shuffled, the order is a permutation seeded by (seed, epoch, shard_id): the same in every
+    process, so an offset one worker reports means the same samples to the worker that reads on.
+    """
+    if not shuffle:
+        return list(range(start, end))
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, shard_id])))
+    order: list[int] = (rng.permutation(end - start) + start).tolist()
+    return order
+
+
+class Queued(NamedTuple):
+    """A shard to read: samples `[start, end)`, of which the first `offset` are consumed."""
+
+    shard_id: int
+    start: int
+    end: int
+    offset: int
+
+    @property
+    def left(self) -> int:
+        return self.end - self.start - self.offset
+
+
+def reading_queue(
+    assignment: ShardAssignment, skip: AbstractSet[int], current: tuple[int, int] | None
+) -> list[Queued]:
+    """The shards of `assignment` still to read, in its order, each with where to start.
+
+    Done shards and those in `skip` are left out. A shard starts after the larger of the
+    service's recorded offset and this reader's own (`current`: shard id, samples consumed).
+    """
+    queue = []
+    for span in assignment.shards:
+        if span.done or span.shard_id in skip:
+            continue
+        offset = span.offset
+        if current is not None and current[0] == span.shard_id:
+            offset = max(offset, current[1])
+        offset = min(offset, span.end - span.start)
+        queue.append(Queued(span.shard_id, span.start, span.end, offset))
+    return queue
+
+
+@dataclass(frozen=True)
+class Cursor:
+    epoch: int
+    completed: frozenset[int]
+    current: tuple[int, int] | None
+
+
+def check_cursor(
+    state: Mapping[str, Any], *, dataset_id: str, shuffle_within_shard: bool, seed: int
+) -> Cursor:
+    """Validate a `ShardSampler.state_dict()` for a sampler with these settings."""
+
+    def fail(message: str) -> ValidationError:
+        return ValidationError(f"sampler cursor: {message}", field="cursor")
+
+    if not isinstance(state, Mapping):
+        raise fail(f"expected the dict state_dict() returned, got {type(state).__name__}")
+    if state.get("version") != CURSOR_VERSION:
+        raise fail(f"unknown version {state.get('version')!r}; this sampler reads {CURSOR_VERSION}")
+    if state.get("dataset_id") != dataset_id:
+        raise fail(f"it is for dataset {state.get('dataset_id')!r}, not {dataset_id!r}")
+    # Offsets count samples in reading order, which these settings define.
+    if state.get("shuffle_within_shard") != shuffle_within_shard or state.get("seed") != seed:
+        raise fail(
+            f"it was written with shuffle_within_shard={state.get('shuffle_within_shard')!r}, "
+            f"seed={state.get('seed')!r}; this sampler has {shuffle_within_shard!r}, {seed!r}, "
+            "and offsets mean other samples under other settings"
+        )
+
+    def integer(value: object, what: str, high: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+            raise fail(f"{what} must be an integer in [0, {high}], got {value!r}")
+        return value
+
+    epoch = integer(state.get("epoch"), "epoch", MAX_EPOCH)
+    completed = state.get("completed")
+    if not isinstance(completed, list | tuple):
+        raise fail(f"completed must be a list of shard ids, got {completed!r}")
+    done = frozenset(integer(s, "a completed shard id", MAX_SHARDS - 1) for s in completed)
+    current = state.get("current")
+    if current is None:
+        return Cursor(epoch, done, None)
+    if not isinstance(current, list | tuple) or len(current) != 2:
+        raise fail(f"current must be [shard_id, offset] or None, got {current!r}")
+    shard = integer(current[0], "the current shard id", MAX_SHARDS - 1)
+    offset = integer(current[1], "the current offset", MAX_TOTAL_SAMPLES)
+    return Cursor(epoch, done, None if shard in done else (shard, offset))
+
+
+@dataclass(slots=True)
+class _Drawn:
+    """A run of samples of one shard handed out and not yet acknowledged."""
+
+    shard_id: int
+    offset: int
+    """Samples of the shard consumed before this run."""
+    count: int
+    length: int
+
+
+# -- the sampler ----------------------------------------------------------------------------------
+
+
+class ShardSampler(Sampler[int]):
+    """This worker's unread sample indices of an epoch, shard by shard, in reading order.
+
+    Iterating fetches the worker's assignment and yields the indices of each unfinished shard
+    (shuffled within the shard if asked, from (seed, epoch, shard id)); a partly read shard starts
+    after its recorded offset. A shard counts as consumed once the iteration has moved past its
+    last index, and is then reported done: every `report_every` shards, and at the end of a pass
+    (with 0, only then and on `flush()`). Before each shard the sampler checks for a newer plan
+    and re-fetches, and when it runs out it fetches again, so unfinished shards moved to this
+    worker (from a failed one) are read in the same pass; a shard moved away is dropped. A done
+    shard never moves, so a sample of the epoch is consumed exactly once across the job, whatever
+    fails, up to the shard a failed worker was reading (its samples since the last report or
+    `flush()` are read again by another worker). `wait_for_more()` ends an epoch.
+
+    `DataLoader(num_workers > 0)`: the loader iterates the sampler in the main process only and
+    sends the indices to its worker processes, which only call `dataset[i]`; the sampler is never
+    copied into them (nor pickled, with `spawn`), so there is one cursor and one stream of
+    reports, and each index goes to one loader worker. The loader draws up to
+    `prefetch_factor * num_workers` batches ahead of the loop, so by default a shard is reported
+    when its last index was handed to the loader. For exactly-once at the training step, pass
+    `manual_ack=True` and call `ack(len(batch))` after each step: the loader returns batches in
+    the order it drew them, so the first N indices drawn are the N the loop consumed, and only
+    those count in reports and in `state_dict()`.
+
+    `state_dict()` is the cursor (epoch, shards consumed, the shard in progress and its offset);
+    `load_state_dict()` or `cursor=` resumes from it. `flush()` reports the pending done shards and
+    the offset of the shard in progress; call it at a checkpoint. One iteration at a time.
+    """
+
+    def __init__(
+        self,
+        registry: ShardSource,
+        dataset_id: str,
+        epoch: int = 0,
+        *,
+        shuffle_within_shard: bool = False,
+        seed: int = 0,
+        report_every: int = 1,
+        cursor: Mapping[str, Any] | None = None,
+        manual_ack: bool = False,
+    ) -> None:
+        super().__init__()
+        self._registry = registry
+        self._dataset_id = _check_str("dataset_id", dataset_id)
+        self._epoch = _check_int("epoch", epoch, MAX_EPOCH)
+        if not isinstance(shuffle_within_shard, bool) or not isinstance(manual_ack, bool):
+            raise ValidationError("shuffle_within_shard and manual_ack must be True or False")
+        self._shuffle = shuffle_within_shard
+        self._seed = _check_int("seed", seed, 2**63 - 1)
+        self._report_every = _check_int("report_every", report_every, MAX_SHARDS)
+        self._manual_ack = manual_ack
+        self._log = log.bind(dataset=dataset_id)
+        self._reset()
+        if cursor is not None:
+            self.load_state_dict(cursor)
+
+    def _reset(self) -> None:
+        self._completed: set[int] = set()
+        self._unreported: list[int] = []
+        self._current: tuple[int, int] | None = None
+        self._current_length = 0
+        self._assignment: ShardAssignment | None = None
+        self._remaining: int | None = None
+        self._stale = False
+        self._in_flight: deque[_Drawn] = deque()
+        self._lost: list[int] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShardSampler {self._dataset_id} epoch={self._epoch} "
+            f"completed={len(self._completed)} current={self._current}>"
+        )
+
+    # -- properties -------------------------------------------------------------------------------
+
+    @property
+    def dataset_id(self) -> str:
+        return self._dataset_id
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def assignment(self) -> ShardAssignment | None:
+        """The assignment as last fetched."""
+        return self._assignment
+
+    @property
+    def completed_shards(self) -> frozenset[int]:
+        """Shards this sampler consumed to the end in the epoch."""
+        return frozenset(self._completed)
+
+    @property
+    def lost_shards(self) -> list[int]:
+        """Shards consumed here but moved to another worker before they were reported: their
+        samples are read again there. Non-empty only when a plan changed under a slow report."""
+        return list(self._lost)
+
+    def __len__(self) -> int:
+        """Samples left to read as of the last fetch (fetching now if there was none)."""
+        if self._remaining is None:
+            self._fetch(set())
+        assert self._remaining is not None
+        return self._remaining
+
+    # -- epochs and cursors -----------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start another epoch; done shards of the previous one not yet reported are reported."""
+        epoch = _check_int("epoch", epoch, MAX_EPOCH)
+        if epoch == self._epoch:
+            return
+        self._report()
+        self._epoch = epoch
+        self._reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor: what this sampler consumed of the epoch (plain data: save it anywhere)."""
+        return {
+            "version": CURSOR_VERSION,
+            "dataset_id": self._dataset_id,
+            "epoch": self._epoch,
+            "shuffle_within_shard": self._shuffle,
+            "seed": self._seed,
+            "completed": sorted(self._completed),
+            "current": list(self._current) if self._current is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a cursor: its done shards are reported again (a no-op for those already
+        recorded) and its shard in progress continues after its offset, if still this worker's."""
+        cursor = check_cursor(
+            state,
+            dataset_id=self._dataset_id,
+            shuffle_within_shard=self._shuffle,
+            seed=self._seed,
+        )
+        self._epoch = cursor.epoch
+        self._reset()
+        self._completed = set(cursor.completed)
+        self._unreported = sorted(cursor.completed)
+        self._current = cursor.current
+
+    # -- iteration --------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[int]:
+        # What was handed out and never acknowledged was not consumed: it is handed out again.
+        self._in_flight.clear()
+        self._report()
+        epoch = self._epoch
+        drawn: set[int] = set()
+        while True:
+            queue = self._fetch(drawn)
+            if not queue:
+                self._report()
+                return
+            for item in queue:
+                if self._epoch != epoch:
+                    return  # set_epoch() was called: this iteration belongs to the old epoch
+                if self._stale or self._newer_plan():
+                    break
+                order = within_shard_order(
+                    item.start,
+                    item.end,
+                    shuffle=self._shuffle,
+                    seed=self._seed,
+                    epoch=self._epoch,
+                    shard_id=item.shard_id,
+                )
+                length = len(order)
+                for k in range(item.offset, length):
+                    self._draw(item.shard_id, k, length)
+                    yield order[k]
+                    if self._epoch != epoch:
+                        return
+                drawn.add(item.shard_id)
+                # Here the loop has asked for the index after the shard's last one.
+                if not self._manual_ack or item.offset >= length:
+                    self._complete(item.shard_id)
+
+    def ack(self, num_samples: int) -> None:
+        """With `manual_ack=True`: the loop is done with the next `num_samples` indices handed
+        out (in order); shards acknowledged to their end are reported done."""
+        if not self._manual_ack:
+            raise ValidationError(
+                "ack() is for samplers made with manual_ack=True; this one counts an index as "
+                "consumed once the iteration moves past it"
+            )
+        count = _check_int("num_samples", num_samples, MAX_TOTAL_SAMPLES)
+        outstanding = sum(run.count for run in self._in_flight)
+        if count > outstanding:
+            raise ValidationError(
+                f"ack({count}) is more than the {outstanding} indices handed out and not yet "
+                "acknowledged",
+                field="num_samples",
+            )
+        while count:
+            run = self._in_flight[0]
+            taken = min(count, run.count)
+            run.offset += taken
+            run.count -= taken
+            count -= taken
+            self._current, self._current_length = (run.shard_id, run.offset), run.length
+            if run.offset >= run.length:
+                self._in_flight.popleft()
+                self._complete(run.shard_id)
+
+    def flush(self) -> ProgressResult | None:
+        """Report the done shards not yet reported and the offset of the shard in progress, so
+        that a worker taking over after a failure starts there. Call it at a checkpoint."""
+        partial: dict[int, int] = {}
+        if self._current is not None:
+            shard, offset = self._current
+            if offset >= self._current_length > 0:
+                self._complete(shard, report=False)
+            elif offset > 0:
+                partial[shard] = offset
+        return self._report(partial)
+
+    def wait_for_more(self, timeout: float = 300.0) -> bool:
+        """After an iteration ended: wait until this worker has shards to read again (True: iterate
+        again) or every shard of the epoch is done, by anyone (False: the epoch is over).
+
+        Shards of a worker that fails late in the epoch reach the survivors only once its
+        heartbeat timeout has passed; this is how a loop that finished its own shards waits for
+        them. With `manual_ack=True`, acknowledge everything handed out first: what is not
+        acknowledged is handed out again. Raises `TimeoutError` if neither happens within
+        `timeout` seconds.
+        """
+        if not 0 < timeout <= 86_400:
+            raise ValidationError(f"timeout must be in (0, 86400] s, got {timeout!r}")
+        self._report()
+        deadline = time.monotonic() + timeout
+        delay = POLL_S
+        fetched_at = time.monotonic()
+        while True:
+            summary = self._registry.plan(self._dataset_id, self._epoch)
+            if summary.done_shards >= summary.total_shards:
+                return False
+            known = self._assignment.plan_version if self._assignment is not None else -1
+            # The service re-plans only each dataset's latest epoch on its own; asking for
+            # shards brings an older epoch's plan up to date, so ask now and then regardless.
+            if summary.plan_version > known or time.monotonic() - fetched_at >= REFETCH_S:
+                fetched_at = time.monotonic()
+                if self._fetch(set()):
+                    return True
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"epoch {self._epoch} of {self._dataset_id!r}: {summary.done_shards} of "
+                    f"{summary.total_shards} shards done after {timeout:g}s, none of the rest "
+                    "for this worker"
+                )
+            # Backing off: a thousand workers waiting must not flood the service.
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, MAX_POLL_S)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _newer_plan(self) -> bool:
+        seen = self._registry.plan_version_seen(self._dataset_id, self._epoch)
+        return (
+            seen is not None
+            and self._assignment is not None
+            and seen > self._assignment.plan_version
+        )
+
+    def _fetch(self, drawn: AbstractSet[int]) -> list[Queued]:
+        assignment = self._registry.assignment(self._dataset_id, epoch=self._epoch)
+        self._assignment, self._stale = assignment, False
+        if self._current is not None and not self._in_flight:
+            span = next((s for s in assignment.shards if s.shard_id == self._current[0]), None)
+            if span is None or span.done:
+                self._current = None  # moved away or done: nothing of it is left to us
+            else:
+                self._current_length = span.end - span.start
+        queue = reading_queue(assignment, self._completed | drawn, self._current)
+        self._remaining = sum(item.left for item in queue)
+        return queue
+
+    def _draw(self, shard_id: int, index: int, length: int) -> None:
+        if not self._manual_ack:
+            self._current, self._current_length = (shard_id, index + 1), length
+            return
+        last = self._in_flight[-1] if self._in_flight else None
+        if last is not None and last.shard_id == shard_id:
+            last.count += 1
+        else:
+            self._in_flight.append(_Drawn(shard_id, index, 1, length))
+
+    def _complete(self, shard_id: int, *, report: bool = True) -> None:
+        if shard_id in self._completed:
+            return
+        self._completed.add(shard_id)
+        if self._current is not None and self._current[0] == shard_id:
+            self._current = None
+        self._unreported.append(shard_id)
+        if report and self._report_every and len(self._unreported) >= self._report_every:
+            self._report()
+
+    def _report(self, partial: Mapping[int, int] | None = None) -> ProgressResult | None:
+        completed = list(self._unreported)
+        offsets = dict(partial or {})
+        result = None
+        for _ in range(REPORT_ATTEMPTS):
+            if not completed and not offsets:
+                break
+            try:
+                result = self._registry.report_progress(
+                    self._dataset_id, self._epoch, completed, offsets
+                )
+                break
+            except ConflictError as exc:
+                # Some shard is no longer ours: keep what still is, drop the rest, re-plan.
+                assignment = self._registry.assignment(self._dataset_id, epoch=self._epoch)
+                self._assignment, self._stale = assignment, True
+                ours = {span.shard_id for span in assignment.shards}
+                lost = [s for s in completed if s not in ours]
+                self._lost.extend(lost)
+                self._log.warning(
+                    "shards_moved_before_report",
+                    epoch=self._epoch,
+                    lost=lost[:20],
+                    lost_count=len(lost),
+                    error=exc.message,
+                    consequence="another worker reads these shards again",
+                )
+                completed = [s for s in completed if s in ours]
+                offsets = {s: o for s, o in offsets.items() if s in ours}
+        else:
+            raise ConflictError(
+                f"progress on {self._dataset_id!r} epoch {self._epoch} still conflicts after "
+                f"{REPORT_ATTEMPTS} re-fetches of the plan: is it changing all the time?"
+            )
+        self._unreported = []
+        return result
+
+
+def _check_str(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValidationError(f"{what} must be a non-empty string, got {value!r}", field=what)
+    return value
+
+
+def _check_int(what: str, value: object, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= high:
+        raise ValidationError(
+            f"{what} must be an integer in [0, {high}], got {value!r}", field=what
+        )
+    return int(value)
