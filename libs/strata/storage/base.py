@@ -87,5 +87,5 @@ class StorageBackend(ABC):
     def uri(self, key: str) -> str:
         return f"{self.root_uri.rstrip('/')}/{check_key(key)}"
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional: only backends with connections need it
         """Release connections (S3 clients); the backend is unusable afterwards."""
