@@ -38,6 +38,7 @@ from strata.events.requests import (
     ProgressResult,
     RegisterDatasetRequest,
     ReportProgressRequest,
+    RestoreProgressRequest,
     ShardAssignment,
 )
 
@@ -265,6 +266,34 @@ class AsyncDatasetRegistry:
         assert result is not None
         return result
 
+    async def restore_progress(
+        self,
+        dataset_id: str,
+        epoch: int,
+        checkpoint_step: int,
+        completed: Iterable[int] = (),
+        partial: Mapping[int, int] | None = None,
+    ) -> ProgressResult:
+        """Reset an epoch's progress to the cursors of the committed checkpoint a job restarts
+        from (the union of every rank's cursor); later epochs start afresh.
+
+        Idempotent per `checkpoint_step`, so every worker of the restarting job may call it; call
+        it before any worker reads again, e.g. before a barrier they all pass afterwards.
+        """
+        _check_id("dataset_id", dataset_id)
+        epoch = _check_epoch(epoch)
+        done, offsets = _check_progress(completed, partial)
+        request = RestoreProgressRequest(
+            job=self._worker.job,
+            dataset_id=dataset_id,
+            epoch=epoch,
+            worker_id=self._worker.id,
+            checkpoint_step=_check_int("checkpoint_step", checkpoint_step, 0, 2**62),
+            completed=done,
+            partial=offsets,
+        )
+        return await self._call("restore_progress", request, ProgressResult)
+
     async def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:
         """The epoch's plan as a whole: version, shards per worker, shards done of all."""
         _check_id("dataset_id", dataset_id)
@@ -409,6 +438,19 @@ class DatasetRegistry:
         (`partial`: shard id -> offset); `strata.ConflictError` if one is no longer its own."""
         return self._worker.runner.run(
             self._aio.report_progress(dataset_id, epoch, completed, partial)
+        )
+
+    def restore_progress(
+        self,
+        dataset_id: str,
+        epoch: int,
+        checkpoint_step: int,
+        completed: Iterable[int] = (),
+        partial: Mapping[int, int] | None = None,
+    ) -> ProgressResult:
+        """Reset an epoch's progress to a restarting job's checkpoint cursors (idempotent)."""
+        return self._worker.runner.run(
+            self._aio.restore_progress(dataset_id, epoch, checkpoint_step, completed, partial)
         )
 
     def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:

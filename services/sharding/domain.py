@@ -16,6 +16,7 @@ from strata.events import (
     ShardOffset,
     ShardPlanChanged,
     ShardProgress,
+    ShardProgressRestored,
     WorkerFailed,
     WorkerLeft,
     WorkerRegistered,
@@ -27,6 +28,7 @@ from strata.events.requests import (
     ProgressResult,
     RegisterDatasetRequest,
     ReportProgressRequest,
+    RestoreProgressRequest,
     ShardAssignment,
     ShardSpan,
 )
@@ -50,6 +52,8 @@ class JobSharding:
     live: set[str] = field(default_factory=set)
     datasets: dict[str, DatasetSpec] = field(default_factory=dict)
     plans: dict[tuple[str, int], EpochPlan] = field(default_factory=dict)
+    restored: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Dataset id -> (epoch, checkpoint step) of the last restore, so a repeat is a no-op."""
 
     def latest_epoch(self, dataset_id: str) -> int | None:
         epochs = [epoch for (ds, epoch) in self.plans if ds == dataset_id]
@@ -102,6 +106,21 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
         else:
             current.plan, _ = replan(current.plan, event.members)
             current.plan.version = event.plan_version
+    elif isinstance(event, ShardProgressRestored):
+        job = state.job(event.job)
+        job.restored[event.dataset_id] = (event.epoch, event.checkpoint_step)
+        for key in [k for k in job.plans if k[0] == event.dataset_id and k[1] > event.epoch]:
+            del job.plans[key]
+        epoch_plan = job.plans.get((event.dataset_id, event.epoch))
+        if epoch_plan is not None:
+            size = epoch_plan.plan.owner.size
+            epoch_plan.plan.done[:] = False
+            epoch_plan.plan.mark_done([s for s in event.completed if s < size])
+            epoch_plan.offsets = {
+                p.shard_id: p.offset
+                for p in event.partial
+                if p.shard_id < size and not epoch_plan.plan.done[p.shard_id]
+            }
     elif isinstance(event, ShardProgress):
         epoch_plan = state.job(event.job).plans.get((event.dataset_id, event.epoch))
         if epoch_plan is None:
@@ -332,6 +351,52 @@ def report_progress(state: ShardingState, request: ReportProgressRequest, now: f
             )
         ]
     )
+
+
+def restore_progress(state: ShardingState, request: RestoreProgressRequest, now: float) -> Decision:
+    """Plan the epoch if needed, then reset its progress, once per checkpoint step."""
+    job = _known(state, request.job, request.dataset_id)
+    if isinstance(job, StrataError):
+        return Decision(error=job)
+    if job.restored.get(request.dataset_id) == (request.epoch, request.checkpoint_step):
+        return Decision()
+    spec = job.datasets[request.dataset_id]
+    named = [*request.completed, *(p.shard_id for p in request.partial)]
+    outside = sorted({s for s in named if s >= spec.num_shards})
+    if outside:
+        return Decision(
+            error=ValidationError(
+                f"shards {outside[:5]} do not exist ({request.dataset_id!r} has "
+                f"{spec.num_shards}); is this cursor from another dataset?",
+                field="completed",
+            )
+        )
+    events: list[Event] = []
+    if (request.dataset_id, request.epoch) not in job.plans:
+        if request.worker_id not in job.live:
+            return Decision(
+                error=NotFound(
+                    f"worker {request.worker_id!r} is not a live member of job {request.job!r}"
+                )
+            )
+        planned = _plan_event(job, request.dataset_id, request.epoch, now, "restored")
+        events += [planned] if planned else []
+    events.append(
+        ShardProgressRestored(
+            id=event_id(
+                "restored", request.job, request.dataset_id, request.epoch, request.checkpoint_step
+            ),
+            job=request.job,
+            source=SOURCE,
+            ts=int(now * 1e9),
+            dataset_id=request.dataset_id,
+            epoch=request.epoch,
+            checkpoint_step=request.checkpoint_step,
+            completed=sorted(set(request.completed)),
+            partial=list(request.partial),
+        )
+    )
+    return Decision(events)
 
 
 def progress_result(state: ShardingState, request: ReportProgressRequest) -> ProgressResult:

@@ -23,6 +23,7 @@ from strata.events.requests import (
     ProgressResult,
     RegisterDatasetRequest,
     ReportProgressRequest,
+    RestoreProgressRequest,
     ShardAssignment,
 )
 from strata.services.projection import Projection
@@ -58,6 +59,7 @@ class Sharding(Projection[ShardingState]):
         self._rpc.route("get_shards", GetShardsRequest, self._get_shards)
         self._rpc.route("report_progress", ReportProgressRequest, self._report_progress)
         self._rpc.route("plan", PlanRequest, self._plan)
+        self._rpc.route("restore_progress", RestoreProgressRequest, self._restore_progress)
         await self._rpc.start()
         # Membership may have changed while this service was down.
         async with self.lock:
@@ -110,6 +112,19 @@ class Sharding(Projection[ShardingState]):
             await self._decided(domain.report_progress(self.state, request, self.clock()))
             return domain.progress_result(self.state, request)
 
+    async def _restore_progress(self, request: RestoreProgressRequest) -> ProgressResult:
+        await self.sync()
+        async with self.lock:
+            await self._decided(domain.restore_progress(self.state, request, self.clock()))
+            plan = self.state.job(request.job).plans[(request.dataset_id, request.epoch)].plan
+            return ProgressResult(
+                job=request.job,
+                dataset_id=request.dataset_id,
+                epoch=request.epoch,
+                done_shards=int(plan.done.sum()),
+                total_shards=int(plan.owner.size),
+            )
+
     async def _plan(self, request: PlanRequest) -> PlanSummary:
         return domain.plan_summary(self.state, request.job, request.dataset_id, request.epoch)
 
@@ -123,6 +138,7 @@ def snapshot(state: ShardingState) -> dict[str, Any]:
                 "job": job.job,
                 "membership_epoch": job.membership_epoch,
                 "live": sorted(job.live),
+                "restored": [[ds, e, step] for ds, (e, step) in job.restored.items()],
                 "datasets": [
                     [s.dataset_id, s.total_samples, s.shard_size, s.shuffle, s.seed]
                     for s in job.datasets.values()
@@ -152,6 +168,7 @@ def restore(data: dict[str, Any]) -> ShardingState:
         job = state.job(raw["job"])
         job.membership_epoch = raw["membership_epoch"]
         job.live = set(raw["live"])
+        job.restored = {ds: (e, step) for ds, e, step in raw.get("restored", [])}
         for ds, total, size, shuffle, seed in raw["datasets"]:
             job.datasets[ds] = DatasetSpec(ds, total, size, shuffle, seed)
         for p in raw["plans"]:

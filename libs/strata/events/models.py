@@ -221,6 +221,20 @@ class ShardProgress(Event):
     )
 
 
+class ShardProgressRestored(Event):
+    """An epoch's progress was reset to a committed checkpoint's cursors (the job restarted)."""
+
+    type: Literal["shard.progress_restored"] = "shard.progress_restored"
+    v: Literal[1] = 1
+    dataset_id: Id
+    epoch: Epoch
+    checkpoint_step: Step
+    completed: Annotated[list[ShardId], Field(max_length=MAX_SHARDS)] = Field(default_factory=list)
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+
+
 # -- barriers -------------------------------------------------------------------------------------
 
 
@@ -402,6 +416,7 @@ AnyEvent: TypeAlias = Annotated[
     | DatasetRegistered
     | ShardPlanChanged
     | ShardProgress
+    | ShardProgressRestored
     | BarrierOpened
     | BarrierArrived
     | BarrierReleased
@@ -426,6 +441,7 @@ EVENT_MODELS: Final[tuple[type[Event], ...]] = (
     DatasetRegistered,
     ShardPlanChanged,
     ShardProgress,
+    ShardProgressRestored,
     BarrierOpened,
     BarrierArrived,
     BarrierReleased,

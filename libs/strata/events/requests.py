@@ -192,6 +192,23 @@ class ProgressResult(StrictModel):
     total_shards: ShardCount
 
 
+class RestoreProgressRequest(StrictModel):
+    """Reset an epoch's progress to a checkpoint's cursors; later epochs start afresh.
+
+    Idempotent per `checkpoint_step`: every worker of a restarting job may send the same one.
+    """
+
+    job: Id
+    dataset_id: Id
+    epoch: Epoch
+    worker_id: Id
+    checkpoint_step: Step
+    completed: Annotated[list[ShardId], Field(max_length=MAX_SHARDS)] = Field(default_factory=list)
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+        default_factory=list
+    )
+
+
 class PlanRequest(StrictModel):
     job: Id
     dataset_id: Id
@@ -226,6 +243,13 @@ REPORT_PROGRESS = endpoint(
     "Record shards (or parts of shards) a worker has consumed.",
 )
 PLAN = endpoint("sharding", "plan", PlanRequest, PlanSummary, "Loads of an epoch's plan.")
+RESTORE_PROGRESS = endpoint(
+    "sharding",
+    "restore_progress",
+    RestoreProgressRequest,
+    ProgressResult,
+    "Reset an epoch's progress to a committed checkpoint's cursors (idempotent per step).",
+)
 
 
 # -- barrier --------------------------------------------------------------------------------------
