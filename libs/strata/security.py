@@ -65,6 +65,7 @@ def permissions(role: Role, user: str) -> Permissions:
         subscribe_allow=(
             f"{subjects.EVENTS}.*.worker.*",
             f"{subjects.EVENTS}.*.barrier.*",
+            f"{subjects.EVENTS}.*.shard.plan_changed",
             f"{subjects.CONTROL}.*.{worker}",
             INBOX,
         ),

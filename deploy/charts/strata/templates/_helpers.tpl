@@ -1,0 +1,254 @@
+{{/*
+Names, labels and the pieces every Strata pod shares (image, environment, security, volumes).
+*/}}
+
+{{- define "strata.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release's full name; resources are named "<fullname>-<part>", so it leaves room for the
+longest part ("-nats-headless") within the 63 characters of a DNS label.
+*/}}
+{{- define "strata.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "strata.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one component: include "strata.selectorLabels" (list $ "registry") */}}
+{{- define "strata.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "strata.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* Every label of one component: include "strata.labels" (list $ "registry") */}}
+{{- define "strata.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "strata.chart" $root }}
+{{ include "strata.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: strata
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end }}
+
+{{- define "strata.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "strata.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "strata.image" -}}
+{{- $image := .Values.coordinator.image -}}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- end }}
+
+{{- define "strata.workerImage" -}}
+{{- $image := .Values.workers.image -}}
+{{- if $image.repository }}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- else }}
+{{- include "strata.image" . }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty) when the chart runs its own NATS. */}}
+{{- define "strata.nats.internal" -}}
+{{- if not .Values.externalNats.url }}true{{ end }}
+{{- end }}
+
+{{- define "strata.nats.url" -}}
+{{- if .Values.externalNats.url }}
+{{- .Values.externalNats.url }}
+{{- else }}
+{{- printf "nats://%s-nats.%s.svc:4222" (include "strata.fullname" .) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/*
+JetStream replicas of Strata's streams: 3 when the chart's NATS has a quorum to give them, 1 for a
+single server; for an external NATS the operator says.
+*/}}
+{{- define "strata.streamReplicas" -}}
+{{- if .Values.externalNats.url }}
+{{- .Values.externalNats.streamReplicas }}
+{{- else if ge (int .Values.nats.replicas) 3 }}3
+{{- else }}1
+{{- end }}
+{{- end }}
+
+{{- define "strata.nats.authSecret" -}}
+{{- default (printf "%s-nats-auth" (include "strata.fullname" .)) .Values.nats.auth.existingSecret }}
+{{- end }}
+
+{{/* Every job that gets a NATS worker user: workers.job first, then the extra ones. */}}
+{{- define "strata.workerJobs" -}}
+{{- $jobs := list .Values.workers.job }}
+{{- range .Values.nats.auth.extraWorkerJobs }}
+{{- if not (has . $jobs) }}{{ $jobs = append $jobs . }}{{ end }}
+{{- end }}
+{{- toJson $jobs }}
+{{- end }}
+
+{{/*
+NATS user names. A worker user is shared by the workers of one job and starts with "strata-", so
+the SDK does not take it for a worker id (per-worker user names are worker ids).
+*/}}
+{{- define "strata.nats.workerUser" -}}
+{{- printf "strata-workers-%s" . }}
+{{- end }}
+
+{{/* The environment NATS credentials: include "strata.natsCredentialsEnv" (list $ "services") */}}
+{{- define "strata.natsCredentialsEnv" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- if $root.Values.nats.auth.enabled }}
+{{- $user := printf "strata-%s" $role }}
+{{- $key := printf "%s-password" $role }}
+{{- if hasPrefix "workers-" $role }}
+{{- $user = include "strata.nats.workerUser" (trimPrefix "workers-" $role) }}
+{{- end }}
+- name: STRATA_NATS_USER
+  value: {{ $user | quote }}
+- name: STRATA_NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "strata.nats.authSecret" $root }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
+
+{{/* Settings every Strata process reads: NATS, heartbeats, logs. */}}
+{{- define "strata.commonEnv" -}}
+- name: STRATA_NATS_URL
+  value: {{ include "strata.nats.url" . | quote }}
+- name: STRATA_STREAM_REPLICAS
+  value: {{ include "strata.streamReplicas" . | quote }}
+- name: STRATA_HEARTBEAT_INTERVAL
+  value: {{ .Values.coordinator.heartbeatInterval | toString | quote }}
+- name: STRATA_HEARTBEAT_TIMEOUT
+  value: {{ .Values.coordinator.heartbeatTimeout | toString | quote }}
+- name: STRATA_LOG_FORMAT
+  value: {{ .Values.coordinator.logFormat | quote }}
+- name: STRATA_LOG_LEVEL
+  value: {{ .Values.coordinator.logLevel | quote }}
+- name: STRATA_DATA_DIR
+  value: /tmp/strata
+{{- end }}
+
+{{/*
+Where checkpoints go: only for the pods that read or write them (checkpoint service, workers), so
+the storage credentials reach no other pod.
+*/}}
+{{- define "strata.storageEnv" -}}
+- name: STORAGE_BACKEND
+  value: {{ .Values.storage.backend | quote }}
+{{- if eq .Values.storage.backend "s3" }}
+- name: CHECKPOINT_BUCKET
+  value: {{ .Values.storage.s3.bucket | quote }}
+{{- with .Values.storage.s3.region }}
+- name: AWS_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.s3.endpoint }}
+- name: STRATA_S3_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: AWS_SECRET_ACCESS_KEY
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty) when checkpoints go to the shared volume. */}}
+{{- define "strata.checkpoints.local" -}}
+{{- if eq .Values.storage.backend "local" }}true{{ end }}
+{{- end }}
+
+{{- define "strata.checkpoints.claim" -}}
+{{- default (printf "%s-checkpoints" (include "strata.fullname" .)) .Values.persistence.existingClaim }}
+{{- end }}
+
+{{/*
+The checkpoints volume for pods that read or write checkpoints. Without persistence it is an
+emptyDir: good for a look around, useless for recovery (NOTES.txt says so).
+*/}}
+{{- define "strata.checkpoints.volume" -}}
+{{- if include "strata.checkpoints.local" . }}
+- name: checkpoints
+{{- if .Values.persistence.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ include "strata.checkpoints.claim" . }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "strata.checkpoints.mount" -}}
+{{- if include "strata.checkpoints.local" . }}
+- name: checkpoints
+  mountPath: /data/checkpoints
+{{- end }}
+{{- end }}
+
+{{- define "strata.probe" -}}
+{{- $path := index . 0 -}}
+{{- $port := index . 1 -}}
+httpGet:
+  path: {{ $path }}
+  port: {{ $port }}
+{{- if eq $path "/healthz" }}
+initialDelaySeconds: 5
+periodSeconds: 10
+timeoutSeconds: 3
+failureThreshold: 6
+{{- else }}
+periodSeconds: 5
+timeoutSeconds: 3
+failureThreshold: 3
+{{- end }}
+{{- end }}
+
+{{/*
+The NATS users, as JSON: user name, role, job (workers only), the key of its password in the auth
+Secret and the environment variable the NATS server reads it from.
+*/}}
+{{- define "strata.nats.users" -}}
+{{- $users := list
+  (dict "user" "strata-services" "role" "services" "key" "services-password" "env" "STRATA_SERVICES_PASSWORD")
+  (dict "user" "strata-gateway" "role" "gateway" "key" "gateway-password" "env" "STRATA_GATEWAY_PASSWORD") }}
+{{- range $index, $job := include "strata.workerJobs" . | fromJsonArray }}
+{{- $users = append $users (dict
+  "user" (include "strata.nats.workerUser" $job)
+  "role" "workers"
+  "job" $job
+  "key" (printf "workers-%s-password" $job)
+  "env" (printf "STRATA_WORKERS_%d_PASSWORD" $index)) }}
+{{- end }}
+{{- toJson $users }}
+{{- end }}

@@ -1,0 +1,791 @@
+"""The Helm chart rendered offline: valid for Kubernetes 1.29-1.33, secure, wired as documented.
+
+Each scenario is one way people install Strata (the seeds' S3 and PVC set-ups, an existing NATS,
+autoscaled workers). Every render is checked against the Kubernetes schemas in strict mode, then
+its objects are read back to check what the schemas cannot: probes, limits, mounts, permissions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import kubernetes_validate.utils
+import pytest
+import yaml
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from strata import security
+from strata.bus import Bus, ConnectOptions, EventFeed
+from strata.bus import connect as connect_nats
+from strata.bus.server import NatsServer, nats_server_binary
+from strata.config import load_settings
+from strata.events import EVENT_TYPES, CheckpointShardSaved, subjects
+from strata.events.rpc import SERVICES
+
+from tests.deploy import natsconf
+from tests.deploy.chart import CHART, NAMESPACE, RELEASE, Render, Rendered, helm_template
+
+KUBERNETES_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
+STRATA_SERVICES = ("registry", "sharding", "barrier", "checkpoint", "gateway")
+STANDARD_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+)
+EXTERNAL_NATS = "nats://nats.messaging.svc:4222"
+
+SCENARIOS: dict[str, tuple[str, ...]] = {
+    "defaults": (),
+    "s3-secret": (
+        "storage.backend=s3",
+        "storage.s3.bucket=my-ml-checkpoints",
+        "storage.s3.region=us-east-1",
+        "storage.s3.existingSecret=aws-credentials",
+    ),
+    "s3-irsa": (
+        "storage.backend=s3",
+        "storage.s3.bucket=my-ml-checkpoints",
+        "storage.s3.region=us-east-1",
+        r"serviceAccount.annotations.eks\.amazonaws\.com/role-arn=arn:aws:iam::123456789012:role/strata",
+    ),
+    "local-pvc": (
+        "storage.backend=local",
+        "persistence.enabled=true",
+        "persistence.storageClass=fast-nvme",
+        "persistence.accessMode=ReadWriteMany",
+        "persistence.size=500Gi",
+    ),
+    "external-nats": (
+        f"externalNats.url={EXTERNAL_NATS}",
+        "externalNats.streamReplicas=3",
+        "nats.auth.existingSecret=strata-nats-credentials",
+    ),
+    "autoscaling": (
+        "workers.autoscaling.enabled=true",
+        "workers.autoscaling.minReplicas=4",
+        "workers.autoscaling.maxReplicas=100",
+        "workers.autoscaling.targetCPUUtilizationPercentage=80",
+    ),
+    "single-node-dev": (
+        "nats.replicas=1",
+        "nats.auth.enabled=false",
+        "persistence.enabled=false",
+        "workers.gpu=0",
+        "workers.healthPort=8081",
+    ),
+}
+
+
+def _name(part: str) -> str:
+    return f"{RELEASE}-{part}"
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = workload["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    """name -> value, or the valueFrom mapping when the value comes from elsewhere."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _strata_containers(rendered: Rendered) -> list[dict[str, Any]]:
+    return [
+        c
+        for w in rendered.workloads()
+        if w["metadata"]["labels"]["app.kubernetes.io/component"] != "nats"
+        for c in _containers(w)
+    ]
+
+
+def _nats_auth(rendered: Rendered) -> dict[str, tuple[str, natsconf.Permissions]]:
+    config = rendered.get("ConfigMap", _name("nats-config"))["data"]
+    assert natsconf.parse(config["nats.conf"])["include"] == ["auth.conf"]
+    return natsconf.users(natsconf.parse(config["auth.conf"]))
+
+
+# -- the chart as a whole -------------------------------------------------------------------------
+
+
+def test_lint_strict(helm: Path) -> None:
+    for settings in (SCENARIOS["defaults"], SCENARIOS["s3-secret"]):
+        command = [str(helm), "lint", "--strict", str(CHART)]
+        for setting in settings:
+            command += ["--set", setting]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def _schemas_read_once() -> Iterator[None]:
+    # kubernetes-validate reads and parses its schema files again for every object; the same
+    # few files serve every render here.
+    with pytest.MonkeyPatch.context() as patch:
+        cached = functools.lru_cache(maxsize=None)(kubernetes_validate.utils.schema_contents)
+        patch.setattr(kubernetes_validate.utils, "schema_contents", cached)
+        yield
+
+
+@pytest.mark.usefixtures("_schemas_read_once")
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_renders_valid_objects_for_kubernetes_1_29_to_1_33(render: Render, scenario: str) -> None:
+    rendered = render(*SCENARIOS[scenario])
+    assert rendered.objects
+    failures = []
+    for version in KUBERNETES_VERSIONS:
+        for obj in rendered.objects:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                path = ".".join(str(p) for p in exc.path)
+                failures.append(f"{version} {obj['kind']}/{obj['metadata']['name']} {path}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def test_strict_validation_rejects_an_unknown_field(render: Render) -> None:
+    # Guards the test above: strict mode must refuse what a typo in a template would produce.
+    deployment = render().get("Deployment", _name("gateway"))
+    broken = {**deployment, "spec": {**deployment["spec"], "replica": 2}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_object_has_the_standard_labels(render: Render, scenario: str) -> None:
+    for obj in render(*SCENARIOS[scenario]).objects:
+        labels = obj["metadata"].get("labels", {})
+        missing = [label for label in STANDARD_LABELS if label not in labels]
+        assert not missing, f"{obj['kind']}/{obj['metadata']['name']} lacks {missing}"
+        assert labels["app.kubernetes.io/part-of"] == "strata"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert obj["metadata"]["namespace"] == NAMESPACE
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_services_select_pods_and_named_ports_that_exist(render: Render, scenario: str) -> None:
+    rendered = render(*SCENARIOS[scenario])
+    for workload in rendered.workloads():
+        pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+        selector = workload["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pod_labels.items(), workload["metadata"]["name"]
+    for service in rendered.of_kind("Service"):
+        selector = service["spec"]["selector"]
+        targets = [
+            w
+            for w in rendered.workloads()
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(targets) == 1, f"Service {service['metadata']['name']} selects {len(targets)}"
+        ports = {p["name"] for c in _containers(targets[0]) for p in c.get("ports", [])}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, (service["metadata"]["name"], port)
+
+
+# -- pods: probes, limits, security ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_container_is_probed_limited_and_unprivileged(render: Render, scenario: str) -> None:
+    rendered = render(*SCENARIOS[scenario])
+    workers_probed = "workers.healthPort=8081" in SCENARIOS[scenario]
+    for workload in rendered.workloads():
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for container in _containers(workload):
+            where = f"{workload['metadata']['name']}/{container['name']}"
+            # The SDK serves no probe endpoint: worker probes exist only once one is configured.
+            if component != "worker" or workers_probed:
+                assert container["livenessProbe"]["httpGet"]["path"].startswith("/healthz"), where
+                ready = container["readinessProbe"]["httpGet"]["path"]
+                assert ready in ("/readyz", "/healthz?js-server-only=true"), where
+            resources = container["resources"]
+            for kind in ("cpu", "memory"):
+                assert kind in resources["requests"], where
+                assert kind in resources["limits"], where
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True, where
+            assert context["runAsUser"] == 10001, where
+            assert context["readOnlyRootFilesystem"] is True, where
+            assert context["allowPrivilegeEscalation"] is False, where
+            assert context["capabilities"]["drop"] == ["ALL"], where
+            assert context["seccompProfile"]["type"] == "RuntimeDefault", where
+
+
+def test_strata_containers_get_a_writable_tmp(render: Render) -> None:
+    # readOnlyRootFilesystem: Python, boto and torch caches need somewhere to go.
+    rendered = render()
+    for workload in rendered.workloads():
+        if workload["metadata"]["labels"]["app.kubernetes.io/component"] == "nats":
+            continue
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        for container in _containers(workload):
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert "emptyDir" in volumes[mounts["/tmp"]], workload["metadata"]["name"]
+
+
+def test_probes_point_at_the_health_port_that_the_service_is_told_to_use(render: Render) -> None:
+    rendered = render()
+    for name in STRATA_SERVICES:
+        (container,) = _containers(rendered.get("Deployment", _name(name)))
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert container["livenessProbe"]["httpGet"]["port"] == "health"
+        assert container["readinessProbe"]["httpGet"]["port"] == "health"
+        assert _env(container)["STRATA_HEALTH_PORT"] == str(ports["health"])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_environment_given_to_each_container_is_valid_strata_settings(
+    render: Render, scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for container in _strata_containers(render(*SCENARIOS[scenario])):
+        for name in list(os.environ):
+            if name.startswith("STRATA_") or name in ("STORAGE_BACKEND", "CHECKPOINT_BUCKET"):
+                monkeypatch.delenv(name)
+        for name, value in _env(container).items():
+            monkeypatch.setenv(name, value if isinstance(value, str) else "from-a-secret")
+        settings = load_settings()  # raises ConfigError naming any variable it cannot use
+        assert settings.log_format == "json"
+        if container["name"] in ("checkpoint", "worker"):
+            assert settings.storage_backend == ("s3" if "s3" in scenario else "local")
+
+
+def test_one_image_runs_every_service(render: Render) -> None:
+    rendered = render()
+    images = set()
+    for name in STRATA_SERVICES:
+        (container,) = _containers(rendered.get("Deployment", _name(name)))
+        images.add(container["image"])
+        assert container["args"] == ["serve", name]
+        assert "command" not in container  # the image's entrypoint is `strata`
+    assert len(images) == 1
+
+
+def test_gateway_and_dashboard_services(render: Render) -> None:
+    rendered = render()
+    (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
+    http = next(p for p in gateway["ports"] if p["name"] == "http")
+    assert http["containerPort"] == 8080
+    assert _env(gateway)["STRATA_HTTP_PORT"] == "8080"
+    (api_port,) = rendered.get("Service", _name("gateway"))["spec"]["ports"]
+    assert (api_port["port"], api_port["targetPort"]) == (8080, "http")
+    (dashboard_port,) = rendered.get("Service", _name("dashboard"))["spec"]["ports"]
+    assert (dashboard_port["port"], dashboard_port["targetPort"]) == (3000, "http")
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+
+def test_workers_get_their_job_gpus_and_shared_memory(render: Render) -> None:
+    (worker,) = _containers(render().get("Deployment", _name("worker")))
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert _env(worker)["STRATA_JOB"] == "default"
+    assert {"/dev/shm", "/tmp"} <= {m["mountPath"] for m in worker["volumeMounts"]}
+    (cpu_only,) = _containers(
+        render(*SCENARIOS["single-node-dev"]).get("Deployment", _name("worker"))
+    )
+    assert "nvidia.com/gpu" not in cpu_only["resources"]["limits"]
+
+
+def test_a_training_command_replaces_the_demo_entirely(render: Render) -> None:
+    (demo,) = _containers(render().get("Deployment", _name("worker")))
+    assert demo["command"] == ["strata", "demo"]
+    rendered = render("workers.command={python,train.py}", "workers.image.repository=acme/train")
+    (worker,) = _containers(rendered.get("Deployment", _name("worker")))
+    assert worker["command"] == ["python", "train.py"]
+    assert "args" not in worker
+    assert worker["image"] == "acme/train:0.1.0"
+
+
+def test_autoscaling_replaces_a_fixed_replica_count(render: Render) -> None:
+    rendered = render(*SCENARIOS["autoscaling"])
+    (hpa,) = rendered.of_kind("HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": _name("worker"),
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (4, 100)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"] == {"type": "Utilization", "averageUtilization": 80}
+    # A fixed count would fight the autoscaler at every upgrade.
+    assert "replicas" not in rendered.get("Deployment", _name("worker"))["spec"]
+    assert render().get("Deployment", _name("worker"))["spec"]["replicas"] == 4
+    assert not render().of_kind("HorizontalPodAutoscaler")
+
+
+# -- storage --------------------------------------------------------------------------------------
+
+
+def _mounts_checkpoints(workload: dict[str, Any], claim: str | None) -> bool:
+    (container,) = _containers(workload)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    if "/data/checkpoints" not in mounts:
+        return False
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    volume = volumes[mounts["/data/checkpoints"]]
+    if claim is None:
+        return "emptyDir" in volume
+    return bool(volume.get("persistentVolumeClaim", {}).get("claimName") == claim)
+
+
+def test_local_storage_shares_one_claim_between_workers_and_the_checkpoint_service(
+    render: Render,
+) -> None:
+    rendered = render(*SCENARIOS["local-pvc"])
+    claim = rendered.get("PersistentVolumeClaim", _name("checkpoints"))
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["storageClassName"] == "fast-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "500Gi"
+    for name in ("checkpoint", "worker"):
+        workload = rendered.get("Deployment", _name(name))
+        assert _mounts_checkpoints(workload, _name("checkpoints")), name
+        (container,) = _containers(workload)
+        assert _env(container)["STORAGE_BACKEND"] == "local"
+    for name in ("registry", "sharding", "barrier", "gateway"):
+        assert not _mounts_checkpoints(rendered.get("Deployment", _name(name)), None)
+
+
+def test_local_storage_without_persistence_is_scratch_space(render: Render) -> None:
+    rendered = render(*SCENARIOS["single-node-dev"])
+    assert not rendered.of_kind("PersistentVolumeClaim")
+    assert _mounts_checkpoints(rendered.get("Deployment", _name("checkpoint")), None)
+
+
+@pytest.mark.parametrize("scenario", ["s3-secret", "s3-irsa"])
+def test_s3_storage_needs_no_volume_and_gets_its_settings(render: Render, scenario: str) -> None:
+    rendered = render(*SCENARIOS[scenario])
+    assert not rendered.of_kind("PersistentVolumeClaim")
+    for name in ("checkpoint", "worker"):
+        workload = rendered.get("Deployment", _name(name))
+        (container,) = _containers(workload)
+        env = _env(container)
+        assert env["STORAGE_BACKEND"] == "s3"
+        assert env["CHECKPOINT_BUCKET"] == "my-ml-checkpoints"
+        assert env["AWS_REGION"] == "us-east-1"
+        assert "/data/checkpoints" not in {m["mountPath"] for m in container["volumeMounts"]}
+        if scenario == "s3-secret":
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                assert env[key]["secretKeyRef"] == {"name": "aws-credentials", "key": key}
+        else:
+            assert "AWS_ACCESS_KEY_ID" not in env
+            pod = workload["spec"]["template"]["spec"]
+            assert pod["serviceAccountName"] == RELEASE
+    # Storage settings and credentials reach only the pods that handle checkpoints.
+    for name in ("registry", "sharding", "barrier", "gateway"):
+        (container,) = _containers(rendered.get("Deployment", _name(name)))
+        env = _env(container)
+        assert not {"STORAGE_BACKEND", "CHECKPOINT_BUCKET", "AWS_SECRET_ACCESS_KEY"} & set(env)
+    if scenario == "s3-irsa":
+        account = rendered.get("ServiceAccount", RELEASE)
+        assert account["metadata"]["annotations"] == {
+            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/strata"
+        }
+
+
+# -- NATS -----------------------------------------------------------------------------------------
+
+
+def test_nats_is_a_three_node_jetstream_cluster_by_default(render: Render) -> None:
+    rendered = render()
+    nats = rendered.get("StatefulSet", _name("nats"))
+    assert nats["spec"]["replicas"] == 3
+    assert nats["spec"]["podManagementPolicy"] == "Parallel"
+    (claim,) = nats["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    headless = rendered.get("Service", nats["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+
+    (pdb,) = rendered.of_kind("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pod_labels = nats["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    config = natsconf.parse(rendered.get("ConfigMap", _name("nats-config"))["data"]["nats.conf"])
+    assert config["jetstream"]["store_dir"] == "/data/jetstream"
+    routes = config["cluster"]["routes"]
+    assert routes == [
+        f"nats://{_name('nats')}-{i}.{_name('nats-headless')}.{NAMESPACE}.svc.cluster.local:6222"
+        for i in range(3)
+    ]
+
+    for container in _strata_containers(rendered):
+        env = _env(container)
+        assert env["STRATA_STREAM_REPLICAS"] == "3", container["name"]
+        assert env["STRATA_NATS_URL"] == f"nats://{_name('nats')}.{NAMESPACE}.svc:4222"
+
+
+def test_a_single_nats_node_keeps_one_copy_of_each_stream(render: Render) -> None:
+    rendered = render(*SCENARIOS["single-node-dev"])
+    config = natsconf.parse(rendered.get("ConfigMap", _name("nats-config"))["data"]["nats.conf"])
+    assert "cluster" not in config
+    assert "include" not in config  # no authorization with nats.auth.enabled=false
+    for container in _strata_containers(rendered):
+        env = _env(container)
+        assert env["STRATA_STREAM_REPLICAS"] == "1"
+        assert "STRATA_NATS_USER" not in env
+
+
+def test_external_nats_replaces_the_statefulset(render: Render) -> None:
+    rendered = render(*SCENARIOS["external-nats"])
+    assert not rendered.of_kind("StatefulSet")
+    assert not rendered.of_kind("PodDisruptionBudget")
+    assert not rendered.of_kind("ConfigMap")
+    assert not rendered.of_kind("Secret")  # the credentials are the existing Secret's
+    assert all("nats" not in s["metadata"]["name"] for s in rendered.of_kind("Service"))
+    for container in _strata_containers(rendered):
+        env = _env(container)
+        assert env["STRATA_NATS_URL"] == EXTERNAL_NATS
+        assert env["STRATA_STREAM_REPLICAS"] == "3"
+        assert env["STRATA_NATS_PASSWORD"]["secretKeyRef"]["name"] == "strata-nats-credentials"
+
+
+def test_every_client_has_a_nats_user_whose_password_the_server_reads(render: Render) -> None:
+    rendered = render()
+    auth = _nats_auth(rendered)
+    secret = rendered.get("Secret", _name("nats-auth"))
+    (server,) = _containers(rendered.get("StatefulSet", _name("nats")))
+    server_env = _env(server)
+    for container in _strata_containers(rendered):
+        env = _env(container)
+        user = env["STRATA_NATS_USER"]
+        password_ref = env["STRATA_NATS_PASSWORD"]["secretKeyRef"]
+        assert password_ref["name"] == secret["metadata"]["name"]
+        assert password_ref["key"] in secret["data"]
+        # The server's copy of the same password: the variable that user's entry names.
+        variable = auth[user][0].removeprefix("$")
+        assert server_env[variable]["secretKeyRef"] == password_ref, user
+    roles = {c["name"]: _env(c)["STRATA_NATS_USER"] for c in _strata_containers(rendered)}
+    assert roles["gateway"] == "strata-gateway"
+    assert roles["worker"] == "strata-workers-default"
+    assert {roles[s] for s in ("registry", "sharding", "barrier", "checkpoint")} == {
+        "strata-services"
+    }
+
+
+def test_services_and_gateway_permissions_are_those_of_strata_security(render: Render) -> None:
+    # One truth: `strata up --secure` and the chart must give each role the same rights.
+    auth = _nats_auth(render())
+    for user, role in (("strata-services", "services"), ("strata-gateway", "gateway")):
+        expected = security.permissions(role, user)
+        rendered = auth[user][1]
+        assert set(rendered.publish_allow) == set(expected.publish_allow), role
+        assert set(rendered.publish_deny) == set(expected.publish_deny), role
+        assert set(rendered.subscribe_allow) == set(expected.subscribe_allow), role
+
+
+def _event_types() -> list[str]:
+    return sorted(EVENT_TYPES)
+
+
+# Routed to the telemetry stream (strata.hb / strata.metric), not to strata.evt.
+TELEMETRY_TYPES = ("worker.heartbeat", "metric.sampled")
+
+
+def test_workers_may_publish_only_their_telemetry_acks_and_requests(render: Render) -> None:
+    job = "default"
+    worker = _nats_auth(render())["strata-workers-default"][1]
+    event_types = _event_types()
+    assert {"checkpoint.shard_saved", "checkpoint.committed"} <= set(event_types)
+    for event_type in event_types:
+        if event_type in TELEMETRY_TYPES:
+            continue
+        subject = subjects.event_subject(job, event_type)
+        assert worker.may_publish(subject) == (event_type == "checkpoint.shard_saved"), subject
+    assert worker.may_publish(subjects.heartbeat_subject(job, "w-1"))
+    assert worker.may_publish(subjects.metric_subject(job, "loss"))
+    for service in SERVICES:
+        assert worker.may_publish(subjects.rpc_subject(service, "ping"))
+    forbidden = [
+        subjects.event_subject("other-job", "checkpoint.shard_saved"),
+        subjects.heartbeat_subject("other-job", "w-1"),
+        subjects.control_subject(job, "w-1"),
+        f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
+        f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.STREAM.PURGE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}",
+    ]
+    for subject in forbidden:
+        assert not worker.may_publish(subject), subject
+
+
+def test_workers_may_subscribe_to_what_the_sdk_listens_to_in_their_job_only(
+    render: Render,
+) -> None:
+    from strata._barrier import FINAL
+    from strata.aio import MEMBERSHIP_EVENTS
+
+    job = "default"
+    worker = _nats_auth(render())["strata-workers-default"][1]
+    needed = [subjects.event_subject(job, e) for e in (*MEMBERSHIP_EVENTS, *FINAL)]
+    needed += [
+        subjects.event_subject(job, "shard.plan_changed"),
+        subjects.control_subject(job, "w-1"),
+        "_INBOX.abc.1",
+    ]
+    for subject in needed:
+        assert worker.may_subscribe(subject), subject
+    for subject in (
+        subjects.event_subject("other-job", "worker.registered"),
+        subjects.control_subject("other-job", "w-1"),
+        subjects.heartbeat_subject(job, "w-1"),
+        f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
+    ):
+        assert not worker.may_subscribe(subject), subject
+
+
+def test_the_gateway_publishes_nothing_on_strata_subjects(render: Render) -> None:
+    gateway = _nats_auth(render())["strata-gateway"][1]
+    assert "strata.>" in gateway.publish_deny
+    samples = [subjects.event_subject("j", t) for t in _event_types()]
+    samples += [
+        subjects.heartbeat_subject("j", "w"),
+        subjects.metric_subject("j", "loss"),
+        subjects.control_subject("j", "w"),
+        *(subjects.rpc_subject(s, "ping") for s in SERVICES),
+        f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
+        f"$JS.API.STREAM.CREATE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
+    ]
+    for subject in samples:
+        assert not gateway.may_publish(subject), subject
+    # What reading does need.
+    for subject in (
+        f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.STREAM.INFO.{subjects.EVENTS_STREAM}",
+    ):
+        assert gateway.may_publish(subject), subject
+    assert gateway.may_subscribe(subjects.event_subject("j", "worker.registered"))
+
+
+def test_extra_worker_jobs_get_users_of_their_own(render: Render) -> None:
+    rendered = render("nats.auth.extraWorkerJobs={llm-pretrain,resnet}")
+    auth = _nats_auth(rendered)
+    assert {
+        "strata-workers-default",
+        "strata-workers-llm-pretrain",
+        "strata-workers-resnet",
+    } <= set(auth)
+    resnet = auth["strata-workers-resnet"][1]
+    assert resnet.may_publish(subjects.heartbeat_subject("resnet", "w-1"))
+    assert not resnet.may_publish(subjects.heartbeat_subject("default", "w-1"))
+    secret = rendered.get("Secret", _name("nats-auth"))
+    assert {"workers-resnet-password", "workers-llm-pretrain-password"} <= set(secret["data"])
+
+
+def test_the_nats_configuration_is_accepted_by_nats_server(render: Render, tmp_path: Path) -> None:
+    rendered = render()
+    for key, text in rendered.get("ConfigMap", _name("nats-config"))["data"].items():
+        (tmp_path / key).write_text(text)
+    (server,) = _containers(rendered.get("StatefulSet", _name("nats")))
+    env = {"PATH": "/usr/bin:/bin", "POD_NAME": f"{_name('nats')}-0"}
+    env |= {name: "secret" for name in _env(server) if name.endswith("_PASSWORD")}
+    done = subprocess.run(
+        [str(nats_server_binary()), "-t", "-c", str(tmp_path / "nats.conf")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# -- values.schema.json and other refusals --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "complaint"),
+    [
+        (("storage.backend=gcs",), "storage.backend"),
+        (("workers.replicaCount=-1",), "workers.replicaCount"),
+        (("storage.backend=s3",), "bucket"),
+        (("nats.replicas=2",), "nats.replicas"),
+        (("coordinator.logFormat=xml",), "coordinator.logFormat"),
+        (("coordinator.heartbeatInterval=soon",), "coordinator.heartbeatInterval"),
+        (("persistence.accessMode=ReadManyWriteSome",), "persistence.accessMode"),
+        (("externalNats.url=http://nats:4222", "nats.auth.existingSecret=x"), "externalNats.url"),
+        (("externalNats.url=nats://nats:4222",), "existingSecret"),
+        (("storage.backed=s3",), "storage"),
+        (("workers.job=has.dots",), "workers.job"),
+    ],
+)
+def test_schema_rejects_wrong_values(helm: Path, settings: tuple[str, ...], complaint: str) -> None:
+    done = helm_template(helm, settings)
+    assert done.returncode != 0, f"{settings} rendered"
+    assert "values don't meet the specifications of the schema" in done.stderr, done.stderr
+    assert complaint in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "complaint"),
+    [
+        (("coordinator.heartbeatTimeout=1",), "heartbeatTimeout"),
+        (
+            (
+                "workers.autoscaling.enabled=true",
+                "workers.autoscaling.minReplicas=10",
+                "workers.autoscaling.maxReplicas=5",
+            ),
+            "minReplicas",
+        ),
+    ],
+)
+def test_inconsistent_values_are_refused(
+    helm: Path, settings: tuple[str, ...], complaint: str
+) -> None:
+    done = helm_template(helm, settings)
+    assert done.returncode != 0
+    assert complaint in done.stderr, done.stderr
+
+
+def test_notes_tell_how_to_open_the_dashboard(helm: Path, tmp_path: Path) -> None:
+    # helm renders NOTES.txt only on install; in a copy of the chart it becomes a ConfigMap's data.
+    chart = tmp_path / "strata"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "_notes.tpl").write_text(
+        '{{- define "test.notes" -}}\n' + notes + "{{- end }}\n"
+    )
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n"
+        '{{ include "test.notes" . | indent 4 }}\n'
+    )
+    done = helm_template(helm, chart=chart, extra=["--show-only", "templates/notes.yaml"])
+    assert done.returncode == 0, done.stderr
+    text = yaml.safe_load(done.stdout)["data"]["notes"]
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{_name('dashboard')} 3000:3000" in text
+    assert "http://localhost:3000/" in text
+    assert f"kubectl -n {NAMESPACE} exec deploy/{_name('registry')} -- strata status" in text
+    assert f"kubectl -n {NAMESPACE} scale deployment {_name('worker')} --replicas=" in text
+
+
+# -- the rendered permissions on a real nats-server -----------------------------------------------
+
+
+async def _reached(watcher: Bus, sender: NATS, sent: list[str], marker: str) -> set[str]:
+    """Which of the `sent` subjects reached a services-role watcher from `sender`.
+
+    `sender` publishes them, then `marker` (a subject it may publish): one connection's messages
+    arrive in order, so once the marker is in, everything that got through before it is too.
+    """
+    seen: set[str] = set()
+    done = asyncio.Event()
+    listening = asyncio.Event()
+    probe = "strata.probe.watcher"
+
+    async def on_message(msg: Msg) -> None:
+        if msg.subject == marker:
+            done.set()
+        elif msg.subject == probe:
+            listening.set()
+        else:
+            seen.add(msg.subject)
+
+    subs = [await watcher.nc.subscribe(s, cb=on_message) for s in ("strata.>", marker)]
+    # nats-py's flush() can overtake a SUB still in its write buffer; a message of the watcher's
+    # own, queued behind the SUBs, proves the server has them.
+    await watcher.nc.publish(probe, b"")
+    await asyncio.wait_for(listening.wait(), 10)
+    for subject in sent:
+        await sender.publish(subject, b"x")
+    await sender.publish(marker, b"end")
+    await sender.flush()
+    await asyncio.wait_for(done.wait(), 10)
+    for sub in subs:
+        await sub.unsubscribe()
+    return seen
+
+
+@pytest.mark.nats
+async def test_the_rendered_roles_on_a_real_nats_server(
+    render: Render, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = "default"
+    auth_conf = render().get("ConfigMap", _name("nats-config"))["data"]["auth.conf"]
+    users = natsconf.users(natsconf.parse(auth_conf))
+    for user, (reference, _) in users.items():
+        monkeypatch.setenv(reference.removeprefix("$"), f"password-of-{user}")
+    store = tmp_path / "nats"
+    store.mkdir()
+    (store / "auth.conf").write_text(auth_conf)
+
+    with NatsServer(store_dir=store, extra_config='include "auth.conf"') as server:
+
+        async def connect(user: str) -> Bus:
+            options = ConnectOptions(
+                name=user, user=user, password=f"password-of-{user}", deadline=10
+            )
+            return Bus(await connect_nats(server.url, options))
+
+        services = await connect("strata-services")
+        gateway = await connect("strata-gateway")
+        worker = await connect("strata-workers-default")
+        try:
+            assert set((await services.ensure_streams(1)).values()) == {"created"}
+            # Every service's runtime provisions the streams; for the gateway, reading is enough.
+            assert set((await gateway.ensure_streams(1)).values()) == {"unchanged"}
+
+            async with EventFeed(gateway.js, subjects.EVENTS_STREAM, "strata.evt.>") as feed:
+                ack = CheckpointShardSaved(
+                    job=job,
+                    source="w-1",
+                    step=10,
+                    epoch=0,
+                    rank=0,
+                    worker_id="w-1",
+                    uri="file:///data/checkpoints/default/step-10/rank-0",
+                    key="default/step-10/rank-0",
+                    bytes=4,
+                    checksum="sha256:" + "0" * 64,
+                )
+                stored = await worker.publish(ack)  # JetStream's ack reaches the worker
+                received = await asyncio.wait_for(anext(aiter(feed)), 10)
+                assert (received.seq, received.event.id) == (stored.seq, ack.id)
+
+            async def pong(msg: Msg) -> None:
+                await msg.respond(b"pong")
+
+            await services.nc.subscribe(subjects.rpc_subject("registry", "ping"), cb=pong)
+            # The services' own request is queued behind their SUB (flush() might overtake it).
+            await services.nc.request(subjects.rpc_subject("registry", "ping"), b"", 5)
+            reply = await worker.nc.request(subjects.rpc_subject("registry", "ping"), b"", 5)
+            assert reply.data == b"pong"
+
+            allowed = [
+                subjects.heartbeat_subject(job, "w-1"),
+                subjects.metric_subject(job, "loss"),
+                subjects.rpc_subject("barrier", "arrive"),
+            ]
+            forbidden = [
+                subjects.event_subject(job, "checkpoint.committed"),
+                subjects.event_subject(job, "worker.failed"),
+                subjects.event_subject(job, "barrier.released"),
+                subjects.heartbeat_subject("other-job", "w-1"),
+                subjects.control_subject(job, "w-2"),
+            ]
+            marker = subjects.heartbeat_subject(job, "marker")
+            assert await _reached(services, worker.nc, allowed + forbidden, marker) == set(allowed)
+            assert (
+                await _reached(services, gateway.nc, allowed + forbidden, "$JS.FC.marker") == set()
+            )
+        finally:
+            for bus in (worker, gateway, services):
+                await bus.close()
