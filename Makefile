@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard test lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -16,9 +16,23 @@ $(STAMP): pyproject.toml setup.py
 	# torch first and pinned: 2.13.0 is the CPU wheel on disk; anything else pulls GBs of CUDA.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev,s3,torch]'
+	# The browser tests drive Debian's Chromium (a browser download is not possible here).
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
 
-test: install lint typecheck schemas-check
+# The dashboard: npm ci (only when the lockfile changed), event types from schemas/, vite build.
+# The gateway serves dashboard/dist/ at "/".
+DASHBOARD_MODULES := dashboard/node_modules/.package-lock.json
+
+$(DASHBOARD_MODULES): dashboard/package.json dashboard/package-lock.json
+	cd dashboard && npm ci --no-audit --no-fund
+	touch $@
+
+dashboard: $(STAMP) $(DASHBOARD_MODULES)
+	$(BIN)/python scripts/gen_types.py
+	cd dashboard && npm run build
+
+test: install dashboard lint typecheck schemas-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: install
@@ -28,12 +42,12 @@ integration: install
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check libs services tests bench
-	$(BIN)/ruff format --check libs services tests bench
+	$(BIN)/ruff check libs services tests bench scripts
+	$(BIN)/ruff format --check libs services tests bench scripts
 
 format: install
-	$(BIN)/ruff check --fix libs services tests bench
-	$(BIN)/ruff format libs services tests bench
+	$(BIN)/ruff check --fix libs services tests bench scripts
+	$(BIN)/ruff format libs services tests bench scripts
 
 # mypy sees the installed layout (strata.services -> services/) through a tree of symlinks.
 typecheck: install
@@ -48,10 +62,10 @@ schemas: install
 schemas-check: install
 	$(BIN)/python -m strata.events.schemagen --out schemas --check
 
-up: install
+up: install dashboard
 	$(BIN)/strata up
 
-demo: install
+demo: install dashboard
 	$(BIN)/strata demo
 
 bench: install
@@ -59,3 +73,4 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	rm -rf dashboard/node_modules dashboard/dist dashboard/src/generated test-artifacts
