@@ -6,6 +6,7 @@ checkpoints; the services under `strata.services` coordinate them over NATS JetS
 
 from strata import aio
 from strata.aio import WorkerNotStarted
+from strata.checkpoint import CheckpointManager
 from strata.datasets import DatasetRegistry
 from strata.errors import (
     BarrierBroken,
@@ -21,6 +22,7 @@ from strata.errors import (
     RpcError,
     RpcTimeout,
     ServiceUnavailable,
+    StorageError,
     StrataError,
     ValidationError,
 )
@@ -32,6 +34,7 @@ __all__ = [
     "BarrierBroken",
     "BarrierTimeout",
     "BusError",
+    "CheckpointManager",
     "ChecksumMismatch",
     "CodecError",
     "ConfigError",
@@ -43,6 +46,7 @@ __all__ = [
     "RpcError",
     "RpcTimeout",
     "ServiceUnavailable",
+    "StorageError",
     "StrataError",
     "ValidationError",
     "Worker",

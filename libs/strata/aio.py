@@ -54,6 +54,7 @@ from strata.events.requests import (
 )
 
 __all__ = [
+    "CheckpointManager",
     "DatasetRegistry",
     "OnRejoin",
     "Worker",
@@ -763,4 +764,5 @@ class Worker:
 
 
 # The other asyncio SDK parts, under their public names (they import this module for types only).
+from strata.checkpoint import AsyncCheckpointManager as CheckpointManager  # noqa: E402
 from strata.datasets import AsyncDatasetRegistry as DatasetRegistry  # noqa: E402

@@ -18,7 +18,8 @@ turns a reply back into the matching subclass with `error_from_code`.
     ├── RpcError               a handler failed unexpectedly           internal
     ├── BarrierBroken          a participant failed or left            barrier_broken
     ├── BarrierTimeout         a barrier was not complete in time      barrier_timeout
-    └── ChecksumMismatch       stored bytes differ from their record   checksum_mismatch
+    ├── ChecksumMismatch       stored bytes differ from their record   checksum_mismatch
+    └── StorageError           the checkpoint store failed             storage_error
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ class ChecksumMismatch(StrataError):
     code = "checksum_mismatch"
 
 
+class StorageError(StrataError):
+    code = "storage_error"
+
+
 _BY_CODE: dict[str, type[StrataError]] = {
     cls.code: cls
     for cls in (
@@ -125,6 +130,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         BarrierBroken,
         BarrierTimeout,
         ChecksumMismatch,
+        StorageError,
     )
 }
 

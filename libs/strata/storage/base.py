@@ -23,7 +23,7 @@ _SEGMENT = re.compile(ID_PATTERN)
 def check_key(key: str) -> str:
     """A key made of id-like segments (`job/step-000000000100/rank-00003.bin`), or an error."""
     segments = key.split("/")
-    if not key or any(s in ("", ".", "..") or not _SEGMENT.match(s) for s in segments):
+    if not key or any(s in ("", ".", "..") or not _SEGMENT.fullmatch(s) for s in segments):
         raise ValidationError(
             f"storage key {key!r} is not allowed: keys are relative, '/'-separated, and each part "
             f"matches {ID_PATTERN} (no '..', no absolute paths)",

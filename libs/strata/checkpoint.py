@@ -1,0 +1,424 @@
+"""The worker side of checkpoints: snapshot, persist in the background, recover.
+
+`save()` returns once the bytes are snapshotted; the write to storage and the ack to the checkpoint
+service run in the background, bounded by `max_pending_bytes` (a save waits for room rather than
+queueing without limit). `save_state()` blocks only to copy tensors off the training state; it
+serialises in the background. A background failure is raised by the next call or by `wait()`.
+`latest()`/`load()` ask the service and, when it is down, read the manifests in storage directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from strata.errors import BusError, ConflictError, NotFound, StrataError, ValidationError
+from strata.events import CheckpointShardSaved, DataCursor
+from strata.events.models import MAX_STEP
+from strata.events.requests import (
+    BeginCheckpointRequest,
+    CheckpointAnswer,
+    CheckpointInfo,
+    CheckpointQuery,
+    Manifest,
+    ManifestShard,
+)
+from strata.storage import StorageBackend, manifest_key, open_storage, shard_key
+
+if TYPE_CHECKING:
+    from strata.aio import Worker as AsyncWorker
+    from strata.worker import Worker
+
+log = structlog.get_logger("strata.checkpoint")
+
+SERVICE = "checkpoint"
+DEFAULT_MAX_PENDING = 4 * 1024**3
+STATUS_TIMEOUT_S = 2.0
+
+
+def _copy_off(value: Any) -> Any:
+    """A deep copy of a state dict in which every tensor is a fresh CPU copy (the only blocking
+    part of `save_state`); other values are copied structurally."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        copied = {k: _copy_off(v) for k, v in value.items()}
+        return type(value)(copied) if isinstance(value, dict) else copied
+    if isinstance(value, list):
+        return [_copy_off(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_off(v) for v in value)
+    return value
+
+
+def _serialise(state: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _check_step(step: object, epoch: object) -> tuple[int, int]:
+    for name, value in (("step", step), ("epoch", epoch)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP:
+            raise ValidationError(f"{name} must be an integer >= 0, got {value!r}", field=name)
+    return step, epoch  # type: ignore[return-value]
+
+
+class AsyncCheckpointManager:
+    """Checkpoints of one worker's shard of the training state (asyncio API)."""
+
+    def __init__(
+        self,
+        worker: AsyncWorker,
+        path: str | None = None,
+        *,
+        keep_count: int = 5,
+        timeout: float = 300.0,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        if not isinstance(keep_count, int) or keep_count < 1:
+            raise ValidationError(f"keep_count must be at least 1, got {keep_count!r}")
+        if max_pending_bytes < 1:
+            raise ValidationError("max_pending_bytes must be positive")
+        self._worker = worker
+        self._storage: StorageBackend = open_storage(path, worker.settings)
+        self.root_uri = self._storage.root_uri
+        self.keep_count = keep_count
+        self.timeout = timeout
+        self._max_pending = max_pending_bytes
+        self._pending_bytes = 0
+        self._room = asyncio.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failure: BaseException | None = None
+        self.saved: list[CheckpointShardSaved] = []
+        """Acks this worker published, in order (what it has made durable)."""
+
+    @property
+    def storage(self) -> StorageBackend:
+        return self._storage
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    async def _reserve(self, size: int) -> None:
+        # One save larger than the bound still goes through, alone.
+        async with self._room:
+            await self._room.wait_for(
+                lambda: self._pending_bytes == 0 or self._pending_bytes + size <= self._max_pending
+            )
+            self._pending_bytes += size
+
+    async def _release(self, size: int) -> None:
+        async with self._room:
+            self._pending_bytes -= size
+            self._room.notify_all()
+
+    def _spawn(self, size: int, work: Any) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except BaseException as exc:  # kept for the next call: never swallowed
+                if self._failure is None:
+                    self._failure = exc
+                log.error("checkpoint_save_failed", error=str(exc))
+            finally:
+                await self._release(size)
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def save(
+        self,
+        data: bytes | bytearray | memoryview,
+        step: int,
+        epoch: int = 0,
+        *,
+        cursors: list[DataCursor] | None = None,
+    ) -> None:
+        """Snapshot `data` and persist it in the background as this rank's shard of `step`."""
+        self._raise_failure()
+        step, epoch = _check_step(step, epoch)
+        snapshot = data if isinstance(data, bytes) else bytes(data)
+        await self._reserve(len(snapshot))
+        self._spawn(len(snapshot), self._persist(snapshot, step, epoch, cursors or []))
+
+    async def save_state(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        epoch: int = 0,
+        *,
+        cursors: list[DataCursor] | None = None,
+    ) -> None:
+        """Copy the tensors of `state` off the training state; serialise and persist later."""
+        self._raise_failure()
+        step, epoch = _check_step(step, epoch)
+        copied = _copy_off(state)
+        size = _state_bytes(copied)
+        await self._reserve(size)
+        self._spawn(size, self._serialise_and_persist(copied, step, epoch, cursors or []))
+
+    async def _serialise_and_persist(
+        self, state: Any, step: int, epoch: int, cursors: list[DataCursor]
+    ) -> None:
+        data = await asyncio.to_thread(_serialise, state)
+        await self._persist(data, step, epoch, cursors)
+
+    async def _persist(self, data: bytes, step: int, epoch: int, cursors: list[DataCursor]) -> None:
+        worker = self._worker
+        started = time.perf_counter()
+        info = await worker.bus.rpc.call(
+            SERVICE,
+            "begin",
+            BeginCheckpointRequest(
+                job=worker.job,
+                worker_id=worker.id,
+                step=step,
+                epoch=epoch,
+                root_uri=self.root_uri,
+                keep_count=self.keep_count,
+                timeout_s=self.timeout,
+            ),
+            result=CheckpointInfo,
+            timeout=10.0,
+            retry_for=self.timeout,
+            idempotent=True,
+        )
+        rank = next((p.rank for p in info.participants if p.worker_id == worker.id), None)
+        if rank is None:
+            raise ConflictError(
+                f"{worker.id!r} is not a participant of step {step}'s checkpoint (it opened "
+                "before this worker joined); save the next step"
+            )
+        if info.status != "open":
+            return  # committed already (a retry after success): nothing left to do
+        key = shard_key(worker.job, step, rank)
+        written = await self._storage.write(key, data)
+        ack = CheckpointShardSaved(
+            job=worker.job,
+            source=worker.id,
+            step=step,
+            epoch=epoch,
+            rank=rank,
+            worker_id=worker.id,
+            uri=written.uri,
+            key=key,
+            bytes=written.bytes,
+            checksum=written.checksum,
+            cursors=cursors,
+        )
+        await worker.bus.publish(ack)
+        self.saved.append(ack)
+        seconds = time.perf_counter() - started
+        log.info(
+            "checkpoint_shard_saved",
+            step=step,
+            rank=rank,
+            bytes=written.bytes,
+            mb_per_s=round(written.bytes / max(seconds, 1e-9) / 1e6, 1),
+        )
+
+    async def wait(self) -> None:
+        """Return once every save of this worker is durable; raise a background failure."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._raise_failure()
+
+    async def status(self, step: int | None = None) -> CheckpointAnswer:
+        """The service's view of `step` (None: the latest committed checkpoint)."""
+        return await self._worker.bus.rpc.call(
+            SERVICE,
+            "status",
+            CheckpointQuery(job=self._worker.job, step=step),
+            result=CheckpointAnswer,
+            timeout=STATUS_TIMEOUT_S,
+            idempotent=True,
+        )
+
+    async def wait_committed(self, step: int, timeout: float = 60.0) -> CheckpointInfo:
+        """Wait until `step` is committed (raise `ConflictError` if it was aborted)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = await self.status(step)
+            checkpoint = answer.checkpoint if answer.found else None
+            if checkpoint is not None and checkpoint.status == "committed":
+                return checkpoint
+            if checkpoint is not None and checkpoint.status == "aborted":
+                raise ConflictError(f"checkpoint of step {step} was aborted: {checkpoint.reason}")
+            if time.monotonic() >= deadline:
+                raise StrataError(
+                    f"step {step} not committed within {timeout:g}s", code="checkpoint_timeout"
+                )
+            await asyncio.sleep(0.05)
+
+    async def latest(self) -> Manifest | None:
+        """The latest committed checkpoint's manifest: from the service, else from storage."""
+        self._raise_failure()
+        try:
+            answer = await self.status(None)
+        except BusError as exc:
+            log.warning("checkpoint_service_unreachable", error=str(exc), fallback="storage")
+            return await self.latest_in_storage()
+        return answer.manifest if answer.found else None
+
+    async def latest_in_storage(self) -> Manifest | None:
+        """The newest manifest in storage, read directly (no service needed)."""
+        job = self._worker.job
+        steps = sorted(
+            {
+                int(key.split("/")[1].removeprefix("step-"))
+                for key in await self._storage.list(job)
+                if key.endswith("/MANIFEST.json")
+            },
+            reverse=True,
+        )
+        for step in steps:
+            try:
+                raw = await self._storage.read(manifest_key(job, step))
+                return Manifest.model_validate_json(raw)
+            except (StrataError, ValueError) as exc:
+                log.warning("manifest_unreadable", step=step, error=str(exc))
+        return None
+
+    async def load(self, step: int | None = None, rank: int | None = None) -> bytes:
+        """This rank's bytes of the latest (or `step`'s) committed checkpoint, checksum-verified."""
+        manifest = await self._manifest(step)
+        shard = self._shard(manifest, self._worker.rank if rank is None else rank)
+        return await self._storage.read(shard.key, shard.checksum)
+
+    async def load_state(self, step: int | None = None, rank: int | None = None) -> Any:
+        import torch
+
+        data = await self.load(step, rank)
+        return await asyncio.to_thread(torch.load, io.BytesIO(data), weights_only=True)
+
+    async def _manifest(self, step: int | None) -> Manifest:
+        if step is None:
+            manifest = await self.latest()
+        else:
+            try:
+                answer = await self.status(step)
+                manifest = answer.manifest
+            except BusError:
+                raw = await self._storage.read(manifest_key(self._worker.job, step))
+                manifest = Manifest.model_validate_json(raw)
+        if manifest is None:
+            raise NotFound(
+                f"job {self._worker.job!r} has no committed checkpoint"
+                + (f" of step {step}" if step is not None else "")
+                + f" in {self.root_uri}"
+            )
+        return manifest
+
+    @staticmethod
+    def _shard(manifest: Manifest, rank: int) -> ManifestShard:
+        for shard in manifest.shards:
+            if shard.rank == rank:
+                return shard
+        raise NotFound(f"checkpoint of step {manifest.step} has no shard of rank {rank}")
+
+    async def close(self) -> None:
+        await self.wait()
+        await self._storage.close()
+
+
+def _state_bytes(state: Any) -> int:
+    torch = sys.modules.get("torch")
+    total = 0
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if torch is not None and isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return max(total, 1)
+
+
+class CheckpointManager:
+    """Checkpoints for synchronous training loops: `strata.CheckpointManager(worker, path)`."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        path: str | None = None,
+        *,
+        keep_count: int = 5,
+        timeout: float = 300.0,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self._runner = worker.runner
+        self._aio = self._runner.run(
+            _make_async(worker.aio, path, keep_count, timeout, max_pending_bytes)
+        )
+
+    @property
+    def aio(self) -> AsyncCheckpointManager:
+        return self._aio
+
+    @property
+    def root_uri(self) -> str:
+        return self._aio.root_uri
+
+    def save(
+        self,
+        data: bytes | bytearray | memoryview,
+        step: int,
+        epoch: int = 0,
+        *,
+        cursors: list[DataCursor] | None = None,
+    ) -> None:
+        snapshot = data if isinstance(data, bytes) else bytes(data)  # copied on this thread
+        self._runner.run(self._aio.save(snapshot, step, epoch, cursors=cursors))
+
+    def save_state(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        epoch: int = 0,
+        *,
+        cursors: list[DataCursor] | None = None,
+    ) -> None:
+        copied = _copy_off(state)  # the blocking part, on the training thread
+        self._runner.run(self._aio.save_state(copied, step, epoch, cursors=cursors))
+
+    def wait(self) -> None:
+        self._runner.run(self._aio.wait())
+
+    def latest(self) -> Manifest | None:
+        return self._runner.run(self._aio.latest())
+
+    def load(self, step: int | None = None, rank: int | None = None) -> bytes:
+        return self._runner.run(self._aio.load(step, rank))
+
+    def load_state(self, step: int | None = None, rank: int | None = None) -> Any:
+        return self._runner.run(self._aio.load_state(step, rank))
+
+    def wait_committed(self, step: int, timeout: float = 60.0) -> CheckpointInfo:
+        return self._runner.run(self._aio.wait_committed(step, timeout))
+
+    def close(self) -> None:
+        self._runner.run(self._aio.close())
+
+
+async def _make_async(
+    worker: AsyncWorker, path: str | None, keep_count: int, timeout: float, max_pending: int
+) -> AsyncCheckpointManager:
+    # Built on the worker's loop: its asyncio primitives belong to that loop.
+    return AsyncCheckpointManager(
+        worker, path, keep_count=keep_count, timeout=timeout, max_pending_bytes=max_pending
+    )

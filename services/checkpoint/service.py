@@ -1,0 +1,216 @@
+"""The checkpoint service's NATS adapter: begin over RPC, acks as events, commit, abort, retention.
+
+Acks (`checkpoint.shard_saved`) are events the workers publish; the service reacts when they are
+folded in. Completing a step writes the manifest to the checkpoint's storage, then records
+`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it).
+An abort records `checkpoint.aborted`, then removes the step's partial files. After a restart,
+open steps that completed or lost a participant meanwhile are settled before going live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import structlog
+from strata.bus import Bus, RpcServer
+from strata.config import Settings
+from strata.errors import NotFound, StrataError
+from strata.events import (
+    CheckpointShardSaved,
+    RequestRejected,
+    WorkerFailed,
+    WorkerLeft,
+)
+from strata.events.models import Event
+from strata.events.requests import (
+    BeginCheckpointRequest,
+    CheckpointAnswer,
+    CheckpointInfo,
+    CheckpointQuery,
+)
+from strata.services.checkpoint import domain
+from strata.services.checkpoint.domain import CheckpointState, OpenCheckpoint
+from strata.services.projection import Projection
+from strata.storage import StorageBackend, manifest_key, open_storage, step_prefix
+
+log = structlog.get_logger("strata.checkpoint")
+
+TIMEOUT_CHECK_S = 0.25
+
+
+class Checkpoints(Projection[CheckpointState]):
+    name = "checkpoint"
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(clock)
+        self._rpc: RpcServer | None = None
+        self._settings: Settings | None = None
+        self._storages: dict[str, StorageBackend] = {}
+
+    def initial_state(self) -> CheckpointState:
+        return CheckpointState()
+
+    def evolve(self, state: CheckpointState, event: Event) -> CheckpointState:
+        return domain.evolve(state, event)
+
+    def now_ns(self) -> int:
+        return int(self.clock() * 1e9)
+
+    def storage(self, root_uri: str) -> StorageBackend:
+        found = self._storages.get(root_uri)
+        if found is None:
+            found = self._storages[root_uri] = open_storage(root_uri, self._settings)
+        return found
+
+    async def go_live(self, bus: Bus, settings: Settings) -> None:
+        self._settings = settings
+        async with self.lock:
+            for job in list(self.state.jobs.values()):
+                for opened in list(job.open.values()):
+                    gone = [w for w in opened.participants if w not in job.live]
+                    if opened.complete():
+                        await self._commit(job.job, opened)
+                    elif gone:
+                        await self._abort(
+                            domain.member_gone(
+                                self.state,
+                                job.job,
+                                gone[0],
+                                "left while the service was down",
+                                self.now_ns(),
+                            )
+                        )
+        self._rpc = RpcServer(bus.nc, self.name)
+        self._rpc.route("begin", BeginCheckpointRequest, self._begin)
+        self._rpc.route("status", CheckpointQuery, self._status)
+        await self._rpc.start()
+        self.spawn(self._time_out(), "timeouts")
+
+    async def before_stop(self) -> None:
+        if self._rpc is not None:
+            await self._rpc.stop()
+        for storage in self._storages.values():
+            await storage.close()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def _begin(self, request: BeginCheckpointRequest) -> CheckpointInfo:
+        # The begin of a worker that has just registered must see its registration.
+        await self.sync()
+        async with self.lock:
+            decision = domain.begin(self.state, request, self.now_ns())
+            if decision.error is not None:
+                raise decision.error
+            self.storage(request.root_uri)  # fails here, clearly, for a root it cannot use
+            await self.publish_and_apply(decision.events)
+            return domain.info(self.state, request.job, request.step)
+
+    async def _status(self, query: CheckpointQuery) -> CheckpointAnswer:
+        job = self.state.job(query.job)
+        if query.step is None:
+            latest = job.latest()
+            if latest is None:
+                return CheckpointAnswer(found=False)
+            step = latest.step
+        else:
+            step = query.step
+        try:
+            checkpoint = domain.info(self.state, query.job, step)
+        except NotFound:
+            return CheckpointAnswer(found=False)
+        done = job.committed.get(step)
+        return CheckpointAnswer(
+            found=True, checkpoint=checkpoint, manifest=done.manifest if done else None
+        )
+
+    # -- reactions --------------------------------------------------------------------------------
+
+    async def on_applied(self, event: Event) -> None:
+        if isinstance(event, CheckpointShardSaved):
+            await self._on_ack(event)
+        elif isinstance(event, WorkerFailed | WorkerLeft):
+            why = "failed" if isinstance(event, WorkerFailed) else "left the job"
+            async with self.lock:
+                now = self.now_ns()
+                await self._abort(
+                    domain.member_gone(self.state, event.job, event.worker_id, why, now)
+                )
+
+    async def _on_ack(self, ack: CheckpointShardSaved) -> None:
+        async with self.lock:
+            job = self.state.job(ack.job)
+            opened = job.open.get(ack.step)
+            if opened is None:
+                # An ack for a step that is aborted or unknown: its file is an orphan.
+                reason = job.aborted[ack.step][1] if ack.step in job.aborted else "unknown step"
+                await self._reject(ack, f"step {ack.step} is not open ({reason})")
+                suffix = f"/{ack.key}"
+                if ack.step not in job.committed and ack.uri.endswith(suffix):
+                    await self._cleanup(ack.uri.removesuffix(suffix), key=ack.key)
+                return
+            problem = domain.ack_problem(opened, ack)
+            if problem is not None:
+                await self._reject(ack, problem)
+                return
+            if opened.complete():
+                await self._commit(ack.job, opened)
+
+    async def _reject(self, ack: CheckpointShardSaved, message: str) -> None:
+        log.warning("ack_rejected", job=ack.job, step=ack.step, worker=ack.worker_id, why=message)
+        await self.bus.publish(
+            RequestRejected(
+                job=ack.job,
+                source=domain.SOURCE,
+                service=domain.SOURCE,
+                subject=f"checkpoint.shard_saved step {ack.step}",
+                code="conflict",
+                message=message,
+                worker_id=ack.worker_id,
+            )
+        )
+
+    async def _commit(self, job: str, opened: OpenCheckpoint) -> None:
+        now = self.now_ns()
+        storage = self.storage(opened.root_uri)
+        manifest = domain.manifest(opened, job, now)
+        key = manifest_key(job, opened.step)
+        await storage.write(key, manifest.model_dump_json(indent=2).encode())
+        await self.publish_and_apply([domain.committed(job, opened, storage.uri(key), now)])
+        log.info("checkpoint_committed", job=job, step=opened.step, bytes=manifest.total_bytes)
+        for old in domain.to_prune(self.state.job(job)):
+            await self._cleanup(old.root_uri, prefix=step_prefix(job, old.step))
+            await self.publish_and_apply([domain.pruned(job, old, self.now_ns())])
+
+    async def _abort(self, events: list[Event]) -> None:
+        for event in events:
+            job = self.state.job(event.job)
+            opened = job.open.get(getattr(event, "step", -1))
+            await self.publish_and_apply([event])
+            log.warning("checkpoint_aborted", job=event.job, reason=getattr(event, "reason", ""))
+            if opened is not None:
+                await self._cleanup(opened.root_uri, prefix=step_prefix(event.job, opened.step))
+
+    async def _cleanup(
+        self, root_uri: str, *, prefix: str | None = None, key: str | None = None
+    ) -> None:
+        """Remove files of an aborted or pruned step; a failure is logged, never fatal."""
+        try:
+            storage = self.storage(root_uri)
+            if prefix is not None:
+                await storage.delete_prefix(prefix)
+            if key is not None:
+                await storage.delete(key)
+        except (StrataError, OSError) as exc:
+            log.warning("cleanup_failed", root=root_uri, error=str(exc))
+
+    async def _time_out(self) -> None:
+        while True:
+            await asyncio.sleep(TIMEOUT_CHECK_S)
+            async with self.lock:
+                await self._abort(domain.timeouts(self.state, self.now_ns()))
+
+
+def create() -> Checkpoints:
+    return Checkpoints()
