@@ -52,6 +52,7 @@ from strata.events.requests import (
     Registration,
     WorkerNotice,
 )
+from strata.logs import configure_logging
 
 __all__ = [
     "CheckpointManager",
@@ -219,6 +220,9 @@ class Worker:
         on_rejoin: OnRejoin | None = None,
     ) -> None:
         self._settings = settings if settings is not None else load_settings()
+        if not structlog.is_configured():
+            # structlog's default prints to stdout, which belongs to the training program.
+            configure_logging(self._settings.log_format, self._settings.log_level)
         self._job = _check_id(
             "job",
             job if job is not None else self._settings.job,
