@@ -200,7 +200,8 @@ class Bench:
                 epoch=3,
                 rank=i % 64,
                 worker_id=f"worker-{i % 64:04d}",
-                uri=f"s3://strata-ckpt/{job}/step-{1000 + i:09d}/rank-{i % 64:04d}.safetensors",
+                uri=f"s3://strata-ckpt/{job}/step-{1000 + i:012d}/rank-{i % 64:05d}.bin",
+                key=f"{job}/step-{1000 + i:012d}/rank-{i % 64:05d}.bin",
                 bytes=1_073_741_824 + i,
                 checksum=CHECKSUM,
             )
