@@ -22,6 +22,7 @@ from strata.config import Settings
 from strata.errors import BusError, StrataError
 from strata.events import subjects
 from strata.events.models import Event
+from strata.metrics import MESSAGES_REJECTED
 
 S = TypeVar("S")
 
@@ -35,6 +36,7 @@ class Projection(Generic[S]):
     """Base of the registry, sharding, barrier and checkpoint services."""
 
     name: str = "service"
+    provisions_streams = True
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
@@ -146,7 +148,11 @@ class Projection(Generic[S]):
 
     async def _follow(self, feed: EventFeed) -> None:
         async for delivered in feed:
-            self.state = self.evolve(self.state, delivered.event)
+            try:
+                self.state = self.evolve(self.state, delivered.event)
+            except Exception:  # one event the domain cannot take must not stop the projection
+                log.exception("event_not_folded", service=self.name, seq=delivered.seq)
+                MESSAGES_REJECTED.labels(self.name, "not_folded").inc()
             self.last_seq = delivered.seq
             async with self._applied:
                 self._applied.notify_all()

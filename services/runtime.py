@@ -11,8 +11,9 @@ import contextlib
 import signal
 from typing import Protocol
 
+import nats.js.errors
 import structlog
-from strata.bus import Bus
+from strata.bus import Bus, strata_streams
 from strata.config import Settings
 from strata.logs import bind, configure_logging
 from strata.services.health import HealthServer
@@ -22,12 +23,30 @@ log = structlog.get_logger("strata.service")
 
 class Service(Protocol):
     name: str
+    provisions_streams: bool
+    """False for a reader (the gateway): it waits for the streams instead of creating them."""
 
     async def start(self, bus: Bus, settings: Settings) -> None: ...
 
     async def stop(self) -> None: ...
 
     def ready(self) -> tuple[bool, str]: ...
+
+
+async def wait_for_streams(bus: Bus, poll_s: float = 0.5) -> None:
+    """Until the other services have created the streams (a reader may not create them)."""
+    names = [spec.name for spec in strata_streams()]
+    waited = 0.0
+    while True:
+        try:
+            for name in names:
+                await bus.js.stream_info(name)
+            return
+        except nats.js.errors.NotFoundError:
+            if waited == 0.0:
+                log.info("waiting_for_streams", streams=names)
+        await asyncio.sleep(poll_s)
+        waited += poll_s
 
 
 async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> None:
@@ -44,7 +63,10 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
     log.info("service_starting", service=service.name, health_port=health.port)
     try:
         bus = await Bus.connect(settings=settings, name=f"strata-{service.name}")
-        await bus.ensure_streams(settings.stream_replicas)
+        if service.provisions_streams:
+            await bus.ensure_streams(settings.stream_replicas)
+        else:
+            await wait_for_streams(bus)
         await service.start(bus, settings)
         log.info("service_started", service=service.name, nats=settings.nats_url)
         await stop.wait()

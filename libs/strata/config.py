@@ -35,6 +35,7 @@ class Env:
     AWS_REGION: Final = "AWS_REGION"
     S3_ENDPOINT_URL: Final = "STRATA_S3_ENDPOINT_URL"
     TEST_NATS_URL: Final = "STRATA_TEST_NATS_URL"
+    API_TOKEN: Final = "STRATA_API_TOKEN"
 
 
 LogFormat = Literal["auto", "json", "console"]

@@ -1,41 +1,141 @@
-"""The gateway's FastAPI application: probes, metrics, service status, and the dashboard's files.
+"""The gateway's FastAPI application: jobs' state, history and live pushes, probes, the dashboard.
 
-The app reads everything through the `Bus` it is given, so tests can build it against any server.
+State comes from the live read model (`LiveModel`); history (`/api/jobs/{job}/events`,
+`/api/replay`) is read from JetStream on demand through the `Bus` it is given, so tests can build
+the app against any server. With an API token set, every `/api` path asks for it; probes never do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final, get_args
 
 import strata
-from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from strata.bus import Bus
+from strata.config import Env
 from strata.errors import StrataError
-from strata.events import subjects
+from strata.events import EVENT_TYPES, ID_PATTERN, WorkerState, subjects
 from strata.events.rpc import SERVICES, PingResult
+from strata.replay import (
+    JobState,
+    LiveRates,
+    dumps,
+    job_history,
+    render_dashboard,
+    stream_records,
+    summarize,
+)
+from strata.services.gateway.api import Dashboard, EventPage, JobList, WorkerPage
+from strata.services.gateway.live import LiveModel
 
 DASHBOARD_DIST = Path(__file__).resolve().parents[2] / "dashboard" / "dist"
 
+API_TOKEN_ENV: Final = Env.API_TOKEN
+"""When set, `/api/*` answers only requests with `Authorization: Bearer <token>`."""
+
+PUSH_INTERVAL_S: Final = 0.25
+"""At most four pushes a second per stream: changes in between are coalesced into the next."""
+RATES_CHECK_S: Final = 1.0
+KEEPALIVE_S: Final = 15.0
+MAX_PAGE: Final = 1000
+MAX_EVENTS_SCANNED: Final = 50_000
+WORKER_STATUSES: Final = frozenset(get_args(WorkerState))
+AREAS: Final = frozenset(event_type.split(".")[0] for event_type in EVENT_TYPES)
+
+JobId = Annotated[str, Query(pattern=ID_PATTERN, description="Job id")]
+JobInPath = Annotated[str, PathParam(pattern=ID_PATTERN, description="Job id")]
+
 
 class GatewayState:
-    """What the HTTP handlers need; `bus` is None until NATS is connected."""
+    """What the HTTP handlers need; `bus` and `live` are None until NATS is connected."""
 
     def __init__(self) -> None:
         self.bus: Bus | None = None
         self.streams_ready = False
+        self.live: LiveModel | None = None
 
 
-def create_app(state: GatewayState, dashboard_dir: Path | None = DASHBOARD_DIST) -> FastAPI:
+_BEARER = HTTPBearer(auto_error=False, description=f"The token in ${API_TOKEN_ENV}")
+
+
+async def _authorize(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+) -> None:
+    token: str | None = request.app.state.api_token
+    if token is None:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    # EventSource in a browser cannot send headers, so the push stream takes a query token.
+    if not given and request.url.path == "/api/stream":
+        given = request.query_params.get("access_token", "")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(
+            401,
+            detail="missing or wrong API token: send 'Authorization: Bearer <token>' "
+            f"(the gateway's ${API_TOKEN_ENV})",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _json(document: Any, status_code: int = 200) -> Response:
+    return Response(dumps(document), status_code=status_code, media_type="application/json")
+
+
+def _type_filter(job: str, prefix: str | None) -> tuple[str, str | None]:
+    """The subject that selects events of `prefix` on the server, and what is left to check here."""
+    if not prefix:
+        return subjects.job_events(job), None
+    if prefix in EVENT_TYPES:
+        return subjects.event_subject(job, prefix), None
+    area = prefix.removesuffix(".")
+    if area in AREAS:
+        return subjects.area_events(job, area), None
+    return subjects.job_events(job), prefix
+
+
+def create_app(
+    state: GatewayState,
+    dashboard_dir: Path | None = DASHBOARD_DIST,
+    api_token: str | None = None,
+) -> FastAPI:
     app = FastAPI(
         title="Strata gateway",
         version=strata.__version__,
-        description="State of Strata training jobs, for the dashboard and for scripts.",
+        description="State of Strata training jobs, for the dashboard and for scripts. Every "
+        "figure is folded from the jobs' events with the services' own code.",
     )
+    app.state.api_token = api_token
+    api = APIRouter(prefix="/api", dependencies=[Depends(_authorize)])
+
+    def live() -> LiveModel:
+        if state.live is None:
+            raise HTTPException(503, detail="the gateway is not connected to NATS yet")
+        return state.live
+
+    def bus() -> Bus:
+        if state.bus is None:
+            raise HTTPException(503, detail="the gateway is not connected to NATS yet")
+        return state.bus
+
+    def job_state(job: str) -> JobState:
+        found = live().job(job)
+        if found is None:
+            raise HTTPException(404, detail=f"no events of job {job!r} (yet)")
+        return found
+
+    # -- probes -----------------------------------------------------------------------------------
 
     @app.get("/healthz", tags=["probes"])
     async def healthz() -> dict[str, str]:
@@ -44,10 +144,18 @@ def create_app(state: GatewayState, dashboard_dir: Path | None = DASHBOARD_DIST)
 
     @app.get("/readyz", tags=["probes"])
     async def readyz() -> JSONResponse:
-        """Connected to NATS and the streams exist."""
+        """Connected to NATS, the streams exist, and the events stored at start are folded."""
         connected = state.bus is not None and state.bus.nc.is_connected
-        ready = connected and state.streams_ready
-        detail = "ok" if ready else ("streams not provisioned" if connected else "no NATS")
+        folded = state.live is None or state.live.caught_up.is_set()
+        ready = connected and state.streams_ready and folded
+        if ready:
+            detail = "ok"
+        elif not connected:
+            detail = "no NATS"
+        elif not state.streams_ready:
+            detail = "streams not provisioned"
+        else:
+            detail = "folding the event stream"
         return JSONResponse({"ready": ready, "detail": detail}, status_code=200 if ready else 503)
 
     @app.get("/metrics", tags=["probes"])
@@ -55,16 +163,129 @@ def create_app(state: GatewayState, dashboard_dir: Path | None = DASHBOARD_DIST)
         """Prometheus metrics of this process."""
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/services", tags=["status"])
+    # -- state ------------------------------------------------------------------------------------
+
+    @api.get("/jobs", tags=["state"], response_model=JobList)
+    async def jobs() -> Response:
+        """Every job seen, the one with the latest event first."""
+        states = sorted(live().model.jobs.values(), key=lambda s: (-s.ts, s.job))
+        return _json({"jobs": [s.summary() for s in states]})
+
+    @api.get("/dashboard", tags=["state"], response_model=Dashboard)
+    async def dashboard(job: JobId) -> Response:
+        """Workers, datasets, checkpoints, barriers, metrics and recent events of a job, now."""
+        body, _ = live().dashboard_json(job_state(job))
+        return Response(body, media_type="application/json")
+
+    @api.get("/jobs/{job}/workers", tags=["state"], response_model=WorkerPage)
+    async def workers(
+        job: JobInPath,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+        status: Annotated[
+            str | None, Query(description="One status or several, comma-separated")
+        ] = None,
+    ) -> Response:
+        """A page of a job's workers in rank order, optionally of some statuses only."""
+        rows: list[dict[str, Any]] = live().static_dashboard(job_state(job))["workers"]
+        if status:
+            wanted = {s.strip() for s in status.split(",") if s.strip()}
+            unknown = wanted - WORKER_STATUSES
+            if unknown:
+                raise HTTPException(
+                    422, detail=f"unknown status {sorted(unknown)}; use {sorted(WORKER_STATUSES)}"
+                )
+            rows = [row for row in rows if row["status"] in wanted]
+        return _json({"total": len(rows), "items": rows[offset : offset + limit]})
+
+    # -- history ----------------------------------------------------------------------------------
+
+    @api.get("/jobs/{job}/events", tags=["history"], response_model=EventPage)
+    async def events(
+        job: JobInPath,
+        after_seq: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 200,
+        type: Annotated[
+            str | None, Query(max_length=64, description="Event type prefix, e.g. 'barrier.'")
+        ] = None,
+    ) -> Response:
+        """A job's events after a stream sequence, from JetStream, with their full JSON."""
+        subject, prefix = _type_filter(job, type)
+        items: list[dict[str, Any]] = []
+        last_seq, scanned = after_seq, 0
+        records = stream_records(bus().js, "events", subject, start_seq=after_seq + 1)
+        async with contextlib.aclosing(records):
+            async for record in records:
+                last_seq, scanned = record.seq, scanned + 1
+                event = record.event
+                if prefix is None or event.type.startswith(prefix):
+                    items.append(
+                        {
+                            "seq": record.seq,
+                            "ts": event.ts,
+                            "type": event.type,
+                            "summary": summarize(event),
+                            "event": event.model_dump(mode="json"),
+                        }
+                    )
+                if len(items) >= limit or scanned >= MAX_EVENTS_SCANNED:
+                    break
+        return _json({"items": items, "last_seq": last_seq})
+
+    @api.get("/replay", tags=["history"], response_model=Dashboard)
+    async def replay(
+        job: JobId,
+        seq: Annotated[int | None, Query(ge=0, description="Fold events up to this seq")] = None,
+        at: Annotated[
+            int | None, Query(ge=0, description="Fold what was stored at or before (ns)")
+        ] = None,
+        telemetry: Annotated[
+            bool, Query(description="Fold heartbeats too (last heartbeat, step, epoch)")
+        ] = True,
+    ) -> Response:
+        """The dashboard of a job as it was at a point of its history; live rates are null."""
+        if (seq is None) == (at is None):
+            raise HTTPException(
+                422, detail="give exactly one of seq (a stream sequence) or at (ns)"
+            )
+        rebuilt = JobState(job)
+        history = job_history(bus().js, job, until_seq=seq, until_ns=at, telemetry=telemetry)
+        async with contextlib.aclosing(history):
+            async for record in history:
+                rebuilt.apply(record)
+        if rebuilt.events == 0:
+            raise HTTPException(404, detail=f"job {job!r} has no events at that point")
+        return _json(render_dashboard(rebuilt))
+
+    # -- live pushes ------------------------------------------------------------------------------
+
+    @api.get(
+        "/stream",
+        tags=["state"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def stream(job: JobId) -> StreamingResponse:
+        """Server-Sent Events: `event: dashboard` with the whole dashboard whenever it changed
+        (at most four a second, within a second of a change), and `: keepalive` every 15 s."""
+        return StreamingResponse(
+            _pushes(live(), job),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    # -- services ---------------------------------------------------------------------------------
+
+    @api.get("/services", tags=["status"])
     async def services() -> dict[str, Any]:
         """Which services answer a ping right now."""
-        bus = state.bus
-        if bus is None:
+        if state.bus is None:
             return {"services": {name: {"up": False, "error": "no NATS"} for name in SERVICES}}
+        connected = state.bus
 
         async def ping(name: str) -> dict[str, Any]:
             try:
-                result = await bus.rpc.call(name, "ping", result=PingResult, timeout=1.0)
+                result = await connected.rpc.call(name, "ping", result=PingResult, timeout=1.0)
             except StrataError as exc:
                 return {"up": False, "error": exc.message, "code": exc.code}
             return {"up": True, **result.model_dump()}
@@ -73,7 +294,7 @@ def create_app(state: GatewayState, dashboard_dir: Path | None = DASHBOARD_DIST)
         answers = await asyncio.gather(*(ping(name) for name in names))
         return {"services": dict(zip(names, answers, strict=True))}
 
-    @app.get("/api/subjects", tags=["status"])
+    @api.get("/subjects", tags=["status"])
     async def subject_layout() -> dict[str, str]:
         """The subject layout, for people writing their own consumers."""
         return {
@@ -83,6 +304,37 @@ def create_app(state: GatewayState, dashboard_dir: Path | None = DASHBOARD_DIST)
             "rpc": f"{subjects.RPC}.<service>.<verb>",
         }
 
+    app.include_router(api)
     if dashboard_dir is not None and (dashboard_dir / "index.html").is_file():
         app.mount("/", StaticFiles(directory=dashboard_dir, html=True), name="dashboard")
     return app
+
+
+async def _pushes(live: LiveModel, job: str) -> AsyncIterator[bytes]:
+    """The body of one push stream; ends when the client goes (Starlette cancels it)."""
+    with live.watching(job) as signal:
+        yield b": connected\n\n"
+        sent: tuple[int, LiveRates] | None = None
+        last_push = -PUSH_INTERVAL_S
+        last_write = time.monotonic()
+        while True:
+            state = live.job(job)
+            now = time.monotonic()
+            if state is not None and sent != (state.version, live.live_rates(job)):
+                pause = PUSH_INTERVAL_S - (now - last_push)
+                if pause > 0:
+                    # Coalescing: whatever else changes during the pause goes out together.
+                    await asyncio.sleep(pause)
+                    continue
+                body, rates = live.dashboard_json(state)
+                sent = (state.version, rates)
+                yield b"event: dashboard\ndata: " + body + b"\n\n"
+                last_push = last_write = time.monotonic()
+                continue
+            quiet = KEEPALIVE_S - (now - last_write)
+            if quiet <= 0:
+                yield b": keepalive\n\n"
+                last_write = now
+                continue
+            # Rates move with the clock as well as with events: look again within a second.
+            await signal.wait(min(RATES_CHECK_S, quiet))

@@ -1,14 +1,16 @@
-"""The gateway as a Strata service: uvicorn serving the app, on the runtime's NATS connection."""
+"""The gateway as a Strata service: the live read model and uvicorn serving the app over it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 import uvicorn
 from strata.bus import Bus
 from strata.config import Settings
-from strata.services.gateway.app import GatewayState, create_app
+from strata.services.gateway.app import API_TOKEN_ENV, GatewayState, create_app
+from strata.services.gateway.live import LiveModel
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -20,23 +22,38 @@ class _EmbeddedServer(uvicorn.Server):
 
 class Gateway:
     name = "gateway"
+    provisions_streams = False
 
-    def __init__(self, host: str = "0.0.0.0") -> None:
+    def __init__(self, host: str = "0.0.0.0", api_token: str | None = None) -> None:
         self._host = host
+        self._api_token = api_token
         self.state = GatewayState()
+        self.live: LiveModel | None = None
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        """The port uvicorn listens on (the one chosen when settings asked for port 0)."""
+        if self._server is None or not self._server.servers:
+            raise RuntimeError("gateway HTTP server not started")
+        return int(self._server.servers[0].sockets[0].getsockname()[1])
 
     async def start(self, bus: Bus, settings: Settings) -> None:
         self.state.bus = bus
         self.state.streams_ready = True  # the runtime provisions the streams before start()
+        self.live = await LiveModel().start(bus)
+        self.state.live = self.live
+        token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)
         config = uvicorn.Config(
-            create_app(self.state),
+            create_app(self.state, api_token=token or None),
             host=self._host,
             port=settings.http_port,
             log_level="warning",
             access_log=False,
             lifespan="off",
+            # Push streams never end on their own: after this, stopping cuts them.
+            timeout_graceful_shutdown=2,
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(), name="gateway-http")
@@ -52,10 +69,15 @@ class Gateway:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.live is not None:
+            await self.live.stop()
 
     def ready(self) -> tuple[bool, str]:
-        started = self._server is not None and self._server.started
-        return (True, "ok") if started else (False, "HTTP server not started")
+        if self._server is None or not self._server.started:
+            return False, "HTTP server not started"
+        if self.live is None or not self.live.caught_up.is_set():
+            return False, "folding the event stream"
+        return True, "ok"
 
 
 def create() -> Gateway:

@@ -178,12 +178,12 @@ def test_up_refuses_a_busy_port_with_an_actionable_message(stack: Stack, tmp_pat
     assert "--nats-port" in second.stderr
 
 
-def test_unbuilt_verbs_say_so_and_fail() -> None:
+def test_bad_demo_arguments_are_refused_before_anything_starts() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "strata", "demo", "--workers", "2"],
+        [sys.executable, "-m", "strata", "demo", "--workers", "0"],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert result.returncode == 2
-    assert "not built yet" in result.stderr
+    assert "--workers must be in 1..64" in result.stderr

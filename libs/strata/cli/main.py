@@ -22,12 +22,6 @@ from strata.errors import StrataError
 
 console = Console(stderr=True)
 
-NOT_BUILT = {
-    "replay": "replay a job's events as a timeline or rebuilt state",
-    "export": "export a job's events to a file",
-    "demo": "run a real PyTorch training job against the stack",
-}
-
 
 def _add_nats(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -47,6 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=8080, help="gateway/dashboard port (8080)")
     up.add_argument("--data-dir", type=Path, default=None, help="state directory (./.strata)")
     up.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="NATS with passwords and per-role permissions (credentials in the data dir)",
+    )
+    up.add_argument(
+        "--worker-credentials", type=int, default=16, help="worker users made by --secure (16)"
+    )
+
+    demo = verbs.add_parser(
+        "demo", help="run a real PyTorch training job on a local stack, killing a worker midway"
+    )
+    demo.add_argument("--workers", type=int, default=3, help="worker processes (3)")
+    demo.add_argument("--epochs", type=int, default=2, help="epochs to train (2)")
+    demo.add_argument(
+        "--kill-one",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="SIGKILL a worker midway and recover (default: yes)",
+    )
+    demo.add_argument(
+        "--no-keep", action="store_true", help="stop the stack when the job ends (for CI)"
+    )
+    demo.add_argument("--nats-port", type=int, default=4222, help="NATS client port (4222)")
+    demo.add_argument("--http-port", type=int, default=8080, help="dashboard port (8080)")
+    demo.add_argument("--data-dir", type=Path, default=None, help="state directory (./.strata)")
 
     serve = verbs.add_parser("serve", help="run one service in this process (as in a container)")
     serve.add_argument("service", help="registry, sharding, barrier, checkpoint or gateway")
@@ -57,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     status = verbs.add_parser("status", help="which services answer, and the streams' state")
     _add_nats(status)
 
-    for name, text in NOT_BUILT.items():
-        verbs.add_parser(name, help=f"{text} (not built yet)")
+    from strata.cli import replay
+
+    replay.add_parsers(verbs)
+
     return parser
 
 
@@ -103,23 +125,28 @@ async def _status(nats_url: str | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and args.verb not in NOT_BUILT:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parser.parse_args(argv)
     try:
         if args.verb == "up":
             from strata.cli.up import up
 
             return up(args)
+        if args.verb == "demo":
+            from strata.demo.driver import demo
+
+            if not 1 <= args.workers <= 64 or not 1 <= args.epochs <= 100:
+                parser.error("--workers must be in 1..64 and --epochs in 1..100")
+            return demo(args)
         if args.verb == "serve":
             return _serve(args)
         if args.verb == "status":
             return asyncio.run(_status(args.nats_url))
-        console.print(
-            f"[yellow]strata {args.verb}[/] is not built yet in this version "
-            f"({strata.__version__}); see the README for what is available."
-        )
-        return 2
+        if args.verb in ("replay", "export"):
+            from strata.cli import replay
+
+            run = replay.replay if args.verb == "replay" else replay.export
+            return run(args, console)
+        parser.error(f"unknown verb {args.verb!r}")
     except StrataError as exc:
         console.print(f"[red]error[/] {escape(str(exc))}", soft_wrap=True)
         return 1

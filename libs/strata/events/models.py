@@ -194,7 +194,7 @@ class ShardPlanChanged(Event):
     dataset_id: Id
     epoch: Epoch
     plan_version: Count
-    members: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+    members: Annotated[list[Id], Field(min_length=1, max_length=MAX_WORKERS)]
     membership_epoch: MembershipEpoch
     reason: Text
     moved_shards: Annotated[int, Field(ge=0, le=MAX_SHARDS)] = 0

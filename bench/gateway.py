@@ -1,0 +1,551 @@
+"""Replay speed of the read model, and `/api/dashboard` latency with 1,000 workers.
+
+A training job's history is generated as real event models (1,000 workers registering, a sharded
+dataset, heartbeats every step, barriers, progress reports, two-phase checkpoints with retention,
+a failure and its re-plan), encoded with the real codec, then rebuilt the ways Strata rebuilds it:
+from msgpack bytes (the gateway's path from NATS) and from an export file (`strata replay --file`).
+Plain msgpack decoding of the same bytes is the baseline, so the figures show where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+from strata.bus import Bus
+from strata.bus.server import NatsServer
+from strata.events import (
+    AnyEvent,
+    BarrierArrived,
+    BarrierOpened,
+    BarrierReleased,
+    CheckpointCommitted,
+    CheckpointPruned,
+    CheckpointShardSaved,
+    CheckpointStarted,
+    DatasetRegistered,
+    Participant,
+    ShardPlanChanged,
+    ShardProgress,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerRegistered,
+    WorkerStateChanged,
+    decode_event,
+    encode_event,
+    subjects,
+)
+from strata.replay import (
+    JobState,
+    Record,
+    Stream,
+    job_history,
+    rebuild,
+    record_from_json,
+    render_dashboard,
+)
+from strata.services.gateway.app import GatewayState, create_app
+from strata.services.gateway.live import LiveModel
+from strata.sharding import DatasetSpec, initial_plan
+from strata.storage.base import shard_key
+
+JOB = "bench"
+AIM_EVENTS_PER_S = 100_000.0
+START_NS = 1_795_000_000_000_000_000
+STEP_NS = 500_000_000
+
+
+class History:
+    """Real events of a synthetic job, each with the stream position it would be stored at."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self._events_seq = 0
+        self._telemetry_seq = 0
+        self.now = START_NS
+
+    def add(self, event: AnyEvent) -> None:
+        telemetry = isinstance(event, WorkerHeartbeat)
+        if telemetry:
+            self._telemetry_seq += 1
+            seq = self._telemetry_seq
+        else:
+            self._events_seq += 1
+            seq = self._events_seq
+        self.now += 1_000
+        self.records.append(
+            Record(seq, self.now + 200_000, event, "telemetry" if telemetry else "events")
+        )
+
+
+def synthetic_history(workers: int = 1000, steps: int = 60) -> list[Record]:
+    history = History()
+    ids = [f"worker-{i:04d}" for i in range(workers)]
+    instances = [hashlib.sha1(w.encode()).hexdigest()[:16] for w in ids]
+    source = "registry"
+    for rank, worker in enumerate(ids):
+        history.add(
+            WorkerRegistered(
+                job=JOB,
+                source=source,
+                ts=history.now,
+                worker_id=worker,
+                instance=instances[rank],
+                rank=rank,
+                world_size=rank + 1,
+                membership_epoch=rank + 1,
+                hostname=f"node-{rank // 8:03d}",
+                gpus=8,
+                heartbeat_interval=1.0,
+                heartbeat_timeout=5.0,
+            )
+        )
+    spec = DatasetSpec("imagenet-1k", 1_281_167, 1_000, True, 42)
+    history.add(
+        DatasetRegistered(
+            job=JOB,
+            source="sharding",
+            ts=history.now,
+            dataset_id=spec.dataset_id,
+            total_samples=spec.total_samples,
+            shard_size=spec.shard_size,
+            shuffle=True,
+            seed=42,
+        )
+    )
+    members = sorted(ids)
+    history.add(
+        ShardPlanChanged(
+            job=JOB,
+            source="sharding",
+            ts=history.now,
+            dataset_id=spec.dataset_id,
+            epoch=0,
+            plan_version=0,
+            members=members,
+            membership_epoch=workers,
+            reason="first request of the epoch",
+        )
+    )
+    plan = initial_plan(spec, 0, members)
+    shards_of = {worker: plan.shards_of(worker) for worker in members}
+    for worker in ids:
+        history.add(
+            WorkerStateChanged(
+                job=JOB,
+                source=source,
+                ts=history.now,
+                worker_id=worker,
+                state="training",
+                previous="idle",
+            )
+        )
+    live = list(range(workers))
+    checkpoint = 0
+    for step in range(1, steps + 1):
+        history.now += STEP_NS
+        for index in live:
+            history.add(
+                WorkerHeartbeat(
+                    job=JOB,
+                    source=ids[index],
+                    ts=history.now,
+                    worker_id=ids[index],
+                    instance=instances[index],
+                    seq=step,
+                    state="training",
+                    step=step * 10,
+                    epoch=0,
+                    cpu_percent=97.5,
+                    rss_bytes=3_221_225_472,
+                )
+            )
+        if step % 5 == 0:
+            name, generation = "step", step // 5 - 1
+            history.add(
+                BarrierOpened(
+                    job=JOB,
+                    source="barrier",
+                    ts=history.now,
+                    name=name,
+                    generation=generation,
+                    expected=[ids[i] for i in live],
+                    expected_count=len(live),
+                    timeout_s=60.0,
+                    deadline_ts=history.now + 60 * 10**9,
+                )
+            )
+            for count, index in enumerate(live, start=1):
+                history.add(
+                    BarrierArrived(
+                        job=JOB,
+                        source="barrier",
+                        ts=history.now,
+                        name=name,
+                        generation=generation,
+                        worker_id=ids[index],
+                        arrival=generation,
+                        arrived=count,
+                    )
+                )
+            history.add(
+                BarrierReleased(
+                    job=JOB,
+                    source="barrier",
+                    ts=history.now,
+                    name=name,
+                    generation=generation,
+                    participants=len(live),
+                    first_arrival_to_release_ms=40.0 + step,
+                    last_arrival_to_release_ms=0.5 + step / 100,
+                )
+            )
+            for index in live:
+                mine = shards_of[ids[index]]
+                done = mine[(step // 5 - 1) : step // 5]
+                history.add(
+                    ShardProgress(
+                        job=JOB,
+                        source="sharding",
+                        ts=history.now,
+                        dataset_id=spec.dataset_id,
+                        epoch=0,
+                        worker_id=ids[index],
+                        completed=done,
+                    )
+                )
+        if step % 20 == 0:
+            checkpoint += 1
+            ckpt_step = step * 10
+            history.add(
+                CheckpointStarted(
+                    job=JOB,
+                    source="checkpoint",
+                    ts=history.now,
+                    step=ckpt_step,
+                    epoch=0,
+                    root_uri="s3://bench/ckpt",
+                    participants=[Participant(worker_id=ids[i], rank=i) for i in live],
+                    keep_count=2,
+                    timeout_s=300.0,
+                )
+            )
+            for index in live:
+                history.add(
+                    CheckpointShardSaved(
+                        job=JOB,
+                        source=ids[index],
+                        ts=history.now,
+                        step=ckpt_step,
+                        epoch=0,
+                        rank=index,
+                        worker_id=ids[index],
+                        uri=f"s3://bench/ckpt/{shard_key(JOB, ckpt_step, index)}",
+                        key=shard_key(JOB, ckpt_step, index),
+                        bytes=268_435_456,
+                        checksum="sha256:" + "ab" * 32,
+                    )
+                )
+            history.add(
+                CheckpointCommitted(
+                    job=JOB,
+                    source="checkpoint",
+                    ts=history.now + 4 * 10**9,
+                    step=ckpt_step,
+                    epoch=0,
+                    manifest_uri=f"s3://bench/ckpt/{ckpt_step}/manifest.json",
+                    total_bytes=268_435_456 * len(live),
+                    shards=len(live),
+                    duration_ms=4000.0,
+                )
+            )
+            if checkpoint > 2:
+                old = (step - 40) * 10
+                history.add(
+                    CheckpointPruned(
+                        job=JOB,
+                        source="checkpoint",
+                        ts=history.now,
+                        step=old,
+                        manifest_uri=f"s3://bench/ckpt/{old}/manifest.json",
+                    )
+                )
+        if step == steps // 2:
+            victim = live.pop()
+            history.add(
+                WorkerFailed(
+                    job=JOB,
+                    source=source,
+                    ts=history.now,
+                    worker_id=ids[victim],
+                    rank=victim,
+                    reason="no heartbeat for 5.2s (timeout 5s)",
+                    last_heartbeat_ts=history.now - 5 * 10**9,
+                    membership_epoch=workers + 1,
+                )
+            )
+            history.add(
+                ShardPlanChanged(
+                    job=JOB,
+                    source="sharding",
+                    ts=history.now,
+                    dataset_id=spec.dataset_id,
+                    epoch=0,
+                    plan_version=1,
+                    members=sorted(ids[i] for i in live),
+                    membership_epoch=workers + 1,
+                    reason="membership changed",
+                )
+            )
+    return history.records
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+
+def best_of(runs: int, work: Callable[[], Any]) -> float:
+    """The fastest of `runs` timings (seconds): the least disturbed by a shared machine."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def replay_speed(records: list[Record], runs: int) -> list[tuple[str, float]]:
+    frames: list[tuple[int, int, Stream, bytes]] = [
+        (r.seq, r.stored_ns, r.stream, encode_event(r.event)) for r in records
+    ]
+    lines = [r.to_json() for r in records]
+    count = len(records)
+
+    def unpack_only() -> None:
+        for _, _, _, data in frames:
+            msgpack.unpackb(data, raw=False)
+
+    def decode_only() -> None:
+        for _, _, _, data in frames:
+            decode_event(data)
+
+    def rebuild_from_bytes() -> None:
+        decoded = (
+            Record(seq, stored_ns, decode_event(data), stream)
+            for seq, stored_ns, stream, data in frames
+        )
+        rebuild(decoded, JOB)
+
+    def rebuild_from_file() -> None:
+        rebuild((record_from_json(line) for line in lines), JOB)
+
+    def fold_only() -> None:
+        rebuild(records, JOB)
+
+    cases = [
+        ("baseline: msgpack.unpackb only", unpack_only),
+        ("decode_event (msgpack + model)", decode_only),
+        ("rebuild from msgpack bytes", rebuild_from_bytes),
+        ("rebuild from export lines (JSON)", rebuild_from_file),
+        ("fold of decoded events", fold_only),
+    ]
+    # Rounds alternate the cases, so a burst of load on the shared machine hits all of them.
+    best = dict.fromkeys((name for name, _ in cases), float("inf"))
+    for _ in range(runs):
+        for name, work in cases:
+            best[name] = min(best[name], best_of(1, work))
+    return [(name, count / best[name]) for name, _ in cases]
+
+
+async def read_only(bus: Bus, expected: int) -> float:
+    """Seconds to receive every stored message of the job through ordered push consumers that
+    only count them: what the Python NATS client costs before any decoding."""
+    done = asyncio.Event()
+    received = 0
+
+    async def count(_: Any) -> None:
+        nonlocal received
+        received += 1
+        if received == expected:
+            done.set()
+
+    started = time.perf_counter()
+    subs = [
+        await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, cb=count)
+        for stream, subject in (
+            (subjects.EVENTS_STREAM, subjects.job_events(JOB)),
+            (subjects.TELEMETRY_STREAM, subjects.job_heartbeats(JOB)),
+        )
+    ]
+    await asyncio.wait_for(done.wait(), 300)
+    elapsed = time.perf_counter() - started
+    for sub in subs:
+        await sub.unsubscribe()
+    return elapsed
+
+
+async def replay_from_jetstream(records: list[Record], runs: int) -> tuple[float, float, float]:
+    """(publish s, baseline msg/s, replay msg/s): the job rebuilt from a real nats-server the way
+    `/api/replay` and `strata replay --job` read it, beside a read that only counts messages."""
+    with tempfile.TemporaryDirectory() as scratch, NatsServer(store_dir=Path(scratch)) as server:
+        async with await Bus.connect(server.url, name="bench-gateway") as bus:
+            await bus.ensure_streams()
+            started = time.perf_counter()
+            events = [r.event for r in records if r.stream == "events"]
+            for first in range(0, len(events), 5000):
+                await bus.publish_many(events[first : first + 5000], window=512)
+            for record in records:
+                if record.stream == "telemetry":
+                    await bus.publish_telemetry(record.event)
+            await bus.nc.flush()
+            stored = 0
+            while stored < len(records):
+                stored = 0
+                for name in (subjects.EVENTS_STREAM, subjects.TELEMETRY_STREAM):
+                    stored += (await bus.js.stream_info(name)).state.messages
+                await asyncio.sleep(0.05)
+            published = time.perf_counter() - started
+            baseline = replay = float("inf")
+            for _ in range(runs):
+                baseline = min(baseline, await read_only(bus, len(records)))
+                started = time.perf_counter()
+                state = JobState(JOB)
+                async for record in job_history(bus.js, JOB):
+                    state.apply(record)
+                replay = min(replay, time.perf_counter() - started)
+                if state.events + state.heartbeats != len(records):
+                    raise SystemExit(f"read back {state.events + state.heartbeats} messages")
+    return published, len(records) / baseline, len(records) / replay
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, round(q * (len(ordered) - 1)))]
+
+
+async def dashboard_latency(state: JobState, requests: int) -> dict[str, tuple[float, float]]:
+    """p50 and p99 (ms) through the ASGI app: /healthz (the HTTP stack alone, the baseline),
+    /api/dashboard unchanged between requests (cached), and changed by a heartbeat before each."""
+    live = LiveModel()
+    live.model.jobs[JOB] = state
+    gateway = GatewayState()
+    gateway.live = live
+    app = create_app(gateway, dashboard_dir=None)
+    beat_worker = next(iter(state.beats))
+    results: dict[str, tuple[float, float]] = {}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app), base_url="http://gateway"
+    ) as http:
+
+        async def measure(path: str, before: Callable[[], None] | None = None) -> list[float]:
+            times = []
+            for index in range(requests):
+                if before is not None:
+                    before()
+                started = time.perf_counter()
+                answer = await http.get(path)
+                times.append((time.perf_counter() - started) * 1e3)
+                if answer.status_code != 200:
+                    raise SystemExit(f"{path} answered {answer.status_code}: {answer.text[:200]}")
+                if index == 0 and path.startswith("/api/dashboard"):
+                    workers = len(answer.json()["workers"])
+                    results["_workers"] = (workers, len(answer.content) / 1024)
+            return times
+
+        def heartbeat() -> None:
+            worker, instance = beat_worker
+            state.apply_heartbeat(
+                WorkerHeartbeat(
+                    job=JOB,
+                    source=worker,
+                    worker_id=worker,
+                    instance=instance,
+                    seq=state.heartbeats + 1,
+                    state="training",
+                    step=state.heartbeats,
+                )
+            )
+
+        path = f"/api/dashboard?job={JOB}"
+        for name, url, before in (
+            ("GET /healthz (baseline)", "/healthz", None),
+            ("GET /api/dashboard, unchanged", path, None),
+            ("GET /api/dashboard, a heartbeat before each", path, heartbeat),
+        ):
+            await measure(url, before)  # warm-up
+            times = await measure(url, before)
+            results[name] = (percentile(times, 0.5), percentile(times, 0.99))
+    return results
+
+
+def render_time(state: JobState, runs: int) -> float:
+    return best_of(runs, lambda: render_dashboard(state)) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--runs", type=int, default=3, help="timings per case (best is kept)")
+    parser.add_argument("--requests", type=int, default=200, help="HTTP requests per case")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    records = synthetic_history(args.workers, args.steps)
+    heartbeats = sum(1 for r in records if r.stream == "telemetry")
+    load = ", ".join(f"{figure:.1f}" for figure in os.getloadavg())
+    print(
+        f"Strata gateway benchmark: python {platform.python_version()}, {os.cpu_count()} CPUs, "
+        f"{platform.machine()}, load average {load}"
+    )
+    print(
+        f"history: {args.workers} workers, {args.steps} steps: {len(records):,} messages "
+        f"({len(records) - heartbeats:,} events, {heartbeats:,} heartbeats), "
+        f"generated in {time.perf_counter() - started:.1f}s"
+    )
+    print()
+    print(f"replay speed (whole history, best of {args.runs} alternating rounds)")
+    speeds = replay_speed(records, args.runs)
+    baseline = speeds[0][1]
+    for name, rate in speeds:
+        print(f"  {name:<36} {rate:>12,.0f} msg/s   {rate / baseline:5.2f}x baseline")
+    for path in ("rebuild from msgpack bytes", "rebuild from export lines (JSON)"):
+        verdict = "meets" if dict(speeds)[path] >= AIM_EVENTS_PER_S else "misses"
+        print(f"  aim {AIM_EVENTS_PER_S:,.0f} msg/s, {path}: {verdict} it")
+
+    published, read_rate, rate = asyncio.run(replay_from_jetstream(records, max(1, args.runs // 2)))
+    print()
+    print(
+        f"from JetStream ({len(records):,} messages stored in {published:.1f}s on a local server)"
+    )
+    print(f"  {'baseline: nats-py ordered consumers, count only':<48} {read_rate:>10,.0f} msg/s")
+    print(
+        f"  {'replay as /api/replay (read, decode, fold)':<48} {rate:>10,.0f} msg/s   "
+        f"{rate / read_rate:5.2f}x baseline"
+    )
+
+    state = rebuild(records, JOB)
+    print()
+    print(f"render_dashboard alone: {render_time(state, args.runs * 5):.2f} ms")
+    latency = asyncio.run(dashboard_latency(state, args.requests))
+    workers, size_kib = latency.pop("_workers")
+    print(
+        f"HTTP latency through the ASGI app, {args.requests} requests each "
+        f"({int(workers)} workers, {size_kib:.0f} KiB per dashboard)"
+    )
+    health_p50 = latency["GET /healthz (baseline)"][0]
+    for name, (p50, p99) in latency.items():
+        print(f"  {name:<46} p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  {p50 / health_p50:6.1f}x")
+
+
+if __name__ == "__main__":
+    main()

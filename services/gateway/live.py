@@ -1,0 +1,286 @@
+"""The gateway's live read model: the event stream and heartbeats folded as they are stored.
+
+It follows STRATA_EVENTS from its first message (every job) and the latest heartbeat of every
+worker on STRATA_TELEMETRY, folds both through `strata.replay` (the code `strata replay` runs),
+counts the rates only a live view has, and wakes the push streams of a job when it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Final
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from prometheus_client import Counter, Gauge
+from strata.bus import Bus, Delivered, EventFeed
+from strata.errors import StrataError
+from strata.events import WorkerHeartbeat, decode_event, subjects
+from strata.metrics import MESSAGES_REJECTED
+from strata.replay import (
+    REQUEST_TYPES,
+    JobState,
+    LiveRates,
+    ReadModel,
+    dumps,
+    heartbeat_belongs,
+)
+from strata.replay import render_dashboard as render
+
+log = structlog.get_logger("strata.gateway")
+
+RATE_WINDOW_S: Final = 10
+CONSUMER: Final = "gateway"
+
+FOLDED: Final = Counter(
+    "strata_gateway_folded_total", "Messages folded into the gateway's read model.", ["kind"]
+)
+JOBS: Final = Gauge("strata_gateway_jobs", "Jobs in the gateway's read model.")
+STREAM_CLIENTS: Final = Gauge(
+    "strata_gateway_stream_clients", "Open /api/stream (Server-Sent Events) connections."
+)
+FOLD_ERRORS: Final = Counter(
+    "strata_gateway_fold_errors_total", "Events a domain's evolve raised on (left out of the view)."
+)
+_FOLDED_EVENTS: Final = FOLDED.labels("event")
+_FOLDED_HEARTBEATS: Final = FOLDED.labels("heartbeat")
+
+
+class RateWindow:
+    """Messages per second over the last `span` seconds, counted by stored time."""
+
+    def __init__(self, span: int = RATE_WINDOW_S) -> None:
+        self._span = span
+        self._counts: dict[int, int] = {}
+        self._newest = 0
+
+    def add(self, stored_ns: int) -> None:
+        second = stored_ns // 1_000_000_000
+        counts = self._counts
+        counts[second] = counts.get(second, 0) + 1
+        if second > self._newest:
+            self._newest = second
+            # Dropped only when a new second starts: once a second, not once per message.
+            for old in [s for s in counts if s <= second - self._span]:
+                del counts[old]
+
+    def rate(self, now: float) -> float:
+        """Over the last `span` whole seconds: the figure changes once a second, not per call."""
+        current = int(now)
+        first = current - self._span
+        total = sum(n for s, n in self._counts.items() if first <= s < current)
+        return round(total / self._span, 3)
+
+
+class JobRates:
+    def __init__(self) -> None:
+        self.events = RateWindow()
+        self.requests = RateWindow()
+        self.heartbeats = RateWindow()
+
+    def now(self, now: float) -> LiveRates:
+        return LiveRates(
+            events_per_s=self.events.rate(now),
+            requests_per_s=self.requests.rate(now),
+            heartbeats_per_s=self.heartbeats.rate(now),
+        )
+
+
+class ChangeSignal:
+    """Wakes every waiter once per change; costs one attribute test when nobody waits."""
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+        self.watchers = 0
+
+    def notify(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> bool:
+        """True when a change came within `timeout` seconds."""
+        if self._waiter is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._waiter), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class LiveModel:
+    """The read model of every job, kept current by the streams."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.model = ReadModel()
+        self.rates: dict[str, JobRates] = {}
+        self.signals: dict[str, ChangeSignal] = {}
+        self.caught_up = asyncio.Event()
+        """Set once every event stored when the gateway started is folded."""
+        self._static: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
+        self._feed: EventFeed | None = None
+        self._telemetry: JetStreamContext.PushSubscription | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- life -------------------------------------------------------------------------------------
+
+    async def start(self, bus: Bus) -> LiveModel:
+        self._feed = EventFeed(
+            bus.js, subjects.EVENTS_STREAM, subjects.all_events(), start_seq=1, name=CONSUMER
+        )
+        await self._feed.start()
+        self._spawn(self._follow_events(self._feed), "events")
+        self._spawn(self._mark_caught_up(self._feed), "caught-up")
+        # The latest heartbeat of each worker, then every new one: a restarted gateway shows the
+        # last sign of life of every worker at once, without replaying hours of telemetry.
+        self._telemetry = await bus.js.subscribe(
+            subjects.all_heartbeats(),
+            stream=subjects.TELEMETRY_STREAM,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            idle_heartbeat=2.0,
+            pending_msgs_limit=1_000_000,
+        )
+        self._spawn(self._follow_heartbeats(self._telemetry), "heartbeats")
+        return self
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._feed is not None:
+            await self._feed.stop()
+        if self._telemetry is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._telemetry.unsubscribe()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=f"gateway-{name}"))
+
+    async def _follow_events(self, feed: EventFeed) -> None:
+        async for delivered in feed:
+            self.fold_event(delivered)
+
+    async def _mark_caught_up(self, feed: EventFeed) -> None:
+        await feed.caught_up.wait()
+        self.caught_up.set()
+
+    async def _follow_heartbeats(self, sub: JetStreamContext.PushSubscription) -> None:
+        async for message in sub.messages:
+            self.fold_heartbeat(message)
+
+    # -- folding ----------------------------------------------------------------------------------
+
+    def _job_rates(self, job: str) -> JobRates:
+        rates = self.rates.get(job)
+        if rates is None:
+            rates = self.rates[job] = JobRates()
+            JOBS.set(len(self.rates))
+        return rates
+
+    def fold_event(self, delivered: Delivered) -> None:
+        event = delivered.event
+        if isinstance(event, WorkerHeartbeat):
+            return  # not on the events stream by construction; never a state change
+        state = self.model.job(event.job)
+        errors = state.fold_errors
+        state.apply_event(delivered.seq, event)
+        if state.fold_errors != errors:
+            FOLD_ERRORS.inc()
+            log.error("event_not_folded", job=event.job, error=state.last_fold_error)
+        rates = self._job_rates(event.job)
+        rates.events.add(delivered.stored_ns)
+        if event.type in REQUEST_TYPES:
+            rates.requests.add(delivered.stored_ns)
+        _FOLDED_EVENTS.inc()
+        self._changed(event.job)
+
+    def fold_heartbeat(self, message: Msg) -> None:
+        meta = message.metadata
+        try:
+            event = decode_event(message.data)
+        except StrataError as exc:
+            MESSAGES_REJECTED.labels(CONSUMER, exc.code).inc()
+            return
+        if not isinstance(event, WorkerHeartbeat) or not heartbeat_belongs(message.subject, event):
+            MESSAGES_REJECTED.labels(CONSUMER, "not_a_heartbeat").inc()
+            return
+        self.model.job(event.job).apply_heartbeat(event)
+        self._job_rates(event.job).heartbeats.add(int(meta.timestamp.timestamp() * 1e9))
+        _FOLDED_HEARTBEATS.inc()
+        self._changed(event.job)
+
+    def _changed(self, job: str) -> None:
+        signal = self.signals.get(job)
+        if signal is not None:
+            signal.notify()
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def job(self, job: str) -> JobState | None:
+        return self.model.jobs.get(job)
+
+    def static_dashboard(self, state: JobState) -> dict[str, Any]:
+        """The dashboard without live rates, rendered once per version of the job."""
+        cached = self._static.get(state.job)
+        if cached is not None and cached[0] == state.version:
+            return cached[1]
+        document = render(state)
+        self._static[state.job] = (state.version, document)
+        return document
+
+    def live_rates(self, job: str) -> LiveRates:
+        rates = self.rates.get(job)
+        return JobRates().now(self.clock()) if rates is None else rates.now(self.clock())
+
+    def dashboard(self, state: JobState, rates: LiveRates | None = None) -> dict[str, Any]:
+        static = self.static_dashboard(state)
+        if rates is None:
+            rates = self.live_rates(state.job)
+        return {
+            **static,
+            "metrics": {
+                **static["metrics"],
+                "events_per_s": rates.events_per_s,
+                "requests_per_s": rates.requests_per_s,
+                "heartbeats_per_s": rates.heartbeats_per_s,
+            },
+        }
+
+    def dashboard_json(self, state: JobState) -> tuple[bytes, LiveRates]:
+        """The dashboard as JSON bytes, encoded once per version of the job and of its rates."""
+        rates = self.live_rates(state.job)
+        cached = self._encoded.get(state.job)
+        if cached is not None and cached[0] == state.version and cached[1] == rates:
+            return cached[2], rates
+        body = dumps(self.dashboard(state, rates)).encode()
+        self._encoded[state.job] = (state.version, rates, body)
+        return body, rates
+
+    @contextlib.contextmanager
+    def watching(self, job: str) -> Iterator[ChangeSignal]:
+        """The change signal of `job` while a push stream needs it (kept only while watched)."""
+        signal = self.signals.get(job)
+        if signal is None:
+            signal = self.signals[job] = ChangeSignal()
+        signal.watchers += 1
+        STREAM_CLIENTS.inc()
+        try:
+            yield signal
+        finally:
+            STREAM_CLIENTS.dec()
+            signal.watchers -= 1
+            if signal.watchers == 0:
+                del self.signals[job]
