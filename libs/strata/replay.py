@@ -512,7 +512,7 @@ class JobState:
                     "arrived": len(gen.arrived),
                     "expected": gen.expected_count,
                     "status": gen.status,
-                    "latency_ms": latency[1]
+                    "latency_ms": round(latency[1], 3)
                     if released and latency is not None and latency[0] == gen.generation
                     else None,
                 }
