@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
+import nats.errors
 import structlog
 from nats.js.kv import KeyValue
 from strata.bus import Bus, EventFeed
+from strata.bus.connection import backoff_delays
 from strata.bus.snapshots import load_snapshot, save_snapshot, snapshot_bucket
 from strata.config import Settings
-from strata.errors import BusError, StrataError
+from strata.errors import BusError, ServiceUnavailable, StrataError
 from strata.events import subjects
 from strata.events.models import Event
 from strata.metrics import MESSAGES_REJECTED
@@ -29,6 +31,7 @@ S = TypeVar("S")
 log = structlog.get_logger("strata.service")
 
 APPLY_TIMEOUT_S = 30.0
+SYNC_DEADLINE_S = 20.0
 SNAPSHOT_EVERY_S = 10.0
 
 
@@ -195,9 +198,25 @@ class Projection(Generic[S]):
             ack = await self.bus.publish(event)
             await self.wait_applied(ack.seq)
 
-    async def sync(self) -> None:
-        """Wait until every event stored so far is folded in (read-your-writes across services)."""
-        info = await self.bus.js.stream_info(subjects.EVENTS_STREAM)
+    async def sync(self, deadline_s: float = SYNC_DEADLINE_S) -> None:
+        """Wait until every event stored so far is folded in (read-your-writes across services).
+
+        Asking the stream for its last sequence is retried through a leader election; past the
+        deadline the caller gets `ServiceUnavailable`, which clients retry.
+        """
+        delays = backoff_delays(0.05, 1.0)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                info = await self.bus.js.stream_info(subjects.EVENTS_STREAM)
+                break
+            except (TimeoutError, nats.errors.Error) as exc:
+                if time.monotonic() >= deadline:
+                    raise ServiceUnavailable(
+                        f"{self.name} cannot read the event stream ({type(exc).__name__}: "
+                        f"{exc}); is NATS electing a leader? Try again"
+                    ) from None
+                await asyncio.sleep(next(delays))
         await self.wait_applied(info.state.last_seq)
 
     # -- snapshots --------------------------------------------------------------------------------

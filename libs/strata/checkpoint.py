@@ -13,7 +13,7 @@ import asyncio
 import io
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -275,6 +275,15 @@ class AsyncCheckpointManager:
 
     async def latest_in_storage(self) -> Manifest | None:
         """The newest manifest in storage, read directly (no service needed)."""
+        async for manifest in self._stored_manifests():
+            return manifest
+        return None
+
+    async def manifests(self) -> list[Manifest]:
+        """Every committed checkpoint's manifest in storage, newest first (no service needed)."""
+        return [manifest async for manifest in self._stored_manifests()]
+
+    async def _stored_manifests(self) -> AsyncIterator[Manifest]:
         job = self._worker.job
         steps = sorted(
             {
@@ -287,10 +296,9 @@ class AsyncCheckpointManager:
         for step in steps:
             try:
                 raw = await self._storage.read(manifest_key(job, step))
-                return Manifest.model_validate_json(raw)
+                yield Manifest.model_validate_json(raw)
             except (StrataError, ValueError) as exc:
                 log.warning("manifest_unreadable", step=step, error=str(exc))
-        return None
 
     async def load(self, step: int | None = None, rank: int | None = None) -> bytes:
         """This rank's bytes of the latest (or `step`'s) committed checkpoint, checksum-verified."""
@@ -401,6 +409,9 @@ class CheckpointManager:
 
     def latest(self) -> Manifest | None:
         return self._runner.run(self._aio.latest())
+
+    def manifests(self) -> list[Manifest]:
+        return self._runner.run(self._aio.manifests())
 
     def load(self, step: int | None = None, rank: int | None = None) -> bytes:
         return self._runner.run(self._aio.load(step, rank))

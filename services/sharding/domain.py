@@ -211,7 +211,9 @@ def _plan_event(
         version = current.plan.version + 1
         _, moved = replan(current.plan, members)
     return ShardPlanChanged(
-        id=event_id("plan", job.job, dataset_id, epoch, version),
+        # A restore drops later epochs' plans: their next plan restarts at version 0 and must not
+        # reuse the dropped plan's id, or the stream would drop it as a duplicate.
+        id=event_id("plan", job.job, dataset_id, epoch, version, job.restored.get(dataset_id)),
         job=job.job,
         source=SOURCE,
         ts=int(now * 1e9),

@@ -242,12 +242,15 @@ class RpcClient:
         per_attempt = timeout if timeout is not None else self._timeout
         deadline = time.monotonic() + retry_for
         delays = backoff_delays(0.05, 1.0)
+        error: StrataError
         while True:
             try:
                 msg = await self._nc.request(subject, payload, timeout=per_attempt)
-                break
+                return _parse_reply(subject, msg.data, result)
+            except ServiceUnavailable as exc:
+                error = exc  # the service answered that it cannot serve yet: retry like silence
             except nats.errors.NoRespondersError:
-                error: StrataError = ServiceUnavailable(
+                error = ServiceUnavailable(
                     f"no {service} service answers {subject}: is it running "
                     "(strata up, or strata serve " + service + ")?"
                 )
@@ -261,7 +264,6 @@ class RpcClient:
             if remaining <= 0:
                 raise error
             await asyncio.sleep(min(next(delays), remaining))
-        return _parse_reply(subject, msg.data, result)
 
 
 def _parse_reply(subject: str, data: bytes, result: type[Res] | None) -> Any:

@@ -174,9 +174,20 @@ class Trainer:
                 rank=self.worker.rank,
             )
 
+    def complete_checkpoint(self) -> Manifest | None:
+        """The newest committed checkpoint that has a shard of every rank of the world."""
+        manifest = self.checkpoints.latest()
+        if manifest is None or len(manifest.shards) >= self.args.world_size:
+            return manifest
+        # Committed while the world was short of a worker: no state to give its replacement.
+        for older in self.checkpoints.manifests():
+            if len(older.shards) >= self.args.world_size:
+                return older
+        return None
+
     def resume(self, model: nn.Module, optimiser: torch.optim.Optimizer) -> tuple[int, int, bool]:
         """(round, epoch, epoch finished) of the latest committed checkpoint, loaded; or a start."""
-        manifest = self.checkpoints.latest()
+        manifest = self.complete_checkpoint()
         self.carried = frozenset()
         if manifest is None:
             return 0, 0, False
@@ -224,6 +235,13 @@ class Trainer:
                 epoch_done = plan.done_shards == plan.total_shards
                 # Nobody reads on before everyone has seen the same plan.
                 self.barrier("decided")
+                if worker.members().world_size < args.world_size:
+                    # A worker failed before this round's barriers opened, so they went on
+                    # without it: restart rather than checkpoint a world that is short of it.
+                    raise strata.BarrierBroken(
+                        f"the job has fewer than {args.world_size} workers: restarting from the "
+                        "latest complete checkpoint"
+                    )
                 worker.set_state("checkpointing", step=round_id, epoch=epoch)
                 self.checkpoints.save_state(
                     {

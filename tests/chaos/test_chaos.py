@@ -1,0 +1,528 @@
+"""Chaos: a training job on a 3-node NATS cluster survives crashes of everything around it.
+
+While the demo job runs (3 workers, 2 epochs, 3-replica streams), a seeded schedule SIGKILLs each
+of the four services once (restarted at once), the leader node of the event stream once (started
+again a few seconds later) and two workers (each replaced once the registry has failed it, as
+`strata demo` does). Then: the job completed; every committed checkpoint loads with valid
+checksums; every checkpoint event a worker recorded as acknowledged is in the stream; the last
+committed cursors of each epoch cover every shard exactly once; no barrier waited past its timeout.
+Recovery times are printed and written to test-artifacts/chaos/recovery.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import io
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import nats.errors
+import pytest
+import torch
+from strata import procutil
+from strata.bus import Bus, EventFeed
+from strata.bus.server import NatsCluster
+from strata.config import Env
+from strata.demo.driver import _ask
+from strata.events import subjects
+from strata.events.requests import Manifest, MembersRequest, MembersResult
+from strata.storage import open_storage
+
+from tests.support import ServiceProcess, new_job
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+SEED = 20261121
+SERVICES = ("registry", "sharding", "barrier", "checkpoint")
+STREAM = "STRATA_EVENTS"
+WORLD = 3
+EPOCHS = 2
+SAMPLES = 3072
+SHARD_SIZE = 64
+SHARDS = SAMPLES // SHARD_SIZE
+HEARTBEAT_INTERVAL = 0.25
+HEARTBEAT_TIMEOUT = 1.5
+BARRIER_TIMEOUT = 60.0
+BARRIER_GRACE = 5.0
+"""The SDK's own slack past a barrier's timeout before it gives up on the service."""
+ROUND_BATCHES = 4
+BATCH_SIZE = 32
+ROUND_EVENTS = EPOCHS * SHARDS * SHARD_SIZE // (ROUND_BATCHES * BATCH_SIZE)
+"""`round` lines the workers print in a run without failures (each prints one per round)."""
+CHAOS_WINDOW = (0.05, 0.6)
+"""The schedule falls in this part of the run, counted in `round` lines: the machine's speed
+varies too much (a round takes from 0.2 to 3 s here) for moments in seconds."""
+NATS_DOWN_S = (2.0, 5.0)
+JOB_DEADLINE_S = 200.0
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts" / "chaos"
+
+
+@dataclass
+class Slot:
+    """One worker process (a replacement gets a slot of its own)."""
+
+    index: int
+    proc: subprocess.Popen[str]
+    log_file: Path
+    worker_id: str | None = None
+    rank: int | None = None
+    round: int = 0
+    done: bool = False
+    killed: bool = False
+
+
+@dataclass
+class Recovery:
+    what: str
+    target: str
+    killed_at: float
+    recovered_at: float | None = None
+    note: str = ""
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.killed_at
+
+
+@dataclass
+class Chaos:
+    """What the schedule did, shared by the test's threads."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    progress: threading.Condition = field(default_factory=threading.Condition)
+    rounds: int = 0
+    """`round` lines seen from every worker, repeated rounds after a restart included."""
+    recoveries: list[Recovery] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, recovery: Recovery) -> Recovery:
+        with self.lock:
+            self.recoveries.append(recovery)
+        return recovery
+
+    def tick(self) -> None:
+        with self.progress:
+            self.rounds += 1
+            self.progress.notify_all()
+
+    def wait_rounds(self, rounds: int, stop: threading.Event) -> bool:
+        with self.progress:
+            while self.rounds < rounds and not stop.is_set():
+                self.progress.wait(0.2)
+        return not stop.is_set()
+
+    def error(self, message: str) -> None:
+        with self.lock:
+            self.errors.append(message)
+
+
+def _pump(slot: Slot, stream: IO[str], events: queue.Queue[tuple[Slot, dict[str, Any]]]) -> None:
+    for line in stream:
+        with contextlib.suppress(ValueError):
+            events.put((slot, json.loads(line)))
+    # After the process's last line, so whoever reads the queue has seen all of them.
+    events.put((slot, {"event": "eof"}))
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({path}: {exc})"
+
+
+def _poll(condition: Callable[[], bool], timeout: float, stop: threading.Event) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline or stop.wait(0.1):
+            return False
+    return True
+
+
+def _new_leader(cluster: NatsCluster, old: str) -> bool:
+    return cluster.stream_leader(STREAM) not in (None, old)
+
+
+def _member_gone(nats_url: str, job: str, worker_id: str | None) -> bool:
+    try:
+        members: MembersResult = asyncio.run(
+            _ask(nats_url, "registry", "members", MembersRequest(job=job), MembersResult)
+        )
+    except Exception:  # the registry itself may be down in the schedule: ask again
+        return False
+    return all(m.worker_id != worker_id for m in members.members)
+
+
+class Stack:
+    """The four services as processes, each replaced by a fresh one when the schedule kills it."""
+
+    def __init__(self, cluster: NatsCluster, logs: Path, env: dict[str, str]) -> None:
+        self.cluster, self.logs, self.env = cluster, logs, env
+        self.services: dict[str, ServiceProcess] = {}
+
+    def start(self, name: str) -> None:
+        self.services[name] = ServiceProcess(
+            name,
+            self.cluster.url,
+            self.logs,
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            env=self.env,
+        ).start(timeout=60.0)
+
+    def stop(self) -> None:
+        for service in self.services.values():
+            service.stop()
+
+
+def _chaos_thread(
+    schedule: list[tuple[int, float, str, str]],
+    stack: Stack,
+    chaos: Chaos,
+    rng: random.Random,
+    stop: threading.Event,
+) -> None:
+    cluster = stack.cluster
+    for rounds, delay, kind, target in schedule:
+        if not chaos.wait_rounds(rounds, stop) or stop.wait(delay):
+            chaos.error(f"{kind} {target} after {rounds} rounds never happened: the job ended")
+            continue
+        try:
+            if kind == "service":
+                stack.services[target].kill()
+                rec = chaos.add(Recovery("service", target, time.monotonic(), note="-> ready"))
+                stack.start(target)
+                rec.recovered_at = time.monotonic()
+            else:
+                # The leader of the event stream: the node whose loss costs an election.
+                leader = cluster.stream_leader(STREAM) or cluster.nodes[0].name
+                index = next(i for i, n in enumerate(cluster.nodes) if n.name == leader)
+                cluster.kill(index)
+                rec = chaos.add(
+                    Recovery("nats node", leader, time.monotonic(), note="-> new stream leader")
+                )
+                if _poll(functools.partial(_new_leader, cluster, leader), 60, stop):
+                    rec.recovered_at = time.monotonic()
+                stop.wait(rng.uniform(*NATS_DOWN_S))
+                cluster.restart(index, timeout=60.0)
+        except BaseException as exc:  # pytest.fail() raises a BaseException
+            chaos.error(f"{kind} {target}: {type(exc).__name__}: {exc}")
+    # The processes this thread started die with it (PR_SET_PDEATHSIG): it lives as long as
+    # the job does.
+    stop.wait()
+
+
+def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    cluster = nats_cluster
+    job = new_job("chaos")
+    logs, checkpoints, records = tmp_path / "logs", tmp_path / "checkpoints", tmp_path / "records"
+    logs.mkdir()
+    env = {
+        Env.STREAM_REPLICAS: "3",
+        Env.DATA_DIR: str(tmp_path / "data"),
+        Env.LOG_LEVEL: "info",
+    }
+    stack = Stack(cluster, logs, env)
+    for name in SERVICES:
+        stack.start(name)
+
+    events: queue.Queue[tuple[Slot, dict[str, Any]]] = queue.Queue()
+    slots: list[Slot] = []
+    slots_lock = threading.Lock()
+    chaos = Chaos()
+    stop = threading.Event()
+
+    def spawn() -> Slot:
+        with slots_lock:
+            index = len(slots)
+            log_file = logs / f"worker-{index}.log"
+            with log_file.open("ab") as log:
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "strata.demo.worker",
+                        *("--job", job, "--nats-url", cluster.url),
+                        *("--checkpoints", str(checkpoints), "--world-size", str(WORLD)),
+                        *("--epochs", str(EPOCHS), "--samples", str(SAMPLES)),
+                        *("--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE)),
+                        *("--round-batches", str(ROUND_BATCHES)),
+                        *("--barrier-timeout", str(BARRIER_TIMEOUT), "--keep-count", "1000"),
+                        *("--record", str(records)),
+                    ],
+                    env={
+                        **os.environ,
+                        **env,
+                        Env.NATS_URL: cluster.url,
+                        Env.JOB: job,
+                        Env.HEARTBEAT_INTERVAL: str(HEARTBEAT_INTERVAL),
+                        Env.HEARTBEAT_TIMEOUT: str(HEARTBEAT_TIMEOUT),
+                        Env.LOG_FORMAT: "json",
+                    },
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    preexec_fn=procutil.child_preexec,
+                )
+            slot = Slot(index, proc, log_file)
+            assert proc.stdout is not None
+            threading.Thread(target=_pump, args=(slot, proc.stdout, events), daemon=True).start()
+            slots.append(slot)
+            return slot
+
+    def replace_when_failed(victim: Slot) -> None:
+        # The replacement must take the victim's rank, so it starts only once the registry
+        # has failed the victim.
+        if not _poll(lambda: _member_gone(cluster.url, job, victim.worker_id), 90, stop):
+            chaos.error(f"the registry never failed worker {victim.index} ({victim.worker_id})")
+        # The main thread starts it: children die with the thread that started them
+        # (PR_SET_PDEATHSIG), and this one is about to end.
+        events.put((victim, {"event": "replace"}))
+
+    # The schedule: seeded moments in the first part of the run, each a number of `round`
+    # lines and, for the background kills, a delay after it to land anywhere within a round.
+    low, high = (int(ROUND_EVENTS * f) for f in CHAOS_WINDOW)
+    plan: list[tuple[int, float, str, str]] = [
+        (rng.randint(low, high), rng.uniform(0, 1), "service", s) for s in SERVICES
+    ]
+    plan.append((rng.randint(low, high), rng.uniform(0, 1), "nats", "stream leader"))
+    background = sorted(plan)
+    worker_kills = sorted(rng.randint(low, high) for _ in range(2))
+    print(f"\nchaos schedule (seed {SEED}), after so many `round` lines of {ROUND_EVENTS}:")
+    for rounds, delay, kind, target in sorted(
+        background + [(m, 0.0, "worker", "a live worker") for m in worker_kills]
+    ):
+        print(f"  {rounds:3d} +{delay:.2f}s  SIGKILL {kind} {target}")
+
+    chaos_thread: threading.Thread | None = None
+    job_seconds = 0.0
+    replacers: list[threading.Thread] = []
+    started = time.monotonic()
+    try:
+        for _ in range(WORLD):
+            spawn()
+        chaos_thread = threading.Thread(
+            target=_chaos_thread, args=(background, stack, chaos, rng, stop), daemon=True
+        )
+        chaos_thread.start()
+        pending_kills = list(worker_kills)
+        open_worker_recoveries: list[tuple[Recovery, int]] = []
+        while True:
+            if time.monotonic() - started > JOB_DEADLINE_S:
+                pytest.fail(f"the job did not finish within {JOB_DEADLINE_S:.0f}s")
+            with contextlib.suppress(queue.Empty):
+                slot, event = events.get(timeout=0.2)
+                kind = event["event"]
+                if kind == "started":
+                    slot.worker_id, slot.rank = event["worker"], event["rank"]
+                elif kind == "round":
+                    slot.round = event["round"]
+                    chaos.tick()
+                    for rec, past in list(open_worker_recoveries):
+                        if event["round"] > past:
+                            rec.recovered_at = time.monotonic()
+                            open_worker_recoveries.remove((rec, past))
+                elif kind == "done":
+                    slot.done = True
+                elif kind == "replace":
+                    spawn()
+                elif kind == "eof" and not slot.killed:
+                    code = slot.proc.wait(timeout=60)
+                    if code != 0 or not slot.done:
+                        when = "after" if slot.done else "before"
+                        pytest.fail(
+                            f"worker {slot.index} exited with {code} ({when} `done`):\n"
+                            f"{_tail(slot.log_file)}"
+                        )
+            with slots_lock:
+                live = [s for s in slots if not s.killed]
+            if (
+                pending_kills
+                and chaos.rounds >= pending_kills[0]
+                # One victim at a time: the next waits until the last one's replacement runs.
+                and len(live) == WORLD
+                and all(s.rank is not None and not s.done for s in live)
+            ):
+                pending_kills.pop(0)
+                victim = rng.choice(live)
+                past = max(s.round for s in live)
+                victim.proc.kill()
+                victim.killed = True
+                rec = chaos.add(
+                    Recovery(
+                        "worker",
+                        f"rank {victim.rank} (#{victim.index})",
+                        time.monotonic(),
+                        note=f"-> round > {past}",
+                    )
+                )
+                open_worker_recoveries.append((rec, past))
+                replacer = threading.Thread(target=replace_when_failed, args=(victim,), daemon=True)
+                replacer.start()
+                replacers.append(replacer)
+            if len(live) == WORLD and all(s.done for s in live) and not pending_kills:
+                break
+            if pending_kills and live and all(s.done for s in live):
+                pytest.fail(f"the job finished before the worker kills at {pending_kills}")
+        job_seconds = time.monotonic() - started
+        for s in live:
+            assert s.proc.wait(timeout=60) == 0, _tail(s.log_file)
+        stop.set()
+        if chaos_thread is not None:
+            chaos_thread.join(timeout=90)
+        for replacer in replacers:
+            replacer.join(timeout=10)
+    finally:
+        stop.set()
+        with slots_lock:
+            for s in slots:
+                if s.proc.poll() is None:
+                    s.proc.kill()
+                    s.proc.wait()
+        stack.stop()
+
+    _report(chaos, job_seconds)
+    assert not chaos.errors, chaos.errors
+    assert len(chaos.recoveries) == len(SERVICES) + 1 + len(worker_kills)
+    unrecovered = [r for r in chaos.recoveries if r.recovered_at is None]
+    assert not unrecovered, unrecovered
+
+    manifests = _check_checkpoints(checkpoints, job)
+    recorded = [json.loads(line) for f in records.glob("*.jsonl") for line in f.open()]
+    _check_acked_events(cluster, job, recorded)
+    _check_exactly_once(checkpoints, manifests)
+    _check_barriers(recorded)
+
+
+def _report(chaos: Chaos, job_seconds: float) -> None:
+    rows = sorted(chaos.recoveries, key=lambda r: r.killed_at)
+    first = rows[0].killed_at if rows else 0.0
+    print(f"\njob finished in {job_seconds:.1f}s; recovery times:")
+    print(f"  {'at':>7}  {'killed':<10} {'target':<18} {'recovery':>9}  measured")
+    for r in rows:
+        seconds = f"{r.seconds:.2f}s" if r.seconds is not None else "never"
+        print(f"  +{r.killed_at - first:5.1f}s  {r.what:<10} {r.target:<18} {seconds:>9}  {r.note}")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "recovery.json").write_text(
+        json.dumps(
+            {
+                "seed": SEED,
+                "job_seconds": round(job_seconds, 2),
+                "recoveries": [
+                    {
+                        "what": r.what,
+                        "target": r.target,
+                        "at_s": round(r.killed_at - first, 2),
+                        "recovery_s": None if r.seconds is None else round(r.seconds, 3),
+                        "measured": r.note,
+                    }
+                    for r in rows
+                ],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def _check_checkpoints(checkpoints: Path, job: str) -> list[tuple[Manifest, dict[int, Any]]]:
+    """Every committed checkpoint: its manifest and each rank's state, read checksum-checked."""
+    paths = sorted((checkpoints / job).glob("step-*/MANIFEST.json"))
+    assert paths, f"no committed checkpoint under {checkpoints / job}"
+    storage = open_storage(str(checkpoints))
+
+    async def load() -> list[tuple[Manifest, dict[int, Any]]]:
+        loaded = []
+        for path in paths:
+            manifest = Manifest.model_validate_json(path.read_text())
+            assert len(manifest.shards) == WORLD, f"{path}: {len(manifest.shards)} shards"
+            states = {}
+            for shard in manifest.shards:
+                data = await storage.read(shard.key, shard.checksum)
+                states[shard.rank] = torch.load(io.BytesIO(data), weights_only=True)
+            loaded.append((manifest, states))
+        return loaded
+
+    return asyncio.run(load())
+
+
+def _check_acked_events(cluster: NatsCluster, job: str, recorded: list[dict[str, Any]]) -> None:
+    acked = {r["id"] for r in recorded if r["kind"] == "acked"}
+    assert acked, "the workers recorded no acknowledged checkpoint event"
+
+    async def stored_ids() -> set[str]:
+        found: set[str] = set()
+        bus = await Bus.connect(cluster.url, name="chaos-check", deadline=30.0)
+        async with bus, EventFeed(bus.js, STREAM, subjects.job_events(job)) as feed:
+            async for delivered in feed:
+                found.add(delivered.event.id)
+                if feed.caught_up.is_set():
+                    break
+        return found
+
+    # A node restarted by the schedule may still be catching up: a timed-out read is retried.
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            stored = asyncio.run(asyncio.wait_for(stored_ids(), timeout=60))
+            break
+        except (TimeoutError, nats.errors.TimeoutError):
+            if time.monotonic() >= deadline:
+                raise
+    lost = acked - stored
+    assert not lost, f"{len(lost)} of {len(acked)} acknowledged events missing from the stream"
+    print(f"acknowledged checkpoint events recorded: {len(acked)}, all in the stream")
+
+
+def _check_exactly_once(checkpoints: Path, loaded: list[tuple[Manifest, dict[int, Any]]]) -> None:
+    for epoch in range(EPOCHS):
+        finished = [
+            (manifest, states)
+            for manifest, states in loaded
+            if manifest.epoch == epoch and all(state["epoch_done"] for state in states.values())
+        ]
+        assert finished, f"no committed checkpoint ends epoch {epoch}"
+        manifest, _ = max(finished, key=lambda item: item[0].committed_ts)
+        per_rank: dict[int, set[int]] = {}
+        for shard in manifest.shards:
+            for cursor in shard.cursors:
+                if cursor.epoch == epoch:
+                    per_rank.setdefault(shard.rank, set()).update(cursor.completed)
+        seen: dict[int, int] = {}
+        for rank, done in sorted(per_rank.items()):
+            twice = {s: (seen[s], rank) for s in done if s in seen}
+            assert not twice, f"epoch {epoch} step {manifest.step}: shards read twice {twice}"
+            seen.update(dict.fromkeys(done, rank))
+        missing = sorted(set(range(SHARDS)) - set(seen))
+        assert not missing, f"epoch {epoch} step {manifest.step}: shards never read {missing}"
+        print(
+            f"epoch {epoch}: committed cursors of step {manifest.step} cover all {SHARDS} shards "
+            f"once ({', '.join(f'rank {r}: {len(d)}' for r, d in sorted(per_rank.items()))})"
+        )
+
+
+def _check_barriers(recorded: list[dict[str, Any]]) -> None:
+    waits = [r for r in recorded if r["kind"] == "barrier"]
+    assert waits, "the workers recorded no barrier wait"
+    late = [w for w in waits if w["outcome"] == "timeout" or w["seconds"] > w["timeout"] + 5.0]
+    assert not late, f"barriers waited past their timeout: {late}"
+    slowest = max(waits, key=lambda w: w["seconds"])
+    broken = sum(w["outcome"] == "broken" for w in waits)
+    print(
+        f"barrier waits: {len(waits)} ({broken} broken by failures), longest "
+        f"{slowest['seconds']:.2f}s at {slowest['name']!r} (timeout {slowest['timeout']:g}s)"
+    )
