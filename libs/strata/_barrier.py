@@ -153,10 +153,12 @@ class BarrierClient:
         )
         deadline = time.monotonic() + timeout + GRACE_S
         outcome = await self._arrive(request, deadline - time.monotonic())
-        key = (name, outcome.generation)
-        waiter = self._waiters.setdefault(key, asyncio.get_running_loop().create_future())
+        watched: list[Key] = []
         try:
             while outcome.status == "waiting":
+                # A re-sent arrival may answer for a later generation (an arrival the service lost
+                # in a crash, at a barrier counted by arrivals that completed without it).
+                key = (name, outcome.generation)
                 known = self._outcomes.get(key)
                 if known is not None:
                     outcome = known
@@ -169,13 +171,17 @@ class BarrierClient:
                         name=name,
                         generation=outcome.generation,
                     )
-                try:
-                    outcome = await asyncio.wait_for(
-                        asyncio.shield(waiter), min(REPOLL_S, remaining)
-                    )
-                except TimeoutError:
+                waiter = self._waiters.get(key)
+                if waiter is None:
+                    waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
+                    watched.append(key)
+                await asyncio.wait((waiter,), timeout=min(REPOLL_S, remaining))
+                if waiter.done():
+                    outcome = waiter.result()
+                else:
                     outcome = await self._arrive(request, deadline - time.monotonic())
         finally:
-            self._waiters.pop(key, None)
+            for key in watched:
+                self._waiters.pop(key, None)
         _raise_for(outcome)
         return outcome

@@ -5,7 +5,9 @@ explicit count). It is released exactly when complete, broken at once when an ex
 fails or leaves, and timed out at its deadline. Arrivals carry the worker's own arrival count, so a
 retried arrival (after a lost reply or a service restart) counts once and gets the same answer.
 `evolve` is idempotent: the service applies its decisions at once and folds them again, unchanged,
-when they come back from the stream. No I/O; the clock is passed in (ns).
+when they come back from the stream. A release is derived from the arrivals alone, so a generation
+whose release was decided but never stored is released again, with the same event id, after a
+restart. No I/O; the clock is passed in (ns).
 """
 
 from __future__ import annotations
@@ -49,18 +51,28 @@ class Generation:
     status: Status = "waiting"
     missing: list[str] = field(default_factory=list)
     reason: str = ""
+    pending: set[str] = field(default_factory=set)
+    """Expected workers that have not arrived yet: completion is checked once per arrival."""
+
+    def __post_init__(self) -> None:
+        if not self.by_count:
+            self.pending = self.expected - set(self.arrived)
 
     def complete(self) -> bool:
         if self.by_count:
             return len(self.arrived) >= self.expected_count
-        return self.expected.issubset(self.arrived)
+        return not self.pending
+
+    def completed_in_time(self) -> bool:
+        """Complete, and the arrival that completed it came before the deadline."""
+        return self.complete() and max(self.arrived.values(), default=0) < self.deadline_ns
 
     def still_missing(self) -> list[str]:
-        if self.by_count:
-            return []
-        return sorted(self.expected - set(self.arrived))
+        return sorted(self.pending)
 
     def outcome(self, job: str) -> BarrierOutcome:
+        """The answer to an arrival. `missing` is filled once the generation is broken or timed
+        out: on every waiting answer it would cost O(participants) per arrival."""
         return BarrierOutcome(
             job=job,
             name=self.name,
@@ -68,7 +80,7 @@ class Generation:
             status=self.status,
             arrived=len(self.arrived),
             expected=self.expected_count,
-            missing=self.missing if self.status != "waiting" else self.still_missing(),
+            missing=self.missing,
             reason=self.reason,
         )
 
@@ -78,6 +90,9 @@ class NamedBarrier:
     generations: dict[int, Generation] = field(default_factory=dict)
     by_worker: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Worker id -> (its arrival count, the generation that arrival joined)."""
+    restarted: dict[str, int] = field(default_factory=dict)
+    """Worker id -> the last generation its previous process joined: that process's arrivals, if
+    folded again, no longer speak for the worker."""
 
     @property
     def current(self) -> Generation | None:
@@ -89,6 +104,18 @@ class JobBarriers:
     job: str
     live: set[str] = field(default_factory=set)
     barriers: dict[str, NamedBarrier] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+    """Worker id -> the process (instance) that registered it last."""
+
+    def registered(self, worker_id: str, instance: str) -> None:
+        self.live.add(worker_id)
+        if self.instances.get(worker_id, instance) != instance:
+            # A new process counts its arrivals from 0 again; the old process's are history.
+            for named in self.barriers.values():
+                previous = named.by_worker.pop(worker_id, None)
+                if previous is not None:
+                    named.restarted[worker_id] = previous[1]
+        self.instances[worker_id] = instance
 
     def named(self, name: str) -> NamedBarrier:
         found = self.barriers.get(name)
@@ -122,7 +149,7 @@ class BarrierState:
 
 def evolve(state: BarrierState, event: Event) -> BarrierState:
     if isinstance(event, WorkerRegistered):
-        state.job(event.job).live.add(event.worker_id)
+        state.job(event.job).registered(event.worker_id, event.instance)
     elif isinstance(event, WorkerFailed | WorkerLeft):
         state.job(event.job).live.discard(event.worker_id)
     elif isinstance(event, BarrierOpened):
@@ -145,11 +172,13 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
         gen = named.generations.get(event.generation)
         if gen is not None:
             gen.arrived.setdefault(event.worker_id, event.ts)
+            gen.pending.discard(event.worker_id)
             if not gen.by_count and event.worker_id not in gen.expected:
                 gen.expected.add(event.worker_id)
                 gen.expected_count = len(gen.expected)
         previous = named.by_worker.get(event.worker_id)
-        if previous is None or previous[0] <= event.arrival:
+        from_old_process = event.generation <= named.restarted.get(event.worker_id, -1)
+        if not from_old_process and (previous is None or previous[0] <= event.arrival):
             named.by_worker[event.worker_id] = (event.arrival, event.generation)
     elif isinstance(event, BarrierReleased | BarrierBrokenEvent | BarrierTimedOut):
         gen = state.job(event.job).named(event.name).generations.get(event.generation)
@@ -191,6 +220,10 @@ def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
 
 
 def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision:
+    """Join the current generation of the name, or open the next one; a retry changes nothing.
+
+    Apply `conclude` first: a generation that is complete, or past its deadline, takes no more.
+    """
     job = state.jobs.get(request.job)
     if job is None or request.worker_id not in job.live:
         return Decision(
@@ -256,11 +289,78 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
     return Decision(events, generation=generation)
 
 
-def release_if_complete(state: BarrierState, job: str, name: str, now_ns: int) -> list[Event]:
-    gen = state.job(job).named(name).current
-    if gen is not None and gen.status == "waiting" and gen.complete():
+def _timed_out(job: str, gen: Generation, now_ns: int) -> BarrierTimedOut:
+    return BarrierTimedOut(
+        id=event_id("timed_out", job, gen.name, gen.generation),
+        job=job,
+        source=SOURCE,
+        ts=now_ns,
+        name=gen.name,
+        generation=gen.generation,
+        timeout_s=gen.timeout_s,
+        missing=gen.still_missing(),
+        arrived=len(gen.arrived),
+    )
+
+
+def _conclusion(job: str, gen: Generation, now_ns: int) -> list[Event]:
+    if gen.status != "waiting":
+        return []
+    if gen.completed_in_time():
         return [_release(job, gen, now_ns)]
+    if now_ns >= gen.deadline_ns:
+        return [_timed_out(job, gen, now_ns)]
     return []
+
+
+def conclude(state: BarrierState, job: str, name: str, now_ns: int) -> list[Event]:
+    """The release (complete before its deadline) or time-out (past it) of the current generation
+    of `name`, if either is due; call it before and after every arrival."""
+    found = state.jobs.get(job)
+    named = found.barriers.get(name) if found is not None else None
+    gen = named.current if named is not None else None
+    return [] if gen is None else _conclusion(job, gen, now_ns)
+
+
+def due(state: BarrierState, now_ns: int) -> list[Event]:
+    """Every conclusion due now: time-outs, and releases decided but never stored (a restart)."""
+    return [event for job, gen in state.waiting() for event in _conclusion(job, gen, now_ns)]
+
+
+def recover(state: BarrierState, now_ns: int) -> list[Event]:
+    """What a restarted service owes every waiting generation: its release if it completed in
+    time, its break if a participant failed or left meanwhile (a break decided but never stored),
+    else its time-out if the deadline has passed."""
+    events: list[Event] = []
+    for job_id, gen in state.waiting():
+        # A barrier counted by arrivals that a departure left out of reach is not told apart
+        # from one waiting for workers yet to join: it runs into its deadline instead.
+        live = state.jobs[job_id].live
+        gone = sorted((set(gen.arrived) if gen.by_count else gen.expected) - live)
+        if gen.completed_in_time():
+            events.append(_release(job_id, gen, now_ns))
+        elif gone:
+            reason = f"participants {', '.join(map(repr, gone))} failed or left"
+            events.append(_broken(job_id, gen, gone, reason, now_ns))
+        elif now_ns >= gen.deadline_ns:
+            events.append(_timed_out(job_id, gen, now_ns))
+    return events
+
+
+def _broken(
+    job: str, gen: Generation, culprits: list[str], reason: str, now_ns: int
+) -> BarrierBrokenEvent:
+    return BarrierBrokenEvent(
+        id=event_id("broken", job, gen.name, gen.generation),
+        job=job,
+        source=SOURCE,
+        ts=now_ns,
+        name=gen.name,
+        generation=gen.generation,
+        reason=reason,
+        culprits=culprits,
+        missing=gen.still_missing(),
+    )
 
 
 def member_gone(
@@ -273,51 +373,25 @@ def member_gone(
     events: list[Event] = []
     for named in job.barriers.values():
         gen = named.current
-        if gen is None or gen.status != "waiting":
+        # A complete generation is released, whoever leaves after completing it.
+        if gen is None or gen.status != "waiting" or gen.completed_in_time():
             continue
         if gen.by_count:
             reachable = len(gen.arrived) + len(job.live - set(gen.arrived))
             involved = worker_id in gen.arrived or reachable < gen.expected_count
         else:
             involved = worker_id in gen.expected
-        if not involved:
-            continue
-        events.append(
-            BarrierBrokenEvent(
-                id=event_id("broken", job_id, gen.name, gen.generation),
-                job=job_id,
-                source=SOURCE,
-                ts=now_ns,
-                name=gen.name,
-                generation=gen.generation,
-                reason=f"participant {worker_id!r} {why}",
-                culprits=[worker_id],
-                missing=gen.still_missing(),
+        if involved:
+            events.append(
+                _broken(job_id, gen, [worker_id], f"participant {worker_id!r} {why}", now_ns)
             )
-        )
     return events
 
 
-def timeouts(state: BarrierState, now_ns: int) -> list[Event]:
-    return [
-        BarrierTimedOut(
-            id=event_id("timed_out", job, gen.name, gen.generation),
-            job=job,
-            source=SOURCE,
-            ts=now_ns,
-            name=gen.name,
-            generation=gen.generation,
-            timeout_s=gen.timeout_s,
-            missing=gen.still_missing(),
-            arrived=len(gen.arrived),
-        )
-        for job, gen in state.waiting()
-        if now_ns >= gen.deadline_ns
-    ]
-
-
 def outcome(state: BarrierState, job: str, name: str, generation: int) -> BarrierOutcome:
-    gen = state.job(job).named(name).generations.get(generation)
+    found = state.jobs.get(job)
+    named = found.barriers.get(name) if found is not None else None
+    gen = named.generations.get(generation) if named is not None else None
     if gen is None:
         raise NotFound(f"generation {generation} of barrier {name!r} is no longer kept")
     return gen.outcome(job)

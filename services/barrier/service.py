@@ -1,24 +1,32 @@
 """The barrier service's NATS adapter: arrivals over RPC, release/break/timeout as events.
 
 Release latency is the product here, so decisions are applied to the state at once (the domain's
-`evolve` is idempotent, and folds them again unchanged when they come back from the stream) and no
-lock is held across I/O. Arrival events are published concurrently; a release first waits for the
-arrival publishes of its own generation, so the stream keeps them in order. Waiters learn the
-outcome from the `barrier.released|broken|timed_out` event itself (core subscribers see it as it
-is stored) or, after a restart, by retrying their arrival.
+`evolve` is idempotent, and folds them again unchanged when they come back from the stream), no
+lock is held across I/O, and arrival events are published concurrently. Waiters are told an
+outcome only once the arrivals it rests on are stored: a release can then always be derived again
+from the stream, so the release event itself goes out without anyone waiting for its ack. Waiters
+learn the outcome from the `barrier.released|broken|timed_out` event (core subscribers see it as
+the server takes it) or, after a restart, by retrying their arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 from strata.bus import Bus, RpcServer
 from strata.config import Settings
 from strata.errors import StrataError
-from strata.events import BarrierArrived, BarrierOpened, WorkerFailed, WorkerLeft
+from strata.events import (
+    BarrierBrokenEvent,
+    BarrierReleased,
+    BarrierTimedOut,
+    WorkerFailed,
+    WorkerLeft,
+)
 from strata.events.models import Event
 from strata.events.requests import ArriveRequest, BarrierOutcome
 from strata.services.barrier import domain
@@ -28,7 +36,9 @@ from strata.services.projection import Projection
 log = structlog.get_logger("strata.barrier")
 
 TIMEOUT_CHECK_S = 0.05
+STOP_FLUSH_S = 5.0
 Key = tuple[str, str, int]
+Conclusion = BarrierReleased | BarrierBrokenEvent | BarrierTimedOut
 
 
 class Barrier(Projection[BarrierState]):
@@ -37,7 +47,13 @@ class Barrier(Projection[BarrierState]):
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         super().__init__(clock)
         self._rpc: RpcServer | None = None
-        self._pending: dict[Key, list[asyncio.Task[None]]] = {}
+        self._unstored: dict[Key, list[asyncio.Task[None]]] = {}
+        """Arrival publishes per generation, until the generation is concluded."""
+        self._concluding: dict[Key, list[asyncio.Task[None]]] = {}
+        """Arrival publishes that a concluded generation's outcome still waits for."""
+        self._background: set[asyncio.Task[None]] = set()
+        self._opening: dict[tuple[str, str], asyncio.Future[None]] = {}
+        """Names whose next generation an arrival is syncing to open: the others wait and join."""
 
     def initial_state(self) -> BarrierState:
         return BarrierState()
@@ -49,6 +65,11 @@ class Barrier(Projection[BarrierState]):
         return int(self.clock() * 1e9)
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
+        # Conclusions decided before a crash but never stored are owed before new arrivals.
+        async with self.lock:
+            owed = domain.recover(self.state, self.now_ns())
+            self._apply(owed)
+            self._conclude(owed)
         self._rpc = RpcServer(bus.nc, self.name, concurrency=256)
         self._rpc.route("arrive", ArriveRequest, self._arrive)
         await self._rpc.start()
@@ -57,10 +78,17 @@ class Barrier(Projection[BarrierState]):
     async def before_stop(self) -> None:
         if self._rpc is not None:
             await self._rpc.stop()
+        if self._background:
+            await asyncio.wait(self._background, timeout=STOP_FLUSH_S)
 
     def _apply(self, events: list[Event]) -> None:
         for event in events:
             self.state = domain.evolve(self.state, event)
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _publish(self, event: Event) -> None:
         try:
@@ -68,41 +96,112 @@ class Barrier(Projection[BarrierState]):
         except StrataError as exc:
             log.error("barrier_event_not_published", event=event.type, error=str(exc))
 
-    async def _finish(self, events: list[Event]) -> None:
-        """Publish release/break/timeout events after the arrivals of their generation."""
+    def _conclude(self, events: list[Event]) -> None:
+        """Send each conclusion, in the background, once the arrivals of its generation are
+        stored: an outcome rests on arrivals the stream can prove after a restart."""
         for event in events:
-            key = (event.job, getattr(event, "name", ""), getattr(event, "generation", -1))
-            pending = self._pending.pop(key, [])
-            if pending:
-                await asyncio.gather(*pending)
-            await self._publish(event)
-            log.info(
-                event.type.replace(".", "_"),
-                job=event.job,
-                barrier=key[1],
-                generation=key[2],
-            )
+            assert isinstance(event, Conclusion)
+            key = (event.job, event.name, event.generation)
+            in_flight = [task for task in self._unstored.pop(key, []) if not task.done()]
+            if in_flight:
+                self._concluding[key] = in_flight
+            self._in_background(self._send_conclusion(key, event, in_flight))
+
+    async def _send_conclusion(
+        self, key: Key, event: Conclusion, in_flight: list[asyncio.Task[None]]
+    ) -> None:
+        if in_flight:
+            await asyncio.gather(*in_flight)
+            self._concluding.pop(key, None)
+        await self._publish(event)
+        latency = {}
+        if isinstance(event, BarrierReleased):
+            latency = {
+                "participants": event.participants,
+                "last_arrival_to_release_ms": round(event.last_arrival_to_release_ms, 3),
+                "first_arrival_to_release_ms": round(event.first_arrival_to_release_ms, 3),
+            }
+        log.info(
+            event.type.replace(".", "_"),
+            job=event.job,
+            barrier=event.name,
+            generation=event.generation,
+            **latency,
+        )
+
+    def _must_sync(self, request: ArriveRequest) -> bool:
+        """True when the decision needs the membership as stored now: the worker is not known to
+        be live (its registration may not be folded yet), or this arrival opens a generation."""
+        if not self._is_live(request):
+            return True
+        named = self.state.jobs[request.job].barriers.get(request.name)
+        if named is None or (current := named.current) is None:
+            return True
+        previous = named.by_worker.get(request.worker_id)
+        if previous is not None and previous[0] == request.arrival:
+            return False  # a retry decides nothing
+        return (
+            current.status != "waiting"
+            or current.completed_in_time()
+            or self.now_ns() >= current.deadline_ns
+        )
 
     async def _arrive(self, request: ArriveRequest) -> BarrierOutcome:
-        async with self.lock:
-            decision = domain.arrive(self.state, request, self.now_ns())
-            if decision.error is not None:
-                raise decision.error
-            assert decision.generation is not None
-            self._apply(decision.events)
-            finished = domain.release_if_complete(
-                self.state, request.job, request.name, self.now_ns()
-            )
-            self._apply(finished)
-            key = (request.job, request.name, decision.generation)
-            for event in decision.events:
-                assert isinstance(event, BarrierOpened | BarrierArrived)
-                task = asyncio.create_task(self._publish(event))
-                self._pending.setdefault(key, []).append(task)
-            outcome = domain.outcome(self.state, request.job, request.name, decision.generation)
-        if finished:
-            await self._finish(finished)
+        name = (request.job, request.name)
+        opener: asyncio.Future[None] | None = None
+        synced = False
+        try:
+            while True:
+                if not synced and self._must_sync(request):
+                    opening = self._opening.get(name)
+                    if opening is not None and self._is_live(request):
+                        # Another arrival is opening the generation: join it once it is open.
+                        await asyncio.wait((opening,))
+                        continue
+                    if opening is None:
+                        opener = self._opening[name] = asyncio.get_running_loop().create_future()
+                    await self.sync()
+                    synced = True
+                async with self.lock:
+                    if synced or not self._must_sync(request):
+                        outcome = self._decide(request)
+                        break
+        finally:
+            if opener is not None:
+                del self._opening[name]
+                opener.set_result(None)
+        if isinstance(outcome, StrataError):
+            raise outcome
+        if outcome.status != "waiting":
+            # Said only once the arrivals it rests on are stored (a retry can come that soon).
+            in_flight = self._concluding.get((outcome.job, outcome.name, outcome.generation))
+            if in_flight:
+                await asyncio.gather(*in_flight)
         return outcome
+
+    def _is_live(self, request: ArriveRequest) -> bool:
+        job = self.state.jobs.get(request.job)
+        return job is not None and request.worker_id in job.live
+
+    def _decide(self, request: ArriveRequest) -> BarrierOutcome | StrataError:
+        """Apply the arrival and whatever it concludes; the answer, or the error to send."""
+        now = self.now_ns()
+        before = domain.conclude(self.state, request.job, request.name, now)
+        self._apply(before)
+        self._conclude(before)
+        decision = domain.arrive(self.state, request, now)
+        if decision.error is not None:
+            return decision.error
+        assert decision.generation is not None
+        self._apply(decision.events)
+        key = (request.job, request.name, decision.generation)
+        for event in decision.events:
+            task = asyncio.create_task(self._publish(event))
+            self._unstored.setdefault(key, []).append(task)
+        after = domain.conclude(self.state, request.job, request.name, now)
+        self._apply(after)
+        self._conclude(after)
+        return domain.outcome(self.state, *key)
 
     async def on_applied(self, event: Event) -> None:
         if not isinstance(event, WorkerFailed | WorkerLeft):
@@ -111,17 +210,15 @@ class Barrier(Projection[BarrierState]):
         async with self.lock:
             broken = domain.member_gone(self.state, event.job, event.worker_id, why, self.now_ns())
             self._apply(broken)
-        if broken:
-            await self._finish(broken)
+            self._conclude(broken)
 
     async def _time_out(self) -> None:
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
             async with self.lock:
-                expired = domain.timeouts(self.state, self.now_ns())
+                expired = domain.due(self.state, self.now_ns())
                 self._apply(expired)
-            if expired:
-                await self._finish(expired)
+                self._conclude(expired)
 
 
 def create() -> Barrier:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 from strata.errors import ConflictError, NotFound, StrataError
 from strata.events import (
     Event,
+    LiveState,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerLeft,
@@ -88,17 +89,28 @@ class Job:
     membership_epoch: int = 0
     members: dict[str, Member] = field(default_factory=dict)
     ranks: dict[int, str] = field(default_factory=dict)
-    """Live rank -> worker id."""
+    """Live rank -> worker id; changed only through `take_rank` and `free_rank`."""
+    _free_from: int = field(default=0, repr=False, compare=False)
+    """Every rank below this one is taken: the search for a free rank starts here, so filling a
+    job of N workers costs O(N) in all, not O(N^2)."""
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def lowest_free_rank(self) -> int:
-        rank = 0
+        rank = self._free_from
         while rank in self.ranks:
             rank += 1
+        self._free_from = rank
         return rank
+
+    def take_rank(self, rank: int, worker_id: str) -> None:
+        self.ranks[rank] = worker_id
+
+    def free_rank(self, rank: int) -> None:
+        self.ranks.pop(rank, None)
+        self._free_from = min(self._free_from, rank)
 
     def live_members(self) -> list[Member]:
         return [self.members[w] for _, w in sorted(self.ranks.items())]
@@ -124,7 +136,7 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
         job = state.job(event.job)
         previous = job.members.get(event.worker_id)
         if previous is not None and previous.live:
-            job.ranks.pop(previous.rank, None)
+            job.free_rank(previous.rank)
         job.members[event.worker_id] = Member(
             worker_id=event.worker_id,
             instance=event.instance,
@@ -136,7 +148,7 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
             registered_epoch=event.membership_epoch,
             last_seen=event.ts / 1e9,
         )
-        job.ranks[event.rank] = event.worker_id
+        job.take_rank(event.rank, event.worker_id)
         job.membership_epoch = event.membership_epoch
     elif isinstance(event, WorkerFailed | WorkerLeft):
         job = state.job(event.job)
@@ -144,7 +156,7 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
         if member is not None and member.live:
             member.status = "failed" if isinstance(event, WorkerFailed) else "left"
             if job.ranks.get(member.rank) == event.worker_id:
-                del job.ranks[member.rank]
+                job.free_rank(member.rank)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, WorkerStateChanged):
         member = state.job(event.job).members.get(event.worker_id)
@@ -270,12 +282,22 @@ def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
 
 def detect_failures(state: RegistryState, now: float, policy: Policy) -> list[Event]:
     failed: list[Event] = []
+    timeout = policy.heartbeat_timeout
     for job in state.jobs.values():
+        # Runs several times a heartbeat interval over every member: a plain scan, and only the
+        # few late members are put in rank order.
+        members = job.members
+        late = [
+            member
+            for member in (members[worker_id] for worker_id in job.ranks.values())
+            if now - member.last_seen > timeout
+        ]
+        if not late:
+            continue
+        late.sort(key=lambda member: member.rank)
         epoch = job.membership_epoch
-        for member in job.live_members():
+        for member in late:
             silent = now - member.last_seen
-            if silent <= policy.heartbeat_timeout:
-                continue
             epoch += 1
             failed.append(
                 WorkerFailed(
@@ -285,9 +307,7 @@ def detect_failures(state: RegistryState, now: float, policy: Policy) -> list[Ev
                     ts=int(now * 1e9),
                     worker_id=member.worker_id,
                     rank=member.rank,
-                    reason=(
-                        f"no heartbeat for {silent:.1f}s (timeout {policy.heartbeat_timeout:g}s)"
-                    ),
+                    reason=f"no heartbeat for {silent:.1f}s (timeout {timeout:g}s)",
                     last_heartbeat_ts=member.last_heartbeat_ts or 0,
                     membership_epoch=epoch,
                 )
@@ -304,7 +324,23 @@ class HeartbeatOutcome:
     reregister: str | None = None
     """Set when the sender is not a live member: why it must register again."""
     rejected: str | None = None
-    """Set when the heartbeat is ignored: the reason code."""
+    """Set when the heartbeat is ignored (also for a sender told to re-register): the reason."""
+
+
+ALIVE: Final = HeartbeatOutcome()
+"""The outcome of almost every heartbeat: shared, so never change its `events`."""
+
+
+class Beat(NamedTuple):
+    """What the registry uses of a heartbeat: the wire fields failure detection needs."""
+
+    job: str
+    worker_id: str
+    instance: str
+    seq: int
+    state: LiveState
+    step: int
+    epoch: int
 
 
 def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now: float) -> HeartbeatOutcome:
@@ -313,35 +349,49 @@ def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now: float) -> 
     Liveness itself is not an event (it would flood the stream): it is kept in memory, and after a
     restart every member gets a fresh grace period instead (`begin_grace`).
     """
-    job = state.jobs.get(hb.job)
-    member = job.members.get(hb.worker_id) if job else None
+    beat = Beat(hb.job, hb.worker_id, hb.instance, hb.seq, hb.state, hb.step, hb.epoch)
+    return observe_beat(state, beat, now)
+
+
+def observe_beat(state: RegistryState, beat: Beat, now: float) -> HeartbeatOutcome:
+    """`observe_heartbeat` for a heartbeat already reduced to its `Beat`."""
+    job = state.jobs.get(beat.job)
+    member = job.members.get(beat.worker_id) if job is not None else None
     if member is None:
-        return HeartbeatOutcome(reregister=f"worker {hb.worker_id!r} is not registered")
-    if member.instance != hb.instance:
-        if member.live:
+        return HeartbeatOutcome(
+            reregister=f"worker {beat.worker_id!r} is not registered", rejected="not_registered"
+        )
+    status = member.status
+    if member.instance != beat.instance:
+        if status not in GONE:
             return HeartbeatOutcome(rejected="instance_mismatch")
-        return HeartbeatOutcome(reregister=f"worker {hb.worker_id!r} is {member.status}")
-    if not member.live:
-        return HeartbeatOutcome(reregister=f"worker {hb.worker_id!r} was marked {member.status}")
-    member.last_seen = max(member.last_seen, now)
+        return HeartbeatOutcome(
+            reregister=f"worker {beat.worker_id!r} is {status}", rejected="not_live"
+        )
+    if status in GONE:
+        return HeartbeatOutcome(
+            reregister=f"worker {beat.worker_id!r} was marked {status}", rejected="not_live"
+        )
+    if now > member.last_seen:
+        member.last_seen = now
     member.last_heartbeat_ts = int(now * 1e9)
-    member.step, member.epoch = hb.step, hb.epoch
-    if hb.state == member.status:
-        return HeartbeatOutcome()
+    member.step, member.epoch = beat.step, beat.epoch
+    if beat.state == status:
+        return ALIVE
     changed = WorkerStateChanged(
-        id=event_id("state", hb.job, hb.worker_id, hb.instance, hb.seq, hb.state),
-        job=hb.job,
+        id=event_id("state", beat.job, beat.worker_id, beat.instance, beat.seq, beat.state),
+        job=beat.job,
         source=SOURCE,
         ts=int(now * 1e9),
-        worker_id=hb.worker_id,
-        state=hb.state,
-        previous=member.status,  # type: ignore[arg-type]  # live here, so a LiveState
-        step=hb.step,
-        epoch=hb.epoch,
+        worker_id=beat.worker_id,
+        state=beat.state,
+        previous=status,  # type: ignore[arg-type]  # live here, so a LiveState
+        step=beat.step,
+        epoch=beat.epoch,
     )
     # Applied at once, not when the event comes back from the stream: the heartbeats that follow
     # must not announce the same change again. Folding the event later sets the same value.
-    member.status = hb.state
+    member.status = beat.state
     return HeartbeatOutcome([changed])
 
 
@@ -445,5 +495,5 @@ def restore(data: dict[str, Any]) -> RegistryState:
             )
             job.members[member.worker_id] = member
             if member.live:
-                job.ranks[member.rank] = member.worker_id
+                job.take_rank(member.rank, member.worker_id)
     return state

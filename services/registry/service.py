@@ -9,19 +9,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import re
 import time
+import weakref
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Final
 
+import msgpack
+import nats.errors
 import structlog
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from strata.bus import Bus, RpcServer
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import REGISTRY, Collector
+from strata.bus import Bus, ConnectOptions, RpcServer, connect
 from strata.config import Settings
 from strata.errors import StrataError
-from strata.events import WorkerHeartbeat, WorkerRegistered, decode_event, pack, subjects
-from strata.events.models import Event
+from strata.events import (
+    ID_PATTERN,
+    LIVE_STATES,
+    WorkerHeartbeat,
+    WorkerRegistered,
+    decode_event,
+    pack,
+    subjects,
+)
+from strata.events.models import MAX_BYTES, MAX_EPOCH, MAX_STEP, Event
 from strata.events.requests import (
     LeaveRequest,
     LeaveResult,
@@ -39,6 +55,37 @@ from strata.services.registry.domain import Leave, Policy, Register, RegistrySta
 log = structlog.get_logger("strata.registry")
 
 HEARTBEATS = "registry.heartbeats"
+NOTIFIED_KEPT = 65_536
+"""Re-registration notices remembered (to send one per interval) before old ones are dropped."""
+
+
+class _HeartbeatCounts(Collector):
+    """Heartbeat totals of the registries in this process, read at scrape time.
+
+    Counted as plain integers on the hot path: a Prometheus counter costs a lock per increment.
+    """
+
+    def __init__(self) -> None:
+        self.registries: weakref.WeakSet[Registry] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[Metric]:
+        received = CounterMetricFamily(
+            "strata_registry_heartbeats_received",
+            "Heartbeat messages taken off the bus, valid or not.",
+        )
+        applied = CounterMetricFamily(
+            "strata_registry_heartbeats_applied",
+            "Heartbeats that renewed a live member's liveness.",
+        )
+        registries = list(self.registries)
+        received.add_metric([], sum(r.heartbeats for r in registries))
+        applied.add_metric([], sum(r.applied for r in registries))
+        yield received
+        yield applied
+
+
+HEARTBEAT_COUNTS = _HeartbeatCounts()
+REGISTRY.register(HEARTBEAT_COUNTS)
 
 
 class Registry(Projection[RegistryState]):
@@ -49,10 +96,14 @@ class Registry(Projection[RegistryState]):
         self.policy = Policy()
         self.rejected: Counter[str] = Counter()
         self.heartbeats = 0
+        self.applied = 0
+        HEARTBEAT_COUNTS.registries.add(self)
         self._rpc: RpcServer | None = None
+        self._hb_nc: NATS | None = None
         self._hb_sub: Subscription | None = None
         self._outbox: asyncio.Queue[Event] = asyncio.Queue(maxsize=100_000)
         self._notified: dict[tuple[str, str], float] = {}
+        self._notified_limit = NOTIFIED_KEPT
 
     def initial_state(self) -> RegistryState:
         return RegistryState()
@@ -75,9 +126,20 @@ class Registry(Projection[RegistryState]):
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self.policy = Policy(settings.heartbeat_interval, settings.heartbeat_timeout)
         domain.begin_grace(self.state, self.clock())
-        self._hb_sub = await bus.nc.subscribe(
+        # Heartbeats come on a connection of their own: a flood of them must not queue this
+        # registry's requests, replies and event feed behind it in one socket.
+        self._hb_nc = await connect(
+            settings.nats_servers,
+            ConnectOptions(
+                name="strata-registry-heartbeats",
+                user=settings.nats_user,
+                password=settings.nats_password,
+            ),
+        )
+        self._hb_sub = await self._hb_nc.subscribe(
             subjects.job_heartbeats("*"), cb=self._on_heartbeat, pending_msgs_limit=1_000_000
         )
+        await self._hb_nc.flush()
         self._rpc = RpcServer(bus.nc, self.name)
         self._rpc.route("register", RegisterRequest, self._register)
         self._rpc.route("leave", LeaveRequest, self._leave)
@@ -92,6 +154,9 @@ class Registry(Projection[RegistryState]):
         if self._hb_sub is not None:
             with contextlib.suppress(Exception):
                 await self._hb_sub.unsubscribe()
+        if self._hb_nc is not None and not self._hb_nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self._hb_nc.close()
 
     async def _run(self, command: domain.Command) -> domain.Decision:
         decision = domain.decide(self.state, command, self.clock(), self.policy)
@@ -129,15 +194,66 @@ class Registry(Projection[RegistryState]):
 
     async def _detect_failures(self) -> None:
         period = max(0.02, min(self.policy.heartbeat_interval, self.policy.heartbeat_timeout) / 4)
+        deaf = False
         while True:
             await asyncio.sleep(period)
             try:
+                if not self._can_hear():
+                    deaf = True
+                    continue
+                if deaf:
+                    # Nobody could be heard meanwhile, so silence then is no evidence of failure:
+                    # the same fresh grace period as after a restart.
+                    domain.begin_grace(self.state, self.clock())
+                    log.info("failure_detection_resumed", grace_s=self.policy.heartbeat_timeout)
+                    deaf = False
+                # A first look on the state as it is: most ticks find nobody late and end here.
+                if not domain.detect_failures(self.state, self.clock(), self.policy):
+                    continue
+                heard_until = await self._heard_until()
+                if heard_until is None:
+                    deaf = True
+                    continue
                 async with self.lock:
-                    decision = await self._run(domain.DetectFailures())
+                    decision = domain.decide(
+                        self.state, domain.DetectFailures(), heard_until, self.policy
+                    )
+                    if decision.events:
+                        # All at once, then one wait: a rack going down is one round trip.
+                        acks = await self.bus.publish_many(decision.events)
+                        await self.wait_applied(max(ack.seq for ack in acks))
                 for event in decision.events:
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             except (StrataError, TimeoutError) as exc:
                 log.error("failure_detection_failed", error=str(exc))
+
+    def _can_hear(self) -> bool:
+        return self._hb_nc is not None and self._hb_nc.is_connected and self._hb_sub is not None
+
+    async def _heard_until(self) -> float | None:
+        """A time before which every heartbeat sent to this registry has been applied, or None
+        when that cannot be known (NATS is out of reach).
+
+        A registry that fell behind (its event loop starved of CPU, a burst of registrations)
+        still has heartbeats in its own buffers; judging silence before applying them would fail
+        live workers for the registry's own delay.
+        """
+        now = self.clock()
+        nc, sub = self._hb_nc, self._hb_sub
+        if nc is None or sub is None:
+            return None
+        try:
+            # The server answers the PING after every message it routed to this client before,
+            # so once the PONG is in, every heartbeat that reached it before `now` is here.
+            await nc.flush(timeout=math.ceil(self.policy.heartbeat_timeout))
+        except (nats.errors.Error, TimeoutError):
+            return None
+        applied = self.heartbeats + sub.pending_msgs
+        deadline = time.monotonic() + self.policy.heartbeat_timeout
+        # Polled rather than signalled, to keep the per-heartbeat path free of the bookkeeping.
+        while self.heartbeats < applied and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        return now
 
     # -- heartbeats -------------------------------------------------------------------------------
 
@@ -147,44 +263,72 @@ class Registry(Projection[RegistryState]):
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         self.heartbeats += 1
-        try:
-            event = decode_event(msg.data)
-        except StrataError as exc:
-            self._reject(exc.code)
+        beat = fast_beat(msg.data)
+        if beat is None or msg.subject != subjects.heartbeat_subject(beat.job, beat.worker_id):
+            beat = self._checked_beat(msg)
+            if beat is None:
+                return
+        outcome = domain.observe_beat(self.state, beat, self.clock())
+        if outcome is domain.ALIVE:
+            self.applied += 1
             return
-        if not isinstance(event, WorkerHeartbeat):
-            self._reject("not_a_heartbeat")
-            return
-        try:
-            job, worker = subjects.parse_heartbeat_subject(msg.subject)
-        except ValueError:
-            self._reject("bad_subject")
-            return
-        if (job, worker) != (event.job, event.worker_id):
-            self._reject("subject_mismatch")
-            return
-        outcome = domain.observe_heartbeat(self.state, event, self.clock())
         if outcome.rejected is not None:
             self._reject(outcome.rejected)
+        elif outcome.reregister is None:
+            self.applied += 1
         for changed in outcome.events:
             try:
                 self._outbox.put_nowait(changed)
             except asyncio.QueueFull:
                 self._reject("outbox_full")
         if outcome.reregister is not None:
-            await self._notify(event, outcome.reregister)
+            await self._notify(beat.job, beat.worker_id, outcome.reregister)
 
-    async def _notify(self, hb: WorkerHeartbeat, reason: str) -> None:
+    def _checked_beat(self, msg: Msg) -> domain.Beat | None:
+        """The full decode and checks, for what the fast path left: a beat, or None (counted)."""
+        try:
+            event = decode_event(msg.data)
+        except StrataError as exc:
+            self._reject(exc.code)
+            return None
+        if not isinstance(event, WorkerHeartbeat):
+            self._reject("not_a_heartbeat")
+            return None
+        try:
+            job, worker = subjects.parse_heartbeat_subject(msg.subject)
+        except ValueError:
+            self._reject("bad_subject")
+            return None
+        if (job, worker) != (event.job, event.worker_id):
+            self._reject("subject_mismatch")
+            return None
+        return domain.Beat(
+            event.job,
+            event.worker_id,
+            event.instance,
+            event.seq,
+            event.state,
+            event.step,
+            event.epoch,
+        )
+
+    async def _notify(self, job: str, worker_id: str, reason: str) -> None:
         """Tell a stranger to register again, at most once per heartbeat interval."""
-        key = (hb.job, hb.worker_id)
+        key = (job, worker_id)
         now = self.clock()
         if now - self._notified.get(key, 0.0) < self.policy.heartbeat_interval:
             return
+        if len(self._notified) >= self._notified_limit:
+            # Only recent notices matter; forgetting the rest keeps a stream of strangers
+            # (or of garbage ids) from growing this without bound.
+            interval = self.policy.heartbeat_interval
+            self._notified = {k: t for k, t in self._notified.items() if now - t < interval}
+            self._notified_limit = max(NOTIFIED_KEPT, 2 * len(self._notified))
         self._notified[key] = now
-        notice = WorkerNotice(job=hb.job, worker_id=hb.worker_id, kind="reregister", reason=reason)
+        notice = WorkerNotice(job=job, worker_id=worker_id, kind="reregister", reason=reason)
         with contextlib.suppress(Exception):
             await self.bus.nc.publish(
-                subjects.control_subject(hb.job, hb.worker_id), pack(notice.model_dump())
+                subjects.control_subject(job, worker_id), pack(notice.model_dump())
             )
 
     async def _drain_outbox(self) -> None:
@@ -195,6 +339,99 @@ class Registry(Projection[RegistryState]):
                 await self.bus.publish(event)
             except StrataError as exc:
                 log.error("state_change_not_published", error=str(exc))
+
+
+# -- fast heartbeat decoding ----------------------------------------------------------------------
+
+_FIELD_COUNT: Final = len(WorkerHeartbeat.model_fields)
+_LIVE_STATES: Final = frozenset(LIVE_STATES)
+_ID_MATCH: Final = re.compile(ID_PATTERN.removeprefix("^").removesuffix("$")).fullmatch
+_MAX_SEQ: Final = 2**62
+_MAX_TS: Final = 2**63 - 1
+_MAX_CPU_PERCENT: Final = 100_000.0
+_MAX_GPU_PERCENT: Final = 100.0
+_MAX_FAST_BYTES: Final = 4096
+_KNOWN_IDS_KEPT: Final = 65_536
+_known_ids: set[str] = set()
+"""Ids (jobs, workers, instances) already matched against the id pattern: every heartbeat of a
+worker repeats them, and a set lookup is several times cheaper than the regular expression."""
+
+
+def _new_valid_id(value: str) -> bool:
+    if _ID_MATCH(value) is None:
+        return False
+    if len(_known_ids) >= _KNOWN_IDS_KEPT:
+        _known_ids.clear()
+    _known_ids.add(value)
+    return True
+
+
+def fast_beat(data: bytes) -> domain.Beat | None:
+    """The `Beat` of a heartbeat in the exact shape the SDK sends, or None for anything else.
+
+    `decode_event` validates the whole pydantic model (most of a heartbeat's cost). This accepts
+    only what `WorkerHeartbeat` accepts (same id pattern, same bounds, no coercion, no unknown
+    fields) and only with every field present and floats as floats; whatever it does not accept
+    goes through the full model, which then accepts or refuses it with its own reason, so a
+    verdict never depends on the path taken. Checks are written out inline (`type(x) is int`,
+    since the models are strict and True is no int for them): this runs for every heartbeat.
+    """
+    if len(data) > _MAX_FAST_BYTES:
+        return None
+    try:
+        # msgpack's defaults are the codec's options (raw=False, strict_map_key=True); spelling
+        # them out as keywords doubles the cost of this call.
+        obj = msgpack.unpackb(data)
+    except Exception:  # the full decoder reports what is wrong with it
+        return None
+    if type(obj) is not dict or len(obj) != _FIELD_COUNT:
+        return None
+    try:
+        kind, v, ts = obj["type"], obj["v"], obj["ts"]
+        event_id, job, source = obj["id"], obj["job"], obj["source"]
+        worker_id, instance, seq = obj["worker_id"], obj["instance"], obj["seq"]
+        state, step, epoch = obj["state"], obj["step"], obj["epoch"]
+        cpu, rss = obj["cpu_percent"], obj["rss_bytes"]
+        gpu, gpu_mem = obj["gpu_util_percent"], obj["gpu_mem_bytes"]
+    except KeyError:
+        return None
+    known = _known_ids
+    if not (
+        kind == "worker.heartbeat"
+        and type(kind) is str
+        and v == 1
+        and type(v) is int
+        and type(ts) is int
+        and 0 <= ts <= _MAX_TS
+        and type(seq) is int
+        and 0 <= seq <= _MAX_SEQ
+        and type(step) is int
+        and 0 <= step <= MAX_STEP
+        and type(epoch) is int
+        and 0 <= epoch <= MAX_EPOCH
+        and type(state) is str
+        and state in _LIVE_STATES
+        and type(job) is str
+        and (job in known or _new_valid_id(job))
+        and type(worker_id) is str
+        and (worker_id in known or _new_valid_id(worker_id))
+        and type(instance) is str
+        and (instance in known or _new_valid_id(instance))
+        and type(source) is str
+        and (source == worker_id or source in known or _new_valid_id(source))
+        and type(event_id) is str
+        and _ID_MATCH(event_id) is not None
+    ):
+        return None
+    if cpu is not None and not (type(cpu) is float and 0.0 <= cpu <= _MAX_CPU_PERCENT):
+        return None
+    if rss is not None and not (type(rss) is int and 0 <= rss <= MAX_BYTES):
+        return None
+    if gpu is not None and not (type(gpu) is float and 0.0 <= gpu <= _MAX_GPU_PERCENT):
+        return None
+    if gpu_mem is not None and not (type(gpu_mem) is int and 0 <= gpu_mem <= MAX_BYTES):
+        return None
+    return domain.Beat(job, worker_id, instance, seq, state, step, epoch)
 
 
 def _fields(event: Event, *names: str) -> dict[str, Any]:

@@ -1,0 +1,363 @@
+"""Barriers against real registry and barrier processes and a real nats-server: 100 participants
+released together and never before the last arrives, a SIGKILLed participant breaking the barrier
+for the other 99 within the failure timeout, the barrier service SIGKILLed mid-barrier and
+restarted, a name reused for 50 generations, explicit counts, timeouts and graceful leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import strata
+from nats.aio.subscription import Subscription
+from strata import procutil
+from strata.bus import Bus, EventFeed
+from strata.bus.server import NatsServer
+from strata.events import (
+    AnyEvent,
+    BarrierArrived,
+    BarrierBrokenEvent,
+    BarrierOpened,
+    BarrierReleased,
+    BarrierTimedOut,
+    subjects,
+)
+
+from tests.support import ServiceProcess, async_wait_until, new_job
+
+pytestmark = pytest.mark.nats
+
+E = TypeVar("E", bound=AnyEvent)
+
+INTERVAL = 0.25
+TIMEOUT = 1.5
+BREAK_ALLOWANCE = 1.5
+"""Slack on top of the failure timeout for a break to reach every waiter on this loaded 2-core
+machine: the detector's wake-up, three events published and delivered, and 99 waiters woken by
+event loops that also run 100 workers' heartbeats."""
+ARRIVALS_TIMEOUT = 30.0
+
+CHILD = """
+import sys, time
+import strata
+worker = strata.Worker(job=sys.argv[1], nats_url=sys.argv[2]).start()
+print("registered-as", worker.id, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def start_child(job: str, nats_url: str) -> subprocess.Popen[bytes]:
+    """A participant in a process of its own, which prints its worker id once registered."""
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, job, nats_url],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=procutil.child_preexec,
+    )
+
+
+def registered_id(child: subprocess.Popen[bytes]) -> str:
+    assert child.stdout is not None
+    for line in child.stdout:  # its log lines come first
+        if line.startswith(b"registered-as "):
+            return line.split()[1].decode()
+    raise AssertionError(f"the child participant exited with {child.wait()} before registering")
+
+
+def start_service(name: str, nats_url: str, log_dir: Path) -> ServiceProcess:
+    process = ServiceProcess(
+        name, nats_url, log_dir, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT
+    )
+    return process.start()
+
+
+@pytest.fixture(scope="module")
+def services(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A registry and a barrier service on the shared server for the tests that kill neither."""
+    log_dir = tmp_path_factory.mktemp("barrier")
+    registry = start_service("registry", nats_url, log_dir)
+    barrier = start_service("barrier", nats_url, log_dir)
+    yield
+    barrier.stop()
+    registry.stop()
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    connected = await Bus.connect(nats_url, name="test-barrier")
+    yield connected
+    await connected.close()
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
+    """Every async worker a test makes is stopped at its end, pass or fail."""
+    made: list[strata.aio.Worker] = []
+    yield made
+    await asyncio.gather(*(worker.stop() for worker in made), return_exceptions=True)
+
+
+async def start_workers(
+    made: list[strata.aio.Worker], job: str, nats_url: str, n: int, group: int = 10
+) -> list[strata.aio.Worker]:
+    """Start workers `group` at a time: each decodes every membership event, so starting all at
+    once would stall this process's event loop, and with it every worker's heartbeats."""
+    new = [strata.aio.Worker(job, nats_url, worker_id=f"w{i:03d}") for i in range(n)]
+    made.extend(new)
+    for first in range(0, n, group):
+        await asyncio.gather(*(worker.start() for worker in new[first : first + group]))
+    return new
+
+
+async def job_events(bus: Bus, job: str) -> list[AnyEvent]:
+    """Every event of `job` stored so far, in stream order."""
+    events: list[AnyEvent] = []
+    feed = await EventFeed(bus.js, subjects.EVENTS_STREAM, subjects.job_events(job)).start()
+    try:
+        if feed.caught_up.is_set():
+            return events
+        async with asyncio.timeout(20):
+            async for delivered in feed:
+                events.append(delivered.event)
+                if feed.caught_up.is_set():
+                    break
+    finally:
+        await feed.stop()
+    return events
+
+
+async def watch_arrivals(bus: Bus, job: str) -> Subscription:
+    return await bus.nc.subscribe(subjects.event_subject(job, "barrier.arrived"))
+
+
+async def arrivals(watch: Subscription, count: int) -> None:
+    """Wait until the service has taken `count` arrivals (it announces each one), then stop
+    watching."""
+    deadline = time.monotonic() + ARRIVALS_TIMEOUT
+    try:
+        for _ in range(count):
+            await watch.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+    finally:
+        await watch.unsubscribe()
+
+
+async def timed_barrier(
+    worker: strata.aio.Worker, name: str, timeout: float = 60.0, expected: int | None = None
+) -> tuple[int | BaseException, float]:
+    """The generation (or the error) and when the call returned (monotonic)."""
+    try:
+        outcome: int | BaseException = await worker.barrier(name, timeout, expected=expected)
+    except strata.StrataError as exc:
+        outcome = exc
+    return outcome, time.monotonic()
+
+
+async def meet(group: list[strata.aio.Worker], name: str) -> list[int]:
+    return list(await asyncio.gather(*(w.barrier(name, 30) for w in group)))
+
+
+def of_type(events: list[AnyEvent], kind: type[E]) -> list[E]:
+    return [e for e in events if isinstance(e, kind)]
+
+
+# -- release --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("services")
+async def test_a_hundred_participants_are_released_together_never_before_the_last_arrives(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    group = await start_workers(workers, job, nats_url, 100)
+    watch = await watch_arrivals(bus, job)
+    first = [asyncio.create_task(timed_barrier(w, "sync")) for w in group[:-1]]
+    await arrivals(watch, 99)
+    assert not any(task.done() for task in first), "released before the last participant came"
+    last_called = time.monotonic()
+    results = await asyncio.gather(*first, timed_barrier(group[-1], "sync"))
+
+    assert [outcome for outcome, _ in results] == [0] * 100
+    returned = [at for _, at in results]
+    assert min(returned) >= last_called
+    assert max(returned) - last_called < 5.0
+    events = await job_events(bus, job)
+    [opened] = of_type(events, BarrierOpened)
+    assert (opened.generation, opened.expected_count) == (0, 100)
+    assert sorted(opened.expected) == sorted(w.id for w in group)
+    assert sorted(e.worker_id for e in of_type(events, BarrierArrived)) == sorted(opened.expected)
+    [released] = of_type(events, BarrierReleased)
+    assert (released.name, released.generation, released.participants) == ("sync", 0, 100)
+    assert released.last_arrival_to_release_ms < released.first_arrival_to_release_ms
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("services")
+async def test_a_participant_killed_mid_barrier_breaks_it_for_the_other_99_quickly(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    child = start_child(job, nats_url)
+    try:
+        killed_id = await asyncio.wait_for(asyncio.to_thread(registered_id, child), 60)
+        group = await start_workers(workers, job, nats_url, 99)
+        watch = await watch_arrivals(bus, job)
+        waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in group]
+        await arrivals(watch, 99)
+        killed_at = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        results = await asyncio.gather(*waiting)
+    finally:
+        child.kill()
+        child.wait()
+
+    for outcome, returned in results:
+        assert isinstance(outcome, strata.BarrierBroken), outcome
+        assert killed_id in outcome.details["missing"]
+        assert killed_id in str(outcome)
+        assert returned - killed_at < TIMEOUT + INTERVAL + BREAK_ALLOWANCE
+    events = await job_events(bus, job)
+    [broken] = of_type(events, BarrierBrokenEvent)
+    assert (broken.generation, broken.culprits, broken.missing) == (0, [killed_id], [killed_id])
+    assert not of_type(events, BarrierReleased)
+
+
+async def test_the_barrier_service_killed_mid_barrier_releases_exactly_once_after_restart(
+    own_nats_server: NatsServer, tmp_path: Path, workers: list[strata.aio.Worker]
+) -> None:
+    url = own_nats_server.url
+    registry = start_service("registry", url, tmp_path)
+    barrier = start_service("barrier", url, tmp_path)
+    bus = await Bus.connect(url, name="test-barrier-restart")
+    try:
+        job = new_job("barrier")
+        group = await start_workers(workers, job, url, 5)
+        watch = await watch_arrivals(bus, job)
+        waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in group[:4]]
+        await arrivals(watch, 4)
+        barrier.kill()
+        waiting.append(asyncio.create_task(timed_barrier(group[4], "step")))
+        # Off the event loop: the workers' heartbeats must go on while it starts.
+        await asyncio.to_thread(barrier.start)
+        results = await asyncio.gather(*waiting)
+        assert [outcome for outcome, _ in results] == [0] * 5
+
+        async def released_stored() -> bool:
+            return bool(of_type(await job_events(bus, job), BarrierReleased))
+
+        await async_wait_until(released_stored, 10, "the release to be stored")
+        events = await job_events(bus, job)
+        [released] = of_type(events, BarrierReleased)
+        assert (released.generation, released.participants) == (0, 5)
+        arrived = of_type(events, BarrierArrived)
+        assert sorted(e.worker_id for e in arrived) == sorted(w.id for w in group)
+        # the name goes on from there, with the restarted service
+        assert await meet(group, "step") == [1] * 5
+    finally:
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        await bus.close()
+        barrier.stop()
+        registry.stop()
+
+
+@pytest.mark.usefixtures("services")
+async def test_a_name_reused_for_fifty_generations_never_mixes_them(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    group = await start_workers(workers, job, nats_url, 4)
+    for step in range(50):
+        assert await meet(group, "step") == [step] * 4
+
+    events = await job_events(bus, job)
+    assert [e.generation for e in of_type(events, BarrierOpened)] == list(range(50))
+    released = of_type(events, BarrierReleased)
+    assert [e.generation for e in released] == list(range(50))
+    assert all(e.participants == 4 for e in released)
+    by_generation: dict[int, list[str]] = {}
+    for arrived in of_type(events, BarrierArrived):
+        by_generation.setdefault(arrived.generation, []).append(arrived.worker_id)
+        # each worker's n-th arrival at the name is generation n
+        assert arrived.arrival == arrived.generation
+    assert {gen: sorted(ids) for gen, ids in by_generation.items()} == {
+        gen: sorted(w.id for w in group) for gen in range(50)
+    }
+
+
+# -- counts, timeouts and leaves ------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("services")
+async def test_an_explicit_count_releases_whoever_arrives_that_many(
+    workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    a, b, c = await start_workers(workers, job, nats_url, 3)
+    for pair, generation in (((a, b), 0), ((c, a), 1)):
+        met = await asyncio.gather(*(w.barrier("pair", 30, expected=2) for w in pair))
+        assert met == [generation, generation]
+
+
+@pytest.mark.usefixtures("services")
+async def test_an_incomplete_barrier_times_out_for_every_waiter_at_its_deadline(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    a, b, absent = await start_workers(workers, job, nats_url, 3)
+    called = time.monotonic()
+    results = await asyncio.gather(timed_barrier(a, "slow", 1.5), timed_barrier(b, "slow", 1.5))
+    for outcome, returned in results:
+        assert isinstance(outcome, strata.BarrierTimeout), outcome
+        assert outcome.details["missing"] == [absent.id]
+        assert 1.5 <= returned - called < 1.5 + 1.0
+    [timed_out] = of_type(await job_events(bus, job), BarrierTimedOut)
+    assert (timed_out.generation, timed_out.arrived, timed_out.missing) == (0, 2, [absent.id])
+    # the timed-out generation is over; the next one opens for everyone again
+    assert await meet([a, b, absent], "slow") == [1, 1, 1]
+
+
+@pytest.mark.usefixtures("services")
+async def test_a_graceful_leave_breaks_the_barrier_for_sync_and_async_waiters(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    [waiter, leaver] = await start_workers(workers, job, nats_url, 2)
+    sync_worker = strata.Worker(job=job, nats_url=nats_url, worker_id="sync-waiter")
+    await asyncio.to_thread(sync_worker.start)
+    try:
+        watch = await watch_arrivals(bus, job)
+        in_thread = asyncio.create_task(asyncio.to_thread(sync_worker.barrier, "step", 30))
+        in_loop = asyncio.create_task(waiter.barrier("step", 30))
+        await arrivals(watch, 2)
+        await leaver.stop()
+        for task in (in_thread, in_loop):
+            with pytest.raises(strata.BarrierBroken, match=f"{leaver.id}' left the job"):
+                await task
+    finally:
+        await asyncio.to_thread(sync_worker.stop)
+
+
+@pytest.mark.usefixtures("services")
+async def test_a_worker_restarted_under_the_same_id_meets_the_others_again(
+    workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    stays, restarts = await start_workers(workers, job, nats_url, 2)
+    for step in range(3):
+        assert await meet([stays, restarts], "step") == [step, step]
+    await restarts.stop()
+    # A new process counts its arrivals from zero again under the same worker id.
+    again = strata.aio.Worker(job, nats_url, worker_id=restarts.id)
+    workers.append(again)
+    await again.start()
+    assert await meet([stays, again], "step") == [3, 3]

@@ -1,0 +1,491 @@
+"""The registry process against a real nats-server: 200 in-process workers of which exactly the
+silenced ones fail in time, crash and clean restarts that change nothing, malformed heartbeats and
+requests refused with a counted reason, and jobs that never see each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import strata
+from hypothesis import given
+from hypothesis import strategies as st
+from nats.aio.msg import Msg
+from strata.bus import Bus, EventFeed
+from strata.bus.server import NatsServer
+from strata.errors import StrataError
+from strata.events import (
+    AnyEvent,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerStateChanged,
+    decode_event,
+    encode_event,
+    pack,
+    subjects,
+    unpack,
+)
+from strata.events.requests import MembersResult
+from strata.services.registry.service import fast_beat
+
+from tests.support import ServiceProcess, async_wait_until, new_job
+
+pytestmark = pytest.mark.nats
+
+INTERVAL = 0.2
+TIMEOUT = 1.0
+SCHEDULING_ALLOWANCE = 0.25
+"""Slack on the detection bound for this shared 2-core machine: the detector wakes every
+interval/4 (50 ms, already inside the bound), then the failure is published, stored and delivered,
+and both ends are timestamped by event loops that also run 200 workers' heartbeats. Five
+scheduling delays of ~50 ms each on a loaded box."""
+DETECTION_BOUND = TIMEOUT + INTERVAL + SCHEDULING_ALLOWANCE
+QUIET_WINDOW = 2 * TIMEOUT
+"""How long to watch for failures that must not happen (a fixed window, on purpose)."""
+
+
+def start_registry(nats_url: str, log_dir: Path) -> ServiceProcess:
+    process = ServiceProcess(
+        "registry", nats_url, log_dir, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT
+    )
+    return process.start()
+
+
+@pytest.fixture(scope="module")
+def registry(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """One registry on the shared server for the tests that do not restart it."""
+    process = start_registry(nats_url, tmp_path_factory.mktemp("registry"))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    connected = await Bus.connect(nats_url, name="test-registry")
+    yield connected
+    await connected.close()
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
+    """Every async worker a test makes is stopped at its end, pass or fail."""
+    made: list[strata.aio.Worker] = []
+    yield made
+    await asyncio.gather(*(worker.stop() for worker in made), return_exceptions=True)
+
+
+async def start_workers(
+    made: list[strata.aio.Worker], job: str, nats_url: str, ids: list[str], group: int = 10
+) -> list[strata.aio.Worker]:
+    """Start workers `group` at a time.
+
+    Every worker decodes every membership event, so N workers in one process decode N^2 events;
+    all at once, that blocks this process's event loop (and so every worker's heartbeats) for
+    seconds on a loaded 2-core machine. Smaller groups spread the same work out.
+    """
+    new = [strata.aio.Worker(job, nats_url, worker_id=worker_id) for worker_id in ids]
+    made.extend(new)
+    for first in range(0, len(new), group):
+        await asyncio.gather(*(worker.start() for worker in new[first : first + group]))
+    return new
+
+
+async def job_events(bus: Bus, job: str) -> list[AnyEvent]:
+    """Every event of `job` stored so far, in stream order."""
+    events: list[AnyEvent] = []
+    feed = await EventFeed(bus.js, subjects.EVENTS_STREAM, subjects.job_events(job)).start()
+    try:
+        if feed.caught_up.is_set():
+            return events
+        async with asyncio.timeout(20):
+            async for delivered in feed:
+                events.append(delivered.event)
+                if feed.caught_up.is_set():
+                    break
+    finally:
+        await feed.stop()
+    return events
+
+
+def failed_ids(events: list[AnyEvent]) -> list[str]:
+    return [e.worker_id for e in events if isinstance(e, WorkerFailed)]
+
+
+def membership(result: MembersResult) -> list[tuple[str, int, str]]:
+    return [(m.worker_id, m.rank, m.status) for m in result.members]
+
+
+_SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The process's Prometheus samples, keyed by name and label set."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        found = _SAMPLE.match(line)
+        if found:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', found.group(2)))
+            samples[(found.group(1), labels)] = float(found.group(3))
+    return samples
+
+
+def rejected_heartbeats(port: int) -> dict[str, float]:
+    return {
+        dict(labels)["code"]: value
+        for (name, labels), value in scrape(port).items()
+        if name == "strata_messages_rejected_total"
+        and ("consumer", "registry.heartbeats") in labels
+    }
+
+
+def rpc_outcomes(port: int) -> dict[tuple[str, str], float]:
+    return {
+        (dict(labels)["verb"], dict(labels)["outcome"]): value
+        for (name, labels), value in scrape(port).items()
+        if name == "strata_rpc_requests_total" and ("service", "registry") in labels
+    }
+
+
+def heartbeat(job: str, worker_id: str, **fields: Any) -> WorkerHeartbeat:
+    values: dict[str, Any] = {
+        "job": job,
+        "source": worker_id,
+        "worker_id": worker_id,
+        "instance": f"i-{worker_id}",
+        "seq": 1,
+        "state": "idle",
+    }
+    return WorkerHeartbeat(**(values | fields))
+
+
+# -- failure detection at scale -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_exactly_the_silenced_workers_of_200_fail_within_timeout_plus_an_interval(
+    registry: ServiceProcess, nats_url: str, bus: Bus, workers: list[strata.aio.Worker]
+) -> None:
+    job = new_job("reg")
+    failed_at: dict[str, float] = {}
+    last_heartbeat: dict[str, float] = {}
+
+    async def on_failed(msg: Msg) -> None:
+        event = decode_event(msg.data)
+        assert isinstance(event, WorkerFailed)
+        failed_at.setdefault(event.worker_id, time.monotonic())
+
+    async def on_heartbeat(msg: Msg) -> None:
+        last_heartbeat[subjects.parse_heartbeat_subject(msg.subject)[1]] = time.monotonic()
+
+    await bus.nc.subscribe(subjects.event_subject(job, "worker.failed"), cb=on_failed)
+    ids = [f"w{i:03d}" for i in range(200)]
+    victims = ["w017", "w101", "w188"]
+    for worker_id in victims:
+        await bus.nc.subscribe(subjects.heartbeat_subject(job, worker_id), cb=on_heartbeat)
+    await bus.nc.flush()
+
+    started = await start_workers(workers, job, nats_url, ids)
+    # A worker failed here missed its own heartbeats: this process's event loop stalled (the SDK
+    # logs heartbeat_late), which a machine with far more runnable processes than cores causes.
+    assert not failed_at, f"failed while starting: {sorted(failed_at)}"
+    assert sorted(w.rank for w in started) == list(range(200))
+    assert all(w.heartbeat_timeout == TIMEOUT for w in started)
+
+    async def victims_heartbeat() -> bool:
+        return set(victims) <= set(last_heartbeat)
+
+    await async_wait_until(victims_heartbeat, 5, "heartbeats of the workers to silence")
+    by_id = {w.id: w for w in started}
+    for worker_id in victims:
+        by_id[worker_id]._suspend_heartbeats(True)
+
+    async def victims_failed() -> bool:
+        return set(victims) <= set(failed_at)
+
+    await async_wait_until(victims_failed, 10 * TIMEOUT, "the silenced workers to be failed")
+    # End to end, as this process saw them: its last heartbeat on the bus, then its failure.
+    for worker_id in victims:
+        since_last = failed_at[worker_id] - last_heartbeat[worker_id]
+        assert since_last <= DETECTION_BOUND, (worker_id, since_last)
+
+    # Proving that nobody else fails takes watching for a while.
+    await asyncio.sleep(QUIET_WINDOW)
+    failures = [e for e in await job_events(bus, job) if isinstance(e, WorkerFailed)]
+    assert sorted(e.worker_id for e in failures) == victims
+    # By the registry's own clock: never before the timeout, and within the bound after it.
+    for failure in failures:
+        silent = (failure.ts - failure.last_heartbeat_ts) / 1e9
+        assert TIMEOUT < silent <= DETECTION_BOUND, (failure.worker_id, silent)
+    listed = await started[0].members(include_gone=True)
+    assert listed.world_size == 197
+    status = {m.worker_id: m.status for m in listed.members}
+    assert {w for w, s in status.items() if s == "failed"} == set(victims)
+    assert all(status[w] == "idle" for w in ids if w not in victims)
+
+
+# -- restarts -------------------------------------------------------------------------------------
+
+
+def state_rebuilt_lines(registry: ServiceProcess) -> list[dict[str, Any]]:
+    found = []
+    for line in registry.log_file.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "state_rebuilt":
+            found.append(record)
+    return found
+
+
+@pytest.mark.slow
+async def test_a_crashed_or_stopped_registry_comes_back_with_the_same_membership(
+    own_nats_server: NatsServer, tmp_path: Path, workers: list[strata.aio.Worker]
+) -> None:
+    url = own_nats_server.url
+    registry = await asyncio.to_thread(start_registry, url, tmp_path)
+    try:
+        job = new_job("restart")
+        started = await start_workers(workers, job, url, [f"w{i:02d}" for i in range(20)])
+        async with await Bus.connect(url, name="test-registry") as bus:
+            before = await started[0].members(include_gone=True)
+            assert before.world_size == 20
+            ranks = [w.rank for w in started]
+            assert sorted(ranks) == list(range(20))
+
+            async def unchanged_after_restart() -> None:
+                restarted = time.monotonic()
+                # Past twice the timeout after the restart: a missed grace period would show.
+                await asyncio.sleep(max(0.0, restarted + QUIET_WINDOW - time.monotonic()))
+                listed = await started[0].members(include_gone=True, retry_for=20)
+                assert membership(listed) == membership(before)
+                assert listed.membership_epoch == before.membership_epoch
+                assert all(m.last_heartbeat_ts is not None for m in listed.members)
+                assert failed_ids(await job_events(bus, job)) == []
+                assert [(w.rank, w.rejoin_count) for w in started] == [(rank, 0) for rank in ranks]
+
+            # Killed while the workers heartbeat; the new process replays the stream.
+            await asyncio.to_thread(registry.kill)
+            await asyncio.to_thread(registry.start)
+            await unchanged_after_restart()
+
+            # A clean stop writes a snapshot, and the next start begins from it.
+            await asyncio.to_thread(registry.stop)
+            await asyncio.to_thread(registry.start)
+            await unchanged_after_restart()
+            rebuilt = state_rebuilt_lines(registry)
+            assert len(rebuilt) == 3, registry.log_tail()
+            assert rebuilt[-1]["snapshot_seq"] > 0
+    finally:
+        # Left while the registry still answers, or each leave would retry for seconds.
+        await asyncio.gather(*(worker.stop() for worker in workers))
+        workers.clear()
+        await asyncio.to_thread(registry.stop)
+
+
+@pytest.mark.slow
+async def test_neither_a_stalled_registry_nor_a_nats_outage_fails_live_workers(
+    own_nats_server: NatsServer, tmp_path: Path, workers: list[strata.aio.Worker]
+) -> None:
+    url = own_nats_server.url
+    registry = await asyncio.to_thread(start_registry, url, tmp_path)
+    assert registry.proc is not None
+    try:
+        job = new_job("stall")
+        started = await start_workers(workers, job, url, [f"w{i:02d}" for i in range(10)])
+        # Frozen for twice the timeout (as a process starved of CPU would be) while the workers
+        # keep heartbeating: their heartbeats wait in the registry's socket meanwhile.
+        registry.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(2 * TIMEOUT)
+        registry.proc.send_signal(signal.SIGCONT)
+        # NATS away for twice the timeout: nobody can be heard, so nobody may be blamed.
+        await asyncio.to_thread(own_nats_server.stop)
+        await asyncio.sleep(2 * TIMEOUT)
+        await asyncio.to_thread(own_nats_server.start)
+        # Proving that nobody fails takes watching for a while.
+        await asyncio.sleep(QUIET_WINDOW)
+        async with await Bus.connect(url, name="test-registry") as bus:
+            assert failed_ids(await job_events(bus, job)) == []
+        listed = await started[0].members(retry_for=10)
+        assert listed.world_size == 10
+        assert all(w.rejoin_count == 0 for w in started)
+    finally:
+        if registry.proc.poll() is None:
+            registry.proc.send_signal(signal.SIGCONT)
+        await asyncio.gather(*(worker.stop() for worker in workers))
+        workers.clear()
+        await asyncio.to_thread(registry.stop)
+
+
+# -- malformed input ------------------------------------------------------------------------------
+
+
+async def test_malformed_heartbeats_and_requests_are_refused_and_counted(
+    registry: ServiceProcess, nats_url: str, bus: Bus, workers: list[strata.aio.Worker]
+) -> None:
+    job = new_job("bad")
+    port = registry.health_port
+    rejected_before, rpc_before = rejected_heartbeats(port), rpc_outcomes(port)
+
+    to_self = subjects.heartbeat_subject(job, "w-a")
+    other = heartbeat(job, "w-b")
+    not_a_heartbeat = WorkerStateChanged(job=job, source="w-a", worker_id="w-a", state="training")
+    out_of_bounds = pack(heartbeat(job, "w-a").model_dump() | {"seq": -1})
+    sent = {
+        "malformed": [(to_self, b"\xc1 not msgpack"), (to_self, b"")],
+        "not_a_heartbeat": [(to_self, encode_event(not_a_heartbeat))],
+        "subject_mismatch": [(to_self, encode_event(other))],
+        "not_registered": [(subjects.heartbeat_subject(job, "w-b"), encode_event(other))],
+        "invalid_field": [(to_self, out_of_bounds)],
+    }
+    for messages in sent.values():
+        for subject, payload in messages:
+            await bus.nc.publish(subject, payload)
+    await bus.nc.flush()
+
+    async def all_counted() -> bool:
+        now = rejected_heartbeats(port)
+        return all(
+            now.get(code, 0) - rejected_before.get(code, 0) >= len(messages)
+            for code, messages in sent.items()
+        )
+
+    await async_wait_until(all_counted, 5, "the registry to count every rejected heartbeat")
+    counted = rejected_heartbeats(port)
+    for code, messages in sent.items():
+        assert counted.get(code, 0) - rejected_before.get(code, 0) == len(messages), code
+
+    register = subjects.rpc_subject("registry", "register")
+    requests: list[tuple[str, bytes, str, str]] = [
+        (register, b"\x93\x01", "malformed", "register"),
+        (register, pack([job, "instance"]), "invalid_request", "register"),
+        (register, pack({"job": "bad job!", "instance": "i"}), "invalid_request", "register"),
+        (register, pack({"job": job, "instance": "i", "rank": 3}), "invalid_request", "register"),
+        (subjects.rpc_subject("registry", "frobnicate"), pack({}), "unknown_verb", "?"),
+    ]
+    for subject, payload, code, _ in requests:
+        reply = unpack((await bus.nc.request(subject, payload, timeout=5)).data)
+        assert reply["ok"] is False, reply
+        assert reply["error"]["code"] == code, reply
+        assert reply["error"]["message"]
+    outcomes = rpc_outcomes(port)
+    expected: dict[tuple[str, str], int] = {}
+    for _, _, code, verb in requests:
+        expected[(verb, code)] = expected.get((verb, code), 0) + 1
+    for key, count in expected.items():
+        assert outcomes.get(key, 0) - rpc_before.get(key, 0) == count, key
+
+    # Still serving: a worker registers, and its heartbeats count.
+    (worker,) = await start_workers(workers, job, nats_url, ["w-a"])
+    assert (worker.rank, worker.world_size) == (0, 1)
+
+    async def heartbeats_applied() -> bool:
+        listed = await worker.members()
+        return listed.members[0].last_heartbeat_ts is not None
+
+    await async_wait_until(heartbeats_applied, 5, "the new worker's heartbeats")
+
+
+# -- jobs are isolated ----------------------------------------------------------------------------
+
+
+async def test_jobs_with_the_same_worker_ids_are_isolated(
+    registry: ServiceProcess, nats_url: str, bus: Bus, workers: list[strata.aio.Worker]
+) -> None:
+    job_a, job_b = new_job("iso-a"), new_job("iso-b")
+    ids = ["alpha", "beta", "gamma"]
+    in_a = {w: (await start_workers(workers, job_a, nats_url, [w]))[0] for w in ids}
+    in_b = {w: (await start_workers(workers, job_b, nats_url, [w]))[0] for w in reversed(ids)}
+    assert [in_a[w].rank for w in ids] == [0, 1, 2]
+    assert [in_b[w].rank for w in ids] == [2, 1, 0]
+    b_before = await in_b["alpha"].members(include_gone=True)
+    assert b_before.membership_epoch == 3
+
+    in_a["alpha"]._suspend_heartbeats(True)
+
+    async def alpha_failed_in_a() -> bool:
+        listed = await in_a["beta"].members(include_gone=True)
+        return any(m.worker_id == "alpha" and m.status == "failed" for m in listed.members)
+
+    await async_wait_until(alpha_failed_in_a, 5 * TIMEOUT, "alpha to be failed in job A")
+    # A new worker in A takes the freed rank 0; B must see none of it.
+    (delta,) = await start_workers(workers, job_a, nats_url, ["delta"])
+    assert delta.rank == 0
+
+    # Proving that B is untouched takes watching for a while.
+    await asyncio.sleep(QUIET_WINDOW)
+    b_after = await in_b["alpha"].members(include_gone=True)
+    assert membership(b_after) == membership(b_before)
+    assert b_after.membership_epoch == b_before.membership_epoch
+    assert failed_ids(await job_events(bus, job_b)) == []
+    assert failed_ids(await job_events(bus, job_a)) == ["alpha"]
+    a_after = await in_a["beta"].members()
+    assert [(m.worker_id, m.rank) for m in a_after.members] == [
+        ("delta", 0),
+        ("beta", 1),
+        ("gamma", 2),
+    ]
+
+
+# -- the fast heartbeat decoder -------------------------------------------------------------------
+
+_IDS = st.sampled_from(["w-1", "a" * 128, "a" * 129, "w 1", "w-1\n", "", "-w", "w.1_x"])
+_INTS = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**50, 2**50 + 1, 2**62, 2**62 + 1])
+_FLOATS = st.sampled_from([0.0, -0.0, 12.5, 100.0, 100.5, 100_000.0, 1e6, math.inf, math.nan])
+_ODD = st.sampled_from([None, True, False, 3, 3.5, "3", b"w-1", [1], {"a": 1}])
+_VALUES = st.one_of(_IDS, _INTS, _FLOATS, _ODD, st.sampled_from(["idle", "failed", "Idle"]))
+
+
+@given(
+    changes=st.dictionaries(
+        st.sampled_from([*WorkerHeartbeat.model_fields, "extra"]),
+        st.one_of(_VALUES, st.just("<drop>")),
+        max_size=3,
+    ),
+    cpu=st.one_of(st.none(), _FLOATS),
+)
+def test_the_fast_decoder_never_accepts_what_the_model_refuses(
+    changes: dict[str, Any], cpu: float | None
+) -> None:
+    data = heartbeat("job-1", "w-1").model_dump() | {"cpu_percent": cpu}
+    for key, value in changes.items():
+        if value == "<drop>":
+            data.pop(key, None)
+        else:
+            data[key] = value
+    payload = msgpack.packb(data, use_bin_type=True)
+    beat = fast_beat(payload)
+    try:
+        event: AnyEvent | None = decode_event(payload)
+    except StrataError:
+        event = None
+    if beat is None:
+        return
+    assert isinstance(event, WorkerHeartbeat), (data, event)
+    assert beat == (
+        event.job,
+        event.worker_id,
+        event.instance,
+        event.seq,
+        event.state,
+        event.step,
+        event.epoch,
+    )
+
+
+def test_the_fast_decoder_takes_what_the_sdk_sends() -> None:
+    sent = heartbeat("job-1", "w.1", cpu_percent=97.5, rss_bytes=2**31, state="training")
+    assert fast_beat(encode_event(sent)) == ("job-1", "w.1", "i-w.1", 1, "training", 0, 0)
