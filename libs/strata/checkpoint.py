@@ -163,9 +163,13 @@ class AsyncCheckpointManager:
         cursors: list[DataCursor] | None = None,
     ) -> None:
         """Copy the tensors of `state` off the training state; serialise and persist later."""
+        await self._save_copied(_copy_off(state), step, epoch, cursors)
+
+    async def _save_copied(
+        self, copied: Any, step: int, epoch: int, cursors: list[DataCursor] | None
+    ) -> None:
         self._raise_failure()
         step, epoch = _check_step(step, epoch)
-        copied = _copy_off(state)
         size = _state_bytes(copied)
         await self._reserve(size)
         self._spawn(size, self._serialise_and_persist(copied, step, epoch, cursors or []))
@@ -402,7 +406,7 @@ class CheckpointManager:
         cursors: list[DataCursor] | None = None,
     ) -> None:
         copied = _copy_off(state)  # the blocking part, on the training thread
-        self._runner.run(self._aio.save_state(copied, step, epoch, cursors=cursors))
+        self._runner.run(self._aio._save_copied(copied, step, epoch, cursors))
 
     def wait(self) -> None:
         self._runner.run(self._aio.wait())

@@ -1,6 +1,7 @@
 """The registry process against a real nats-server: 200 in-process workers of which exactly the
-silenced ones fail in time, crash and clean restarts that change nothing, malformed heartbeats and
-requests refused with a counted reason, and jobs that never see each other.
+silenced ones fail in time; crashes, clean restarts, a frozen registry and a NATS outage that fail
+nobody; malformed heartbeats and requests refused with a counted reason; jobs that never see each
+other. The fast heartbeat decoder is checked against the full model at the end.
 """
 
 from __future__ import annotations
