@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard test lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard test chaos lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -33,7 +33,10 @@ dashboard: $(STAMP) $(DASHBOARD_MODULES)
 	cd dashboard && npm run build
 
 test: install dashboard lint typecheck schemas-check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not chaos" $(PYTEST_ARGS)
+
+chaos: install
+	$(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -42,7 +42,7 @@ from strata.storage import open_storage
 
 from tests.support import ServiceProcess, new_job
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.chaos]
 
 SEED = 20261121
 SERVICES = ("registry", "sharding", "barrier", "checkpoint")
