@@ -1,8 +1,9 @@
 """Barrier release latency: Strata's barrier service next to a barrier on torch's TCPStore.
 
 Release latency is the time from the last participant's arrival call to the moment each participant
-returns from its wait. Both barriers run in this process against servers in processes of their own,
-at the same sizes, with repetitions interleaved; each figure is the median of its rounds.
+returns. Both barriers (and, for reference, the least a durable barrier on NATS can do) run against
+servers in processes of their own, at the same sizes and with repetitions interleaved; each figure
+is the median of its rounds.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ BARRIER = "step"
 BARRIER_TIMEOUT_S = 120.0
 REP_TIMEOUT_S = 120.0
 SETTLE_BASE_MS = 20.0
-SETTLE_PER_PARTICIPANT_MS = 0.2
+SETTLE_PER_PARTICIPANT_MS = 0.5
 # The TCPStore clients warn about every reverse lookup this sandbox cannot do.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 READY_TIMEOUT_S = 60.0
@@ -170,6 +171,122 @@ class TcpStoreMaster:
 
     def stop(self) -> None:
         procutil.terminate(self.proc, timeout=10)
+
+
+FLOOR_RESPONDER = """
+import asyncio, sys
+import nats
+
+async def main() -> None:
+    nc = await nats.connect(sys.argv[1])
+    js = nc.jetstream()
+    await js.add_stream(name="BENCH_FLOOR", subjects=["bench.floor.evt.>"], max_msgs=100_000)
+    counts: dict[bytes, int] = {}
+    stores: dict[bytes, list[asyncio.Future]] = {}
+
+    async def arrive(msg) -> None:
+        rep, n, worker = msg.data.split(b" ")
+        counts[rep] = counts.get(rep, 0) + 1
+        headers = {"Nats-Msg-Id": (rep + b"-" + worker).decode()}
+        stored = js.publish("bench.floor.evt.arrived", msg.data, headers=headers)
+        store = asyncio.ensure_future(stored)
+        stores.setdefault(rep, []).append(store)
+        if counts[rep] < int(n):
+            await msg.respond(b"waiting")
+            return
+        await asyncio.gather(*stores.pop(rep))
+        await nc.publish("bench.floor.released", rep)
+        await msg.respond(b"released")
+
+    async def concurrently(msg) -> None:
+        asyncio.create_task(arrive(msg))
+
+    await nc.subscribe("bench.floor.arrive", cb=concurrently)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+class FloorResponder:
+    """The least a durable barrier on NATS does, in plain nats-py: store each arrival in a stream
+    (awaiting the ack), then publish the release on a core subject."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FLOOR_RESPONDER, nats_url],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            preexec_fn=procutil.child_preexec,
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != b"ready":
+            raise SystemExit("the floor responder did not start")
+
+    def stop(self) -> None:
+        procutil.terminate(self.proc, timeout=10)
+
+
+class FloorGroup:
+    """`n` participants of the floor barrier over one connection, like `StrataGroup`."""
+
+    def __init__(self, bus: Bus, n: int) -> None:
+        self.nc = bus.nc
+        self.n = n
+        self.prefix = uuid.uuid4().hex[:8]
+        self.reps = 0
+        self._released: dict[bytes, asyncio.Future[None]] = {}
+        self._sub: Subscription | None = None
+        self._answered = 0
+        self._all_but_one = asyncio.Event()
+
+    async def open(self) -> None:
+        self._sub = await self.nc.subscribe("bench.floor.released", cb=self._on_released)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_released(self, msg: Msg) -> None:
+        self._future(msg.data).set_result(None)
+
+    def _future(self, rep: bytes) -> asyncio.Future[None]:
+        found = self._released.get(rep)
+        if found is None:
+            found = self._released[rep] = asyncio.get_running_loop().create_future()
+        return found
+
+    async def _participate(self, rep: bytes, worker: int) -> tuple[int, int]:
+        called = time.perf_counter_ns()
+        data = b"%s %d %d" % (rep, self.n, worker)
+        reply = await self.nc.request("bench.floor.arrive", data, timeout=REP_TIMEOUT_S)
+        self._answered += 1
+        if self._answered == self.n - 1:
+            self._all_but_one.set()
+        if reply.data == b"waiting":
+            await self._future(rep)
+        return called, time.perf_counter_ns()
+
+    async def rep(self, straggler: bool) -> list[float]:
+        rep = f"{self.prefix}-{self.reps}".encode()
+        self.reps += 1
+        self._answered = 0
+        self._all_but_one.clear()
+        started = time.perf_counter_ns()
+        tasks = [
+            asyncio.create_task(self._participate(rep, i))
+            for i in range(self.n - 1 if straggler else self.n)
+        ]
+        if straggler:
+            await self._all_but_one.wait()
+            await asyncio.sleep(settle_s(self.n))
+            tasks.append(asyncio.create_task(self._participate(rep, self.n - 1)))
+        timings = await asyncio.gather(*tasks)
+        self._released.pop(rep, None)
+        since = timings[-1][0] if straggler else started
+        return latencies_ms([returned for _, returned in timings], since)
 
 
 # -- Strata participants --------------------------------------------------------------------------
@@ -425,7 +542,6 @@ class TcpStoreGroup:
 # -- the run --------------------------------------------------------------------------------------
 
 
-SYSTEMS = ("strata", "tcpstore", "workers")
 SCENARIOS = ("straggler", "burst")
 
 
@@ -448,10 +564,11 @@ class Group(Protocol):
 
 def reps_for(n: int, scale: float) -> int:
     """Repetitions per round: more for small barriers, whose single samples say less."""
-    return max(2, round(scale * {10: 100, 100: 30}.get(n, 10)))
+    return max(2, round(scale * {10: 60, 100: 20}.get(n, 6)))
 
 
 async def measure(args: argparse.Namespace, url: str, tcp_port: int) -> tuple[list[Size], str]:
+    """Open every group of every size, warm them up, then run the rounds."""
     import torch
 
     bus = await Bus.connect(url, name="bench-barrier")
@@ -474,7 +591,14 @@ async def measure(args: argparse.Namespace, url: str, tcp_port: int) -> tuple[li
             tcp_group = TcpStoreGroup(tcp_port, n)
             closers.append(tcp_group.aclose)
             await asyncio.to_thread(tcp_group.open)
-            groups: dict[str, Group] = {"strata": strata_group, "tcpstore": tcp_group}
+            floor_group = FloorGroup(bus, n)
+            await floor_group.open()
+            closers.append(floor_group.close)
+            groups: dict[str, Group] = {
+                "strata": strata_group,
+                "tcpstore": tcp_group,
+                "floor": floor_group,
+            }
             if n <= args.workers_up_to:
                 worker_group = WorkerGroup(bus, url, n)
                 closers.append(worker_group.close)
@@ -511,6 +635,8 @@ async def measure(args: argparse.Namespace, url: str, tcp_port: int) -> tuple[li
     finally:
         for close in reversed(closers):
             await close()
+        with contextlib.suppress(Exception):  # a server that outlives the run keeps no trace
+            await bus.js.delete_stream("BENCH_FLOOR")
         await bus.close()
 
 
@@ -600,6 +726,16 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
     return met
 
 
+def info_rows(sizes: list[Size], system: str) -> None:
+    for size in sizes:
+        lone, burst = size.get(system), size.get(system, "burst")
+        print(
+            f"  {size.n:>5,} participants  last arrival: p50 {ms(lone.figure(50))} "
+            f"p99 {ms(lone.figure(99))}; at once: p50 {ms(burst.figure(50))} "
+            f"p99 {ms(burst.figure(99))}"
+        )
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -642,12 +778,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = server.url
         processes = [ServiceProcess(name, url, Path(tmp)) for name in ("registry", "barrier")]
         master: TcpStoreMaster | None = None
+        floor: FloorResponder | None = None
         try:
             for process in processes:
                 process.start()
             master = TcpStoreMaster()
+            floor = FloorResponder(url)
             sizes, header = asyncio.run(measure(args, url, master.port))
         finally:
+            if floor is not None:
+                floor.stop()
             if master is not None:
                 master.stop()
             for process in reversed(processes):

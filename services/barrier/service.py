@@ -215,10 +215,13 @@ class Barrier(Projection[BarrierState]):
     async def _time_out(self) -> None:
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
-            async with self.lock:
-                expired = domain.due(self.state, self.now_ns())
-                self._apply(expired)
-                self._conclude(expired)
+            try:
+                async with self.lock:
+                    expired = domain.due(self.state, self.now_ns())
+                    self._apply(expired)
+                    self._conclude(expired)
+            except Exception:  # one bad generation must not stop every other one timing out
+                log.exception("barrier_timeouts_failed")
 
 
 def create() -> Barrier:
