@@ -686,18 +686,17 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
     print("(ratio = strata / tcpstore; below 1 is faster)")
     print("\ninfo: everyone arrives at once, ms from the go to each participant's return")
     comparison(sizes, "burst", args)
+    print(
+        "\ninfo: the least a durable barrier on NATS does, in plain nats-py on the same server: "
+        "each arrival\nstored in a stream (its ack awaited), then the release on a core subject"
+    )
+    info_rows(sizes, "floor")
     with_workers = [s for s in sizes if ("workers", "straggler") in s.series]
     if with_workers:
         print(
             "\ninfo: strata.aio.Worker.barrier, a NATS connection per worker, all in this process"
         )
-        for size in with_workers:
-            lone, burst = size.get("workers"), size.get("workers", "burst")
-            print(
-                f"  {size.n:>5,} workers  last arrival: p50 {ms(lone.figure(50))} "
-                f"p99 {ms(lone.figure(99))}; at once: p50 {ms(burst.figure(50))} "
-                f"p99 {ms(burst.figure(99))}"
-            )
+        info_rows(with_workers, "workers")
     print("\nper round (p50 / p99, ms; each figure above is the median of its rounds):")
     for size in sizes:
         for series in size.series.values():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import structlog
@@ -49,11 +49,9 @@ class Barrier(Projection[BarrierState]):
         self._rpc: RpcServer | None = None
         self._unstored: dict[Key, list[asyncio.Task[None]]] = {}
         """Arrival publishes per generation, until the generation is concluded."""
-        self._concluding: dict[Key, list[asyncio.Task[None]]] = {}
-        """Arrival publishes that a concluded generation's outcome still waits for."""
+        self._concluding: dict[Key, asyncio.Future[None]] = {}
+        """Set once a concluded generation's arrivals are stored: its outcome may then be told."""
         self._background: set[asyncio.Task[None]] = set()
-        self._opening: dict[tuple[str, str], asyncio.Future[None]] = {}
-        """Names whose next generation an arrival is syncing to open: the others wait and join."""
 
     def initial_state(self) -> BarrierState:
         return BarrierState()
@@ -96,23 +94,40 @@ class Barrier(Projection[BarrierState]):
         except StrataError as exc:
             log.error("barrier_event_not_published", event=event.type, error=str(exc))
 
-    def _conclude(self, events: list[Event]) -> None:
+    def _conclude(self, events: list[Event], arrivals: Sequence[Event] = ()) -> None:
         """Send each conclusion, in the background, once the arrivals of its generation are
-        stored: an outcome rests on arrivals the stream can prove after a restart."""
+        stored: an outcome rests on arrivals the stream can prove after a restart. `arrivals` are
+        the completing arrival's events, not yet published: the same task stores them and sends
+        the conclusion right after, without waking anything in between."""
         for event in events:
             assert isinstance(event, Conclusion)
             key = (event.job, event.name, event.generation)
             in_flight = [task for task in self._unstored.pop(key, []) if not task.done()]
-            if in_flight:
-                self._concluding[key] = in_flight
-            self._in_background(self._send_conclusion(key, event, in_flight))
+            stored = None
+            if in_flight or arrivals:
+                stored = self._concluding[key] = asyncio.get_running_loop().create_future()
+            self._in_background(self._send_conclusion(key, event, arrivals, in_flight, stored))
+            arrivals = ()
 
     async def _send_conclusion(
-        self, key: Key, event: Conclusion, in_flight: list[asyncio.Task[None]]
+        self,
+        key: Key,
+        event: Conclusion,
+        arrivals: Sequence[Event],
+        in_flight: list[asyncio.Task[None]],
+        stored: asyncio.Future[None] | None,
     ) -> None:
-        if in_flight:
-            await asyncio.gather(*in_flight)
-            self._concluding.pop(key, None)
+        try:
+            if len(arrivals) == 1:
+                await self._publish(arrivals[0])
+            elif arrivals:
+                await asyncio.gather(*(self._publish(arrival) for arrival in arrivals))
+            if in_flight:
+                await asyncio.gather(*in_flight)
+        finally:
+            if stored is not None:
+                self._concluding.pop(key, None)
+                stored.set_result(None)
         await self._publish(event)
         latency = {}
         if isinstance(event, BarrierReleased):
@@ -129,59 +144,21 @@ class Barrier(Projection[BarrierState]):
             **latency,
         )
 
-    def _must_sync(self, request: ArriveRequest) -> bool:
-        """True when the decision needs the membership as stored now: the worker is not known to
-        be live (its registration may not be folded yet), or this arrival opens a generation."""
-        if not self._is_live(request):
-            return True
-        named = self.state.jobs[request.job].barriers.get(request.name)
-        if named is None or (current := named.current) is None:
-            return True
-        previous = named.by_worker.get(request.worker_id)
-        if previous is not None and previous[0] == request.arrival:
-            return False  # a retry decides nothing
-        return (
-            current.status != "waiting"
-            or current.completed_in_time()
-            or self.now_ns() >= current.deadline_ns
-        )
-
     async def _arrive(self, request: ArriveRequest) -> BarrierOutcome:
-        name = (request.job, request.name)
-        opener: asyncio.Future[None] | None = None
-        synced = False
-        try:
-            while True:
-                if not synced and self._must_sync(request):
-                    opening = self._opening.get(name)
-                    if opening is not None and self._is_live(request):
-                        # Another arrival is opening the generation: join it once it is open.
-                        await asyncio.wait((opening,))
-                        continue
-                    if opening is None:
-                        opener = self._opening[name] = asyncio.get_running_loop().create_future()
-                    await self.sync()
-                    synced = True
-                async with self.lock:
-                    if synced or not self._must_sync(request):
-                        outcome = self._decide(request)
-                        break
-        finally:
-            if opener is not None:
-                del self._opening[name]
-                opener.set_result(None)
+        job = self.state.jobs.get(request.job)
+        if job is None or request.worker_id not in job.live:
+            # Its registration may be stored and not folded here yet: catch up, then decide.
+            await self.sync()
+        async with self.lock:
+            outcome = self._decide(request)
         if isinstance(outcome, StrataError):
             raise outcome
         if outcome.status != "waiting":
             # Said only once the arrivals it rests on are stored (a retry can come that soon).
-            in_flight = self._concluding.get((outcome.job, outcome.name, outcome.generation))
-            if in_flight:
-                await asyncio.gather(*in_flight)
+            stored = self._concluding.get((outcome.job, outcome.name, outcome.generation))
+            if stored is not None:
+                await asyncio.shield(stored)
         return outcome
-
-    def _is_live(self, request: ArriveRequest) -> bool:
-        job = self.state.jobs.get(request.job)
-        return job is not None and request.worker_id in job.live
 
     def _decide(self, request: ArriveRequest) -> BarrierOutcome | StrataError:
         """Apply the arrival and whatever it concludes; the answer, or the error to send."""
@@ -195,12 +172,14 @@ class Barrier(Projection[BarrierState]):
         assert decision.generation is not None
         self._apply(decision.events)
         key = (request.job, request.name, decision.generation)
-        for event in decision.events:
-            task = asyncio.create_task(self._publish(event))
-            self._unstored.setdefault(key, []).append(task)
         after = domain.conclude(self.state, request.job, request.name, now)
         self._apply(after)
-        self._conclude(after)
+        if after:
+            self._conclude(after, arrivals=decision.events)
+        else:
+            for event in decision.events:
+                task = asyncio.create_task(self._publish(event))
+                self._unstored.setdefault(key, []).append(task)
         return domain.outcome(self.state, *key)
 
     async def on_applied(self, event: Event) -> None:
