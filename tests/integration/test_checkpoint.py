@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import strata
 import strata.aio
+import torch
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.storage import manifest_key, shard_key
@@ -261,3 +262,44 @@ async def test_the_commit_happens_after_a_checkpoint_service_restart(
     info = await managers[0].wait_committed(5, timeout=30)
     assert info.status == "committed"
     assert await managers[3].load() == payload(3, 5)
+
+
+async def test_save_state_snapshots_at_the_call_and_reuses_its_buffers(
+    workers: list[strata.aio.Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    managers = [strata.aio.CheckpointManager(w, str(root)) for w in workers]
+    states = [
+        {
+            "weight": torch.full((64, 32), float(rank)),
+            "layers": [torch.arange(10) + rank, (torch.ones(3, dtype=torch.float16), "tag")],
+            "step": 1,
+        }
+        for rank in range(4)
+    ]
+    first_buffers = []
+    for step in (1, 2):
+        for rank, manager in enumerate(managers):
+            await manager.save_state(states[rank], step=step)
+            # Training goes on at once: what was saved is what the state held at the call.
+            states[rank]["weight"].add_(100)
+            states[rank]["layers"][0].mul_(-1)
+            states[rank]["step"] = step + 1
+        for manager in managers:
+            await manager.wait()
+        await managers[0].wait_committed(step, timeout=30)
+        staged = [b.data_ptr() for buffers in managers[0]._staging._free.values() for b in buffers]
+        assert len(staged) == 3
+        if step == 1:
+            first_buffers = staged
+    assert sorted(staged) == sorted(first_buffers)  # the second save copied into the first's
+
+    for rank, manager in enumerate(managers):
+        one, two = await manager.load_state(step=1), await manager.load_state(step=2)
+        assert torch.equal(one["weight"], torch.full((64, 32), float(rank)))
+        assert torch.equal(two["weight"], torch.full((64, 32), float(rank) + 100))
+        assert torch.equal(one["layers"][0], torch.arange(10) + rank)
+        assert torch.equal(two["layers"][0], -(torch.arange(10) + rank))
+        assert one["layers"][1][1] == "tag"
+        assert one["layers"][1][0].dtype == torch.float16
+        assert (one["step"], two["step"]) == (1, 2)
