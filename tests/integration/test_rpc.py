@@ -380,3 +380,26 @@ def test_random_bytes_always_get_an_envelope_reply(
     assert fuzz_target.server.rejected == Counter(
         {code: n for code, n in fuzz_target.replies.items() if code != "ok"}
     )
+
+
+async def test_a_reply_past_one_megabyte_arrives_and_one_past_max_payload_is_an_error(
+    peers: Peers,
+) -> None:
+    service = new_service()
+    server = await echo_server(peers.server_nc, service).start()
+    limit = peers.server_nc.max_payload
+    try:
+        big = await peers.client.call(
+            service, "echo", EchoRequest(text="x" * 1000, times=3000), result=EchoResult
+        )
+        with pytest.raises(strata.StrataError) as too_large:
+            await peers.client.call(service, "echo", EchoRequest(text="y", times=limit + 1))
+        assert await peers.client.call(service, "ping", result=PingResult)
+    finally:
+        await server.stop()
+
+    assert limit >= 8 * 1024 * 1024  # the embedded server's max_payload, as the Helm chart's
+    assert len(big.text) == 3_000_000
+    assert too_large.value.code == "reply_too_large"
+    assert "max_payload" in too_large.value.message
+    assert server.rejected == Counter({"reply_too_large": 1})

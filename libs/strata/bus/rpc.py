@@ -153,6 +153,14 @@ class RpcServer:
         if not msg.reply:
             self._count_reject("no_reply_subject")
             return
+        limit = self._nc.max_payload
+        if limit and len(reply) > limit:
+            message = (
+                f"{self.service}.{verb}'s answer is {len(reply)} bytes, more than the NATS "
+                f"server's max_payload of {limit}: raise max_payload or ask for less at a time"
+            )
+            reply = _error("reply_too_large", message)
+            self._count_reject("reply_too_large")
         try:
             await self._nc.publish(msg.reply, reply)
         except nats.errors.Error as exc:

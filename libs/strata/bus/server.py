@@ -60,6 +60,10 @@ def _get_json(url: str) -> dict[str, Any]:
     return data
 
 
+MAX_PAYLOAD = "8MB"
+"""The largest message the embedded server takes (the chart's `nats.maxPayload` too)."""
+
+
 def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
         with path.open("rb") as log:
@@ -149,6 +153,8 @@ class NatsServer:
             f"host: {_quote(self.host)}",
             f"port: {self.port}",
             f"http: {_quote(f'{self.host}:{self.monitor_port}')}",
+            # As the Helm chart: a member list or snapshot of 10,000 workers passes 1 MB.
+            f"max_payload: {MAX_PAYLOAD}",
         ]
         if self.jetstream:
             lines += ["jetstream {", f"  store_dir: {_quote(str(self.store_dir))}", "}"]
