@@ -15,18 +15,21 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Final, get_args
 
+import pydantic
 import strata
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
+from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from strata.bus import Bus
 from strata.config import Env
 from strata.errors import StrataError
 from strata.events import EVENT_TYPES, ID_PATTERN, WorkerState, subjects
-from strata.events.rpc import SERVICES, PingResult
+from strata.events.codec import unpack
+from strata.events.rpc import SERVICES, STATUS_INTERVAL_S, PingResult
 from strata.replay import (
     JobState,
     LiveRates,
@@ -64,6 +67,24 @@ class GatewayState:
         self.bus: Bus | None = None
         self.streams_ready = False
         self.live: LiveModel | None = None
+        self.announced: dict[str, tuple[PingResult, float]] = {}
+        """The latest status each service announced, and when (monotonic seconds)."""
+        self.listening_since: float | None = None
+        """When the gateway began to hear announcements (None: it does not)."""
+
+    async def listen_for_status(self, bus: Bus) -> None:
+        """Follow the services' announcements: the gateway's credential may not send requests."""
+
+        async def heard(msg: Msg) -> None:
+            try:
+                status = PingResult.model_validate(unpack(msg.data))
+            except (StrataError, pydantic.ValidationError):
+                return
+            if msg.subject == subjects.status_subject(status.service):
+                self.announced[status.service] = (status, time.monotonic())
+
+        await bus.nc.subscribe(subjects.all_status(), cb=heard)
+        self.listening_since = time.monotonic()
 
 
 _BEARER = HTTPBearer(auto_error=False, description=f"The token in ${API_TOKEN_ENV}")
@@ -278,12 +299,27 @@ def create_app(
 
     @api.get("/services", tags=["status"])
     async def services() -> dict[str, Any]:
-        """Which services answer a ping right now."""
+        """Which services are up: each announces itself every few seconds; one not heard from
+        within three announcements is down. Before the gateway has listened that long, a
+        service not yet heard from is asked with a ping."""
         if state.bus is None:
             return {"services": {name: {"up": False, "error": "no NATS"} for name in SERVICES}}
         connected = state.bus
+        stale_after = 3 * STATUS_INTERVAL_S
+        now = time.monotonic()
 
-        async def ping(name: str) -> dict[str, Any]:
+        async def status(name: str) -> dict[str, Any]:
+            heard = state.announced.get(name)
+            if heard is not None and now - heard[1] <= stale_after:
+                return {
+                    "up": True,
+                    **heard[0].model_dump(),
+                    "heard_s_ago": round(now - heard[1], 2),
+                }
+            listening = state.listening_since
+            if listening is not None and now - listening > stale_after:
+                silent = f"no announcement for {stale_after:g}s" if heard else "never announced"
+                return {"up": False, "error": silent, "code": "unavailable"}
             try:
                 result = await connected.rpc.call(name, "ping", result=PingResult, timeout=1.0)
             except StrataError as exc:
@@ -291,7 +327,7 @@ def create_app(
             return {"up": True, **result.model_dump()}
 
         names = [name for name in SERVICES if name != "gateway"]
-        answers = await asyncio.gather(*(ping(name) for name in names))
+        answers = await asyncio.gather(*(status(name) for name in names))
         return {"services": dict(zip(names, answers, strict=True))}
 
     @api.get("/subjects", tags=["status"])

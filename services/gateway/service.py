@@ -42,6 +42,7 @@ class Gateway:
     async def start(self, bus: Bus, settings: Settings) -> None:
         self.state.bus = bus
         self.state.streams_ready = True  # the runtime provisions the streams before start()
+        await self.state.listen_for_status(bus)
         self.live = await LiveModel().start(bus)
         self.state.live = self.live
         token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)

@@ -78,7 +78,8 @@ def _wait_until(condition: object, timeout: float, what: str) -> None:
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
+def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    secure = ["--secure"] if getattr(request, "param", False) else []
     http_port, nats_port = procutil.free_ports(2)
     log = tmp_path / "up.log"
     env = {**os.environ, "STRATA_LOG_FORMAT": "json"}
@@ -95,6 +96,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
                 str(nats_port),
                 "--data-dir",
                 str(tmp_path / "data"),
+                *secure,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -144,6 +146,25 @@ def test_up_serves_probes_and_stops_cleanly_on_sigterm(stack: Stack) -> None:
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(timeout=30) == 0, stack.output()
     _wait_until(lambda: not any(_alive(pid) for pid in children), 10, "children to exit")
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True, ids=["secure"])
+def test_secure_up_reports_every_service_up_though_the_gateway_may_not_send(
+    stack: Stack,
+) -> None:
+    def all_up() -> bool:
+        services = stack.get("/api/services")[1]["services"]
+        assert isinstance(services, dict)
+        return all(answer["up"] for answer in services.values())
+
+    _wait_until(all_up, 30, "every service to be reported up")
+    services = stack.get("/api/services")[1]["services"]
+    assert isinstance(services, dict)
+    assert set(services) == {"registry", "sharding", "barrier", "checkpoint"}
+    for name, answer in services.items():
+        assert answer["service"] == name
+        assert 0 <= answer["heard_s_ago"] <= 6.0  # from its announcement: a ping is not allowed
+    assert (stack.data_dir / "credentials.json").is_file()
 
 
 def test_no_child_outlives_a_sigkilled_up(stack: Stack) -> None:

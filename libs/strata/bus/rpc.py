@@ -38,7 +38,7 @@ from strata.errors import (
 )
 from strata.events import subjects
 from strata.events.codec import pack, unpack, validation_error
-from strata.events.rpc import PingRequest, PingResult
+from strata.events.rpc import STATUS_INTERVAL_S, PingRequest, PingResult
 from strata.metrics import MESSAGES_REJECTED, RPC_LATENCY, RPC_REQUESTS
 
 log = structlog.get_logger("strata.rpc")
@@ -76,6 +76,7 @@ class RpcServer:
         self._started = time.monotonic()
         self._gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._announcer: asyncio.Task[None] | None = None
         self.rejected: Counter[str] = Counter()
         # Metric children looked up once: a labels() call per request costs more than the handler.
         self._latency = RPC_LATENCY.labels(service)
@@ -89,6 +90,10 @@ class RpcServer:
         self._routes[verb] = _Route(request, handler)
 
     async def _ping(self, _: PingRequest) -> PingResult:
+        return self.status()
+
+    def status(self) -> PingResult:
+        """What `ping` answers and what is announced on `strata.status.<service>`."""
         return PingResult(
             service=self.service,
             instance=self.instance,
@@ -109,9 +114,22 @@ class RpcServer:
         # by the second the SUB has been written, and that PONG comes after the server took it.
         await self._nc.flush()
         await self._nc.flush()
+        self._announcer = asyncio.create_task(self._announce(), name=f"{self.service}-status")
         return self
 
+    async def _announce(self) -> None:
+        subject = subjects.status_subject(self.service)
+        while True:
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(subject, pack(self.status().model_dump()))
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
     async def stop(self) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._announcer
+            self._announcer = None
         if self._sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._sub.unsubscribe()

@@ -38,6 +38,10 @@ class PingRequest(StrictModel):
     """Every service answers `ping`; an empty map is a valid request."""
 
 
+STATUS_INTERVAL_S = 2.0
+"""How often each service replica announces its `PingResult` on `strata.status.<service>`."""
+
+
 class PingResult(StrictModel):
     service: Id
     instance: Id

@@ -16,7 +16,14 @@ import strata
 from strata.events import subjects
 from strata.events.models import EVENT_MODELS, TELEMETRY_TYPES, Event
 from strata.events.requests import WorkerNotice
-from strata.events.rpc import RPC_ENDPOINTS, ErrorReply, OkReply, RpcEndpoint
+from strata.events.rpc import (
+    RPC_ENDPOINTS,
+    STATUS_INTERVAL_S,
+    ErrorReply,
+    OkReply,
+    PingResult,
+    RpcEndpoint,
+)
 
 DEFAULT_OUT = Path("schemas")
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -124,6 +131,25 @@ def asyncapi_document() -> dict[str, Any]:
     operations["notify_worker"] = {
         "action": "send",
         "channel": {"$ref": "#/channels/worker_notice"},
+    }
+    channels["service_status"] = {
+        "address": f"{subjects.STATUS}.{{service}}",
+        "title": "service status",
+        "description": (
+            f"Each service replica announces itself every {STATUS_INTERVAL_S:g} s; readers that "
+            "may not send requests (the gateway) learn from it who is up. Core NATS, not stored."
+        ),
+        "parameters": {"service": {}},
+        "messages": {"service_status": {"$ref": "#/components/messages/service_status"}},
+    }
+    messages["service_status"] = {
+        "name": "service status",
+        "contentType": "application/msgpack",
+        "payload": _component(PingResult, schemas),
+    }
+    operations["announce_status"] = {
+        "action": "send",
+        "channel": {"$ref": "#/channels/service_status"},
     }
     error_ref = _component(ErrorReply, schemas)
     _component(OkReply, schemas)

@@ -22,6 +22,7 @@ HEARTBEATS: Final = f"{ROOT}.hb"
 METRICS: Final = f"{ROOT}.metric"
 RPC: Final = f"{ROOT}.rpc"
 CONTROL: Final = f"{ROOT}.ctl"
+STATUS: Final = f"{ROOT}.status"
 
 EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
 _EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
@@ -131,6 +132,16 @@ def rpc_subject(service: str, verb: str) -> str:
 def service_rpcs(service: str) -> str:
     """Every request subject of one service."""
     return f"{RPC}.{_check_name('service', service)}.*"
+
+
+def status_subject(service: str) -> str:
+    """Where each replica of a service announces itself every few seconds (core NATS, not stored):
+    readers that may not send requests (the gateway) learn from it who is up."""
+    return f"{STATUS}.{_check_name('service', service)}"
+
+
+def all_status() -> str:
+    return f"{STATUS}.*"
 
 
 def rpc_queue_group(service: str) -> str:
