@@ -34,6 +34,8 @@ from strata.events.requests import (
 )
 
 SOURCE = "registry"
+MAX_GONE_PER_JOB = 1_000
+"""Failed and departed members a job remembers (`members(include_gone=True)` lists them)."""
 GONE: frozenset[WorkerState] = frozenset({"failed", "left"})
 _IDS = uuid.UUID("6d0e2a4c-29a8-4a43-9a57-5bb4c0f1d3a1")
 
@@ -90,6 +92,9 @@ class Job:
     members: dict[str, Member] = field(default_factory=dict)
     ranks: dict[int, str] = field(default_factory=dict)
     """Live rank -> worker id; changed only through `take_rank` and `free_rank`."""
+    gone: dict[str, None] = field(default_factory=dict)
+    """Failed and departed members, oldest first; past `MAX_GONE_PER_JOB` the oldest is forgotten,
+    so a job with churn (preemptions, autoscaling) does not grow the state without bound."""
     _free_from: int = field(default=0, repr=False, compare=False)
     """Every rank below this one is taken: the search for a free rank starts here, so filling a
     job of N workers costs O(N) in all, not O(N^2)."""
@@ -115,6 +120,14 @@ class Job:
     def live_members(self) -> list[Member]:
         return [self.members[w] for _, w in sorted(self.ranks.items())]
 
+    def mark_gone(self, worker_id: str) -> None:
+        self.gone.pop(worker_id, None)
+        self.gone[worker_id] = None
+        while len(self.gone) > MAX_GONE_PER_JOB:
+            oldest = next(iter(self.gone))
+            del self.gone[oldest]
+            del self.members[oldest]
+
 
 @dataclass
 class RegistryState:
@@ -137,6 +150,7 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
         previous = job.members.get(event.worker_id)
         if previous is not None and previous.live:
             job.free_rank(previous.rank)
+        job.gone.pop(event.worker_id, None)
         job.members[event.worker_id] = Member(
             worker_id=event.worker_id,
             instance=event.instance,
@@ -157,6 +171,7 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
             member.status = "failed" if isinstance(event, WorkerFailed) else "left"
             if job.ranks.get(member.rank) == event.worker_id:
                 job.free_rank(member.rank)
+            job.mark_gone(event.worker_id)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, WorkerStateChanged):
         member = state.job(event.job).members.get(event.worker_id)
@@ -466,6 +481,7 @@ def snapshot(state: RegistryState) -> dict[str, Any]:
                     ]
                     for m in job.members.values()
                 ],
+                "gone": list(job.gone),
             }
             for job in state.jobs.values()
         ],
@@ -496,4 +512,8 @@ def restore(data: dict[str, Any]) -> RegistryState:
             job.members[member.worker_id] = member
             if member.live:
                 job.take_rank(member.rank, member.worker_id)
+        gone = raw.get("gone")
+        if gone is None:  # written before the order was kept: the order of the members
+            gone = [w for w, m in job.members.items() if not m.live]
+        job.gone = dict.fromkeys(gone)
     return state

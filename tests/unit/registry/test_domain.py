@@ -152,6 +152,29 @@ def test_restart_grace_fails_nobody() -> None:
     assert run(restored, DetectFailures(), 106.0).events != []
 
 
+def test_a_job_forgets_its_oldest_gone_members_past_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(domain, "MAX_GONE_PER_JOB", 3)
+    state = RegistryState()
+    for i in range(6):
+        register(state, f"w{i}", float(i))
+    for i in (4, 0, 2, 5):
+        run(state, Leave(LeaveRequest(job=JOB, worker_id=f"w{i}", instance=f"p-w{i}")), 10.0 + i)
+    job = state.jobs[JOB]
+    assert list(job.gone) == ["w0", "w2", "w5"]  # w4 left first: forgotten
+    assert set(job.members) == {"w0", "w1", "w2", "w3", "w5"}
+    register(state, "w2", 20.0)  # back: live again, no longer counted as gone
+    assert list(job.gone) == ["w0", "w5"]
+    listed = domain.members(state, JOB, include_gone=True)
+    listed_ids = [m.worker_id for m in listed.members]
+    assert set(listed_ids[:3]) == {"w1", "w2", "w3"}  # live first, then the remembered gone
+    assert set(listed_ids[3:]) == {"w0", "w5"}
+    restored = domain.restore(domain.snapshot(state))
+    assert list(restored.jobs[JOB].gone) == ["w0", "w5"]
+    assert domain.snapshot(restored) == domain.snapshot(state)
+
+
 def test_jobs_are_isolated() -> None:
     state = RegistryState()
     for job in ("a", "b"):
