@@ -7,13 +7,16 @@ STRATA_TEST_NATS_URL points the shared fixtures at an external server instead.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import strata.aio
 from hypothesis import HealthCheck, settings
+from strata.bus import Bus
 from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
 from strata.config import Env
 from strata.errors import ConfigError
@@ -67,6 +70,25 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
     _require_binary()
     with NatsCluster(tmp_path / "cluster", size=3) as cluster:
         yield cluster
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    """A connection to the shared server, its streams provisioned."""
+    connected = await Bus.connect(nats_url, deadline=10)
+    await connected.ensure_streams()
+    try:
+        yield connected
+    finally:
+        await connected.close()
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
+    """Every async worker a test puts in this list is stopped at its end, pass or fail."""
+    made: list[strata.aio.Worker] = []
+    yield made
+    await asyncio.gather(*(worker.stop() for worker in made), return_exceptions=True)
 
 
 # Shared, noisy machines: a slow example is not a failure. Examples stay bounded per test.

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -94,21 +94,6 @@ def services(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield
     barrier.stop()
     registry.stop()
-
-
-@pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    connected = await Bus.connect(nats_url, name="test-barrier")
-    yield connected
-    await connected.close()
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
-    """Every async worker a test makes is stopped at its end, pass or fail."""
-    made: list[strata.aio.Worker] = []
-    yield made
-    await asyncio.gather(*(worker.stop() for worker in made), return_exceptions=True)
 
 
 async def start_workers(

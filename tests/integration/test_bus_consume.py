@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from uuid import uuid4
 
 import pytest
@@ -47,16 +47,6 @@ async def read_until_caught_up(feed: EventFeed, timeout: float = 10.0) -> list[s
             if feed.caught_up.is_set():
                 break
     return ids
-
-
-@pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    connected = await Bus.connect(nats_url, deadline=10)
-    await connected.ensure_streams()
-    try:
-        yield connected
-    finally:
-        await connected.close()
 
 
 async def test_feed_replays_in_order_then_catches_up_then_follows_live_events(bus: Bus) -> None:

@@ -80,13 +80,6 @@ async def http(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-@pytest.fixture
-async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
-    made: list[strata.aio.Worker] = []
-    yield made
-    await asyncio.gather(*(worker.stop() for worker in made))
-
-
 async def start_workers(
     made: list[strata.aio.Worker], job: str, nats_url: str, count: int
 ) -> list[strata.aio.Worker]:

@@ -13,7 +13,7 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +69,6 @@ def registry(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     process = start_registry(nats_url, tmp_path_factory.mktemp("registry"))
     yield process
     process.stop()
-
-
-@pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    connected = await Bus.connect(nats_url, name="test-registry")
-    yield connected
-    await connected.close()
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
-    """Every async worker a test makes is stopped at its end, pass or fail."""
-    made: list[strata.aio.Worker] = []
-    yield made
-    await asyncio.gather(*(worker.stop() for worker in made), return_exceptions=True)
 
 
 async def start_workers(
