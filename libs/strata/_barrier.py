@@ -26,7 +26,7 @@ from strata.events import (
     BarrierBrokenEvent,
     BarrierReleased,
     BarrierTimedOut,
-    decode_event,
+    decode_shared_event,
     subjects,
 )
 from strata.events.requests import ArriveRequest, BarrierOutcome
@@ -88,7 +88,7 @@ class BarrierClient:
 
     async def _on_event(self, msg: Msg) -> None:
         try:
-            event = decode_event(msg.data)
+            event = decode_shared_event(msg.data)
         except StrataError:
             return
         if not isinstance(event, BarrierReleased | BarrierBrokenEvent | BarrierTimedOut):

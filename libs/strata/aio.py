@@ -37,8 +37,8 @@ from strata.events import (
     WorkerHeartbeat,
     WorkerLeft,
     WorkerRegistered,
-    decode_event,
     decode_model,
+    decode_shared_event,
     subjects,
 )
 from strata.events.codec import validation_error
@@ -733,7 +733,7 @@ class Worker:
 
     async def _on_membership_event(self, msg: Msg) -> None:
         try:
-            event = decode_event(msg.data)
+            event = decode_shared_event(msg.data)
         except StrataError:
             return
         if event.job != self._job:

@@ -14,8 +14,10 @@ from strata.events import (
     EVENT_MODELS,
     EVENT_TYPES,
     DatasetRegistered,
+    WorkerLeft,
     WorkerRegistered,
     decode_event,
+    decode_shared_event,
     encode_event,
     event_from_json,
     event_to_json,
@@ -173,3 +175,14 @@ def test_json_edge_rejects_garbage_with_codec_error() -> None:
         event_from_json("{not json")
     with pytest.raises(CodecError):
         event_from_json(json.dumps([1]))
+
+
+def test_bytes_many_subscribers_receive_are_decoded_once_and_shared() -> None:
+    event = WorkerLeft(job="j", source="registry", worker_id="w2", rank=2, membership_epoch=6)
+    data = encode_event(event)
+    first = decode_shared_event(bytes(data))
+    assert first == event
+    assert decode_shared_event(bytes(data)) is first  # another copy of the same bytes
+    for _ in range(2):  # a failure is raised every time, never remembered
+        with pytest.raises(CodecError):
+            decode_shared_event(b"\xc1")

@@ -8,6 +8,7 @@ from strata.events import requests, subjects
 from strata.events.codec import (
     decode_event,
     decode_model,
+    decode_shared_event,
     encode_event,
     event_from_data,
     event_from_json,
@@ -91,6 +92,7 @@ __all__ = [
     "WorkerStateChanged",
     "decode_event",
     "decode_model",
+    "decode_shared_event",
     "encode_event",
     "event_from_data",
     "event_from_json",

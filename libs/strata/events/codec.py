@@ -7,6 +7,7 @@ message that breaks the contract. Nothing else escapes.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Final, TypeVar
 
@@ -100,6 +101,23 @@ def encode_event(event: Event) -> bytes:
 def decode_event(data: bytes) -> AnyEvent:
     """The event in msgpack bytes. Raises `CodecError` or `ValidationError`."""
     return event_from_data(unpack(data))
+
+
+_SHARED_MAX_BYTES: Final = 64 * 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_once(data: bytes) -> AnyEvent:
+    return decode_event(data)
+
+
+def decode_shared_event(data: bytes) -> AnyEvent:
+    """`decode_event` for bytes that many subscribers in one process receive (membership and
+    barrier events reach every in-process worker): the same bytes are decoded once and the frozen
+    event is shared. Failures are not remembered; large messages are decoded each time."""
+    if len(data) > _SHARED_MAX_BYTES:
+        return decode_event(data)
+    return _decode_once(data)
 
 
 def decode_model(data: bytes, model: type[M], what: str | None = None) -> M:
