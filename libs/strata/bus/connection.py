@@ -65,6 +65,8 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
         log.warning("nats_error", client=opts.name, error=f"{type(exc).__name__}: {exc}")
 
     async def on_disconnect() -> None:
+        if nc.is_closed:  # closed on purpose: nothing to tell
+            return
         log.info("nats_disconnected", client=opts.name)
 
     async def on_reconnect() -> None:
