@@ -128,12 +128,13 @@ class LocalStack:
         env: dict[str, str] | None = None,
     ) -> None:
         self.data_dir = data_dir.resolve()
-        self.http_port = http_port
+        # Port 0 picks a free one here, so the dashboard's address can be told.
+        self.http_port = http_port or procutil.free_port()
         self.host = host
         self.secure = secure
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         _check_port_free(host, nats_port, "NATS", "--nats-port")
-        _check_port_free(host, http_port, "HTTP", "--http-port")
+        _check_port_free(host, self.http_port, "HTTP", "--http-port")
         self.credentials = _credentials(self.data_dir, worker_credentials) if secure else []
         self.nats = NatsServer(
             store_dir=self.data_dir / "nats",
