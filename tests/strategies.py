@@ -1,4 +1,5 @@
-"""Hypothesis strategies for Strata's models, derived from their generated JSON Schemas.
+"""Hypothesis strategies for Strata's models, and their simplest valid instances, derived from their
+generated JSON Schemas.
 
 Driving generation from the schemas keeps one source of truth: a constraint added to a model shows
 up here without touching the tests.
@@ -6,10 +7,13 @@ up here without touching the tests.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
 
 MAX_LIST = 5
 
@@ -87,3 +91,48 @@ def instances(model: type[BaseModel]) -> st.SearchStrategy[Any]:
         .map(build)
         .filter(lambda obj: obj is not None)
     )
+
+
+SIMPLE_STRINGS = ("x0", "0", "a", "sha256:0123456789abcdef")
+"""Candidates for a string with a pattern: the first that matches is taken."""
+
+
+def _simplest(schema: dict[str, Any], defs: dict[str, Any]) -> Any:
+    if "$ref" in schema:
+        return _simplest(defs[schema["$ref"].split("/")[-1]], defs)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    if "anyOf" in schema:
+        return _simplest(schema["anyOf"][0], defs)
+    kind = schema.get("type")
+    if kind == "string":
+        if "pattern" in schema:
+            return next(s for s in SIMPLE_STRINGS if re.search(schema["pattern"], s))
+        return "x" * max(1, schema.get("minLength", 0))
+    if kind == "integer":
+        return schema.get("minimum", schema.get("exclusiveMinimum", -1) + 1)
+    if kind == "number":
+        if "minimum" in schema:
+            return float(schema["minimum"])
+        return min(float(schema.get("exclusiveMinimum", 0.0)) + 1.0, schema.get("maximum", 1e9))
+    if kind == "boolean":
+        return False
+    if kind == "null":
+        return None
+    if kind == "array":
+        return [_simplest(schema["items"], defs) for _ in range(schema.get("minItems", 0))]
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return {name: _simplest(properties[name], defs) for name in schema.get("required", [])}
+    raise NotImplementedError(f"no simplest value for schema {schema}")
+
+
+def simplest(model: type[M]) -> M:
+    """A valid instance of `model` with only its required fields, each at its simplest value.
+
+    Deterministic and cheap (no search), for templates that tests then vary one field at a time.
+    """
+    schema = model.model_json_schema()
+    return model.model_validate(_simplest(schema, schema.get("$defs", {})))

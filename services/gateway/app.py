@@ -29,7 +29,7 @@ from strata.config import Env
 from strata.errors import StrataError
 from strata.events import EVENT_TYPES, ID_PATTERN, WorkerState, subjects
 from strata.events.codec import unpack
-from strata.events.rpc import SERVICES, STATUS_INTERVAL_S, PingResult
+from strata.events.rpc import RPC_SERVICES, STATUS_INTERVAL_S, PingResult
 from strata.replay import (
     JobState,
     LiveRates,
@@ -303,7 +303,7 @@ def create_app(
         within three announcements is down. Before the gateway has listened that long, a
         service not yet heard from is asked with a ping."""
         if state.bus is None:
-            return {"services": {name: {"up": False, "error": "no NATS"} for name in SERVICES}}
+            return {"services": {name: {"up": False, "error": "no NATS"} for name in RPC_SERVICES}}
         connected = state.bus
         stale_after = 3 * STATUS_INTERVAL_S
         now = time.monotonic()
@@ -326,9 +326,8 @@ def create_app(
                 return {"up": False, "error": exc.message, "code": exc.code}
             return {"up": True, **result.model_dump()}
 
-        names = [name for name in SERVICES if name != "gateway"]
-        answers = await asyncio.gather(*(status(name) for name in names))
-        return {"services": dict(zip(names, answers, strict=True))}
+        answers = await asyncio.gather(*(status(name) for name in RPC_SERVICES))
+        return {"services": dict(zip(RPC_SERVICES, answers, strict=True))}
 
     @api.get("/subjects", tags=["status"])
     async def subject_layout() -> dict[str, str]:

@@ -28,7 +28,7 @@ from strata.bus import connect as connect_nats
 from strata.bus.server import NatsServer, nats_server_binary
 from strata.config import load_settings
 from strata.events import EVENT_TYPES, CheckpointShardSaved, subjects
-from strata.events.rpc import SERVICES
+from strata.events.rpc import RPC_SERVICES
 
 from tests.deploy import natsconf
 from tests.deploy.chart import CHART, NAMESPACE, RELEASE, Render, Rendered, helm_template
@@ -511,7 +511,7 @@ def test_workers_may_publish_only_their_telemetry_acks_and_requests(render: Rend
         assert worker.may_publish(subject) == (event_type == "checkpoint.shard_saved"), subject
     assert worker.may_publish(subjects.heartbeat_subject(job, "w-1"))
     assert worker.may_publish(subjects.metric_subject(job, "loss"))
-    for service in SERVICES:
+    for service in RPC_SERVICES:
         assert worker.may_publish(subjects.rpc_subject(service, "ping"))
     forbidden = [
         subjects.event_subject("other-job", "checkpoint.shard_saved"),
@@ -559,7 +559,7 @@ def test_the_gateway_publishes_nothing_on_strata_subjects(render: Render) -> Non
         subjects.heartbeat_subject("j", "w"),
         subjects.metric_subject("j", "loss"),
         subjects.control_subject("j", "w"),
-        *(subjects.rpc_subject(s, "ping") for s in SERVICES),
+        *(subjects.rpc_subject(s, "ping") for s in RPC_SERVICES),
         f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
         f"$JS.API.STREAM.CREATE.{subjects.EVENTS_STREAM}",
         f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, get_origin
 
 import msgpack
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,11 +22,14 @@ from strata.events import (
     encode_event,
     event_from_json,
     event_to_json,
+    models,
     pack,
+    requests,
     subject_for,
     subjects,
 )
-from strata.events.models import MAX_SHARDS, Event
+from strata.events.codec import MAX_ARRAY_ITEMS, MAX_MAP_ENTRIES, unpack
+from strata.events.models import MAX_SHARDS, Event, StrictModel
 
 from tests.strategies import instances
 
@@ -143,6 +147,43 @@ def test_random_bytes_never_escape_the_error_tree(data: bytes) -> None:
     except StrataError as exc:
         outcome = exc.code
     assert outcome in ("malformed", "invalid_field") or outcome in _MODEL_NAMES
+
+
+def _container_fields() -> list[tuple[type[StrictModel], str]]:
+    """Every list or map field of every model that travels on the bus."""
+    found = []
+    for module in (models, requests):
+        for model in vars(module).values():
+            if isinstance(model, type) and issubclass(model, StrictModel):
+                for name, info in model.model_fields.items():
+                    if get_origin(info.annotation) in (list, dict):
+                        found.append((model, name))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("model", "field"), _container_fields(), ids=lambda x: x if isinstance(x, str) else x.__name__
+)
+def test_a_list_or_map_of_bad_items_is_refused_with_one_error(
+    model: type[StrictModel], field: str
+) -> None:
+    # One error, not one per item: a megabyte of bad items would otherwise cost seconds to refuse.
+    annotation = model.model_fields[field].annotation
+    bad = {str(i): None for i in range(1000)} if get_origin(annotation) is dict else [None] * 1000
+    with pytest.raises(pydantic.ValidationError) as refused:
+        model.model_validate({field: bad})
+    assert len([e for e in refused.value.errors() if e["loc"][0] == field]) == 1
+
+
+def test_maps_and_lists_longer_than_any_message_holds_are_refused_from_their_header() -> None:
+    for too_long in ({str(i): 0 for i in range(MAX_MAP_ENTRIES + 1)}, [0] * (MAX_ARRAY_ITEMS + 1)):
+        with pytest.raises(CodecError, match="exceeds"):
+            unpack(pack(too_long))
+    assert len(unpack(pack({str(i): 0 for i in range(MAX_MAP_ENTRIES)}))) == MAX_MAP_ENTRIES
+    assert len(unpack(pack([0] * MAX_ARRAY_ITEMS))) == MAX_ARRAY_ITEMS
+    # A service's own snapshot of a whole job may hold more.
+    snapshot = {"shards": {str(i): [0, 1] for i in range(MAX_MAP_ENTRIES + 1)}}
+    assert len(unpack(pack(snapshot), bounded=False)["shards"]) == MAX_MAP_ENTRIES + 1
 
 
 def test_dataset_shard_count_is_bounded() -> None:

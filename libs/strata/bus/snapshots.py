@@ -55,7 +55,7 @@ async def load_snapshot(kv: KeyValue, key: str) -> dict[str, Any] | None:
     if entry.value is None:
         return None
     try:
-        data = unpack(entry.value)
+        data = unpack(entry.value, bounded=False)
     except StrataError as exc:
         log.warning("snapshot_unreadable", key=key, error=str(exc))
         return None

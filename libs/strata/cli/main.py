@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
 async def _status(nats_url: str | None) -> int:
     from strata.bus import Bus
     from strata.events import subjects
-    from strata.events.rpc import SERVICES, PingResult
+    from strata.events.rpc import RPC_SERVICES, PingResult
 
     settings = load_settings(nats_url=nats_url)
     async with await Bus.connect(settings=settings, name="strata-cli", deadline=5.0) as bus:
@@ -106,7 +106,7 @@ async def _status(nats_url: str | None) -> int:
         for column in ("service", "state", "instance", "uptime"):
             table.add_column(column)
         down = 0
-        for name in (s for s in SERVICES if s != "gateway"):
+        for name in RPC_SERVICES:
             try:
                 ping = await bus.rpc.call(name, "ping", result=PingResult, timeout=1.0)
                 table.add_row(name, "[green]up", ping.instance, f"{ping.uptime_s:.0f}s")

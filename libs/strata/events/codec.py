@@ -16,9 +16,13 @@ import pydantic
 from pydantic import TypeAdapter
 
 from strata.errors import CodecError, ValidationError
-from strata.events.models import EVENT_TYPES, AnyEvent, Event
+from strata.events.models import EVENT_TYPES, MAX_SHARDS, MAX_WORKERS, AnyEvent, Event
 
 MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+MAX_MAP_ENTRIES: Final = MAX_WORKERS
+"""The largest map any message holds (a plan's loads, one per worker)."""
+MAX_ARRAY_ITEMS: Final = MAX_SHARDS
+"""The largest list any message holds (an epoch's completed shards)."""
 
 _EVENT_ADAPTER: Final[TypeAdapter[AnyEvent]] = TypeAdapter(AnyEvent)
 
@@ -37,15 +41,26 @@ def pack(obj: Any) -> bytes:
         raise CodecError(f"cannot encode message: {exc}") from None
 
 
-def unpack(data: bytes) -> Any:
-    """Plain data from msgpack bytes; `CodecError` for anything that is not exactly one message."""
+def unpack(data: bytes, *, bounded: bool = True) -> Any:
+    """Plain data from msgpack bytes; `CodecError` for anything that is not exactly one message.
+
+    A map or list longer than any message holds is refused from its header, before it is built:
+    eight megabytes of tiny entries would otherwise cost a second to unpack. `bounded=False` lifts
+    those two limits for what only the services write (their snapshots of a whole job's state).
+    """
     if len(data) > MAX_MESSAGE_BYTES:
         raise CodecError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
     if not data:
         raise CodecError("empty message")
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            use_list=True,
+            max_map_len=MAX_MAP_ENTRIES if bounded else -1,
+            max_array_len=MAX_ARRAY_ITEMS if bounded else -1,
         )
     except CodecError:
         raise

@@ -3,6 +3,8 @@
 Every event carries the envelope (`type`, `v`, `id`, `job`, `ts`, `source`); `id` doubles as the
 `Nats-Msg-Id`, so JetStream drops a re-sent copy. Validation is strict (no coercion, no unknown
 fields) and every string, number and list is bounded, so a malformed message is refused at the edge.
+Lists and maps stop at their first bad item (`fail_fast`): a message packed with bad items costs one
+error to refuse, not one per item.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class WorkerRegistered(Event):
     membership_epoch: MembershipEpoch
     hostname: Annotated[str, StringConstraints(max_length=253)] = ""
     gpus: Annotated[int, Field(ge=0, le=1024)] = 0
-    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)] = Field(
-        default_factory=dict
+    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS, fail_fast=True)] = (
+        Field(default_factory=dict)
     )
     heartbeat_interval: Seconds
     heartbeat_timeout: Seconds
@@ -194,7 +196,7 @@ class ShardPlanChanged(Event):
     dataset_id: Id
     epoch: Epoch
     plan_version: Count
-    members: Annotated[list[Id], Field(min_length=1, max_length=MAX_WORKERS)]
+    members: Annotated[list[Id], Field(min_length=1, max_length=MAX_WORKERS, fail_fast=True)]
     membership_epoch: MembershipEpoch
     reason: Text
     moved_shards: Annotated[int, Field(ge=0, le=MAX_SHARDS)] = 0
@@ -213,11 +215,11 @@ class ShardProgress(Event):
     dataset_id: Id
     epoch: Epoch
     worker_id: Id
-    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
-        default_factory=list
+    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
-    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
-        default_factory=list
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
 
 
@@ -229,9 +231,11 @@ class ShardProgressRestored(Event):
     dataset_id: Id
     epoch: Epoch
     checkpoint_step: Step
-    completed: Annotated[list[ShardId], Field(max_length=MAX_SHARDS)] = Field(default_factory=list)
-    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+    completed: Annotated[list[ShardId], Field(max_length=MAX_SHARDS, fail_fast=True)] = Field(
         default_factory=list
+    )
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
 
 
@@ -245,7 +249,7 @@ class BarrierOpened(Event):
     v: Literal[1] = 1
     name: Id
     generation: Count
-    expected: Annotated[list[Id], Field(max_length=MAX_WORKERS)] = Field(
+    expected: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
         description="Worker ids expected (the live membership), empty with an explicit count.",
         default_factory=list,
     )
@@ -284,8 +288,8 @@ class BarrierBrokenEvent(Event):
     name: Id
     generation: Count
     reason: Text
-    culprits: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
-    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+    culprits: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)]
+    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)]
 
 
 class BarrierTimedOut(Event):
@@ -294,7 +298,7 @@ class BarrierTimedOut(Event):
     name: Id
     generation: Count
     timeout_s: Seconds
-    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS)]
+    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)]
     arrived: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
 
 
@@ -312,7 +316,9 @@ class CheckpointStarted(Event):
     step: Step
     epoch: Epoch
     root_uri: Uri
-    participants: Annotated[list[Participant], Field(min_length=1, max_length=MAX_WORKERS)]
+    participants: Annotated[
+        list[Participant], Field(min_length=1, max_length=MAX_WORKERS, fail_fast=True)
+    ]
     keep_count: Annotated[int, Field(ge=1, le=10_000)]
     timeout_s: Seconds
 
@@ -322,11 +328,11 @@ class DataCursor(StrictModel):
 
     dataset_id: Id
     epoch: Epoch
-    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
-        default_factory=list
+    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
-    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
-        default_factory=list
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
 
 
@@ -343,7 +349,9 @@ class CheckpointShardSaved(Event):
     key: Uri
     bytes: ByteCount
     checksum: Checksum
-    cursors: Annotated[list[DataCursor], Field(max_length=16)] = Field(default_factory=list)
+    cursors: Annotated[list[DataCursor], Field(max_length=16, fail_fast=True)] = Field(
+        default_factory=list
+    )
 
 
 class CheckpointCommitted(Event):
@@ -365,7 +373,7 @@ class CheckpointAborted(Event):
     step: Step
     epoch: Epoch
     reason: Text
-    missing_ranks: Annotated[list[Rank], Field(max_length=MAX_WORKERS)] = Field(
+    missing_ranks: Annotated[list[Rank], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
         default_factory=list
     )
 
@@ -402,8 +410,8 @@ class MetricSampled(Event):
     name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
     value: Annotated[float, Field(allow_inf_nan=False)]
     worker_id: Id | None = None
-    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)] = Field(
-        default_factory=dict
+    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS, fail_fast=True)] = (
+        Field(default_factory=dict)
     )
 
 

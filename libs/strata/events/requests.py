@@ -38,7 +38,7 @@ from strata.events.models import (
 from strata.events.rpc import endpoint
 
 Hostname = Annotated[str, StringConstraints(max_length=253)]
-Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS, fail_fast=True)]
 
 # -- registry -------------------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ class MembersResult(StrictModel):
     job: Id
     membership_epoch: MembershipEpoch
     world_size: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
-    members: Annotated[list[MemberInfo], Field(max_length=MAX_WORKERS)]
+    members: Annotated[list[MemberInfo], Field(max_length=MAX_WORKERS, fail_fast=True)]
 
 
 REGISTER = endpoint(
@@ -168,7 +168,7 @@ class ShardAssignment(StrictModel):
     worker_id: Id
     plan_version: Annotated[int, Field(ge=0)]
     world_size: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
-    shards: Annotated[list[ShardSpan], Field(max_length=MAX_SHARDS)]
+    shards: Annotated[list[ShardSpan], Field(max_length=MAX_SHARDS, fail_fast=True)]
 
 
 class ReportProgressRequest(StrictModel):
@@ -176,11 +176,11 @@ class ReportProgressRequest(StrictModel):
     dataset_id: Id
     epoch: Epoch
     worker_id: Id
-    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
-        default_factory=list
+    completed: Annotated[list[ShardId], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
-    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
-        default_factory=list
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
 
 
@@ -195,7 +195,8 @@ class ProgressResult(StrictModel):
 class RestoreProgressRequest(StrictModel):
     """Reset an epoch's progress to a checkpoint's cursors; later epochs start afresh.
 
-    Idempotent per `checkpoint_step`: every worker of a restarting job may send the same one.
+    Idempotent: every worker of a restarting job may send the same one. Sent again after progress
+    was made since (the job failed again before its next checkpoint), it resets again.
     """
 
     job: Id
@@ -203,9 +204,11 @@ class RestoreProgressRequest(StrictModel):
     epoch: Epoch
     worker_id: Id
     checkpoint_step: Step
-    completed: Annotated[list[ShardId], Field(max_length=MAX_SHARDS)] = Field(default_factory=list)
-    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS)] = Field(
+    completed: Annotated[list[ShardId], Field(max_length=MAX_SHARDS, fail_fast=True)] = Field(
         default_factory=list
+    )
+    partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
+        Field(default_factory=list)
     )
 
 
@@ -220,7 +223,7 @@ class PlanSummary(StrictModel):
     dataset_id: Id
     epoch: Epoch
     plan_version: Annotated[int, Field(ge=0)]
-    loads: Annotated[dict[Id, ShardCount], Field(max_length=MAX_WORKERS)]
+    loads: Annotated[dict[Id, ShardCount], Field(max_length=MAX_WORKERS, fail_fast=True)]
     done_shards: ShardCount
     total_shards: ShardCount
 
@@ -248,7 +251,7 @@ RESTORE_PROGRESS = endpoint(
     "restore_progress",
     RestoreProgressRequest,
     ProgressResult,
-    "Reset an epoch's progress to a committed checkpoint's cursors (idempotent per step).",
+    "Reset an epoch's progress to a committed checkpoint's cursors (idempotent).",
 )
 
 
@@ -279,7 +282,9 @@ class BarrierOutcome(StrictModel):
     status: BarrierStatus
     arrived: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
     expected: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
-    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS)] = Field(default_factory=list)
+    missing: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
+        default_factory=list
+    )
     reason: Text = ""
 
 
@@ -304,7 +309,9 @@ class ManifestShard(StrictModel):
     uri: Uri
     bytes: ByteCount
     checksum: Checksum
-    cursors: Annotated[list[DataCursor], Field(max_length=16)] = Field(default_factory=list)
+    cursors: Annotated[list[DataCursor], Field(max_length=16, fail_fast=True)] = Field(
+        default_factory=list
+    )
 
 
 class Manifest(StrictModel):
@@ -316,8 +323,8 @@ class Manifest(StrictModel):
     epoch: Epoch
     root_uri: Uri
     committed_ts: Annotated[int, Field(ge=0)]
-    participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS)]
-    shards: Annotated[list[ManifestShard], Field(max_length=MAX_WORKERS)]
+    participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS, fail_fast=True)]
+    shards: Annotated[list[ManifestShard], Field(max_length=MAX_WORKERS, fail_fast=True)]
     total_bytes: ByteCount
 
 
@@ -339,8 +346,10 @@ class CheckpointInfo(StrictModel):
     epoch: Epoch
     status: CheckpointStatus
     root_uri: Uri
-    participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS)]
-    acked_ranks: Annotated[list[Rank], Field(max_length=MAX_WORKERS)] = Field(default_factory=list)
+    participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS, fail_fast=True)]
+    acked_ranks: Annotated[list[Rank], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
+        default_factory=list
+    )
     manifest_uri: Uri | None = None
     total_bytes: ByteCount = 0
     reason: Text = ""

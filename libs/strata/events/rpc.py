@@ -15,6 +15,8 @@ from pydantic import Field, StringConstraints
 from strata.events.models import Id, StrictModel
 
 SERVICES: Final = ("registry", "sharding", "barrier", "checkpoint", "gateway")
+RPC_SERVICES: Final = ("registry", "sharding", "barrier", "checkpoint")
+"""The services that answer requests (and announce their status); the gateway only reads."""
 
 ErrorCode = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z_]{0,63}$")]
 
@@ -60,7 +62,7 @@ class RpcEndpoint:
 
 RPC_ENDPOINTS: list[RpcEndpoint] = [
     RpcEndpoint(service, "ping", PingRequest, PingResult, f"Liveness of the {service} service.")
-    for service in SERVICES
+    for service in RPC_SERVICES
 ]
 
 
