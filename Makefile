@@ -33,7 +33,7 @@ dashboard: $(STAMP) $(DASHBOARD_MODULES)
 	cd dashboard && npm run build
 
 test: install dashboard lint typecheck schemas-check
-	$(BIN)/python -m pytest -m "not chaos" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 chaos: install
 	$(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)

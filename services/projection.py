@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -18,7 +19,7 @@ import nats.errors
 import structlog
 from nats.js.kv import KeyValue
 from strata.bus import Bus, EventFeed
-from strata.bus.connection import backoff_delays
+from strata.bus.connection import backoff_delays, retry_transient
 from strata.bus.snapshots import load_snapshot, save_snapshot, snapshot_bucket
 from strata.config import Settings
 from strata.errors import BusError, ServiceUnavailable, StrataError
@@ -90,8 +91,15 @@ class Projection(Generic[S]):
     async def start(self, bus: Bus, settings: Settings) -> None:
         self.bus_ = bus
         started = time.monotonic()
-        self._kv = await snapshot_bucket(bus.js, settings.stream_replicas)
-        data = await load_snapshot(self._kv, self.name)
+        # Start-up reads ride through a JetStream that has no leader for a moment (a node
+        # restarting, buckets and streams that other services are creating right now).
+        kv = self._kv = await retry_transient(
+            functools.partial(snapshot_bucket, bus.js, settings.stream_replicas),
+            "opening the snapshot bucket",
+        )
+        data = await retry_transient(
+            functools.partial(load_snapshot, kv, self.name), f"loading the {self.name} snapshot"
+        )
         if data is not None:
             try:
                 self.state = self.restore(data)
@@ -101,7 +109,10 @@ class Projection(Generic[S]):
                 self.state, self.last_seq = self.initial_state(), 0
         restored_at = self.last_seq
         # Everything stored before the feed starts is folded in before going live.
-        target = (await bus.js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+        info = await retry_transient(
+            functools.partial(bus.js.stream_info, subjects.EVENTS_STREAM), "reading the stream"
+        )
+        target = info.state.last_seq
         self._feed = EventFeed(
             bus.js,
             subjects.EVENTS_STREAM,
@@ -110,7 +121,7 @@ class Projection(Generic[S]):
             name=self.name,
             on_reject=self._on_reject,
         )
-        await self._feed.start()
+        await retry_transient(self._feed.start, "starting the event feed")
         self.spawn(self._follow(self._feed), "feed")
         await self.wait_applied(target, timeout=None)
         log.info(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 from typing import Protocol
 
 import nats.js.errors
 import structlog
 from strata.bus import Bus, strata_streams
+from strata.bus.connection import retry_transient
 from strata.config import Settings
 from strata.logs import bind, configure_logging
 from strata.services.health import HealthServer
@@ -40,7 +42,9 @@ async def wait_for_streams(bus: Bus, poll_s: float = 0.5) -> None:
     while True:
         try:
             for name in names:
-                await bus.js.stream_info(name)
+                await retry_transient(
+                    functools.partial(bus.js.stream_info, name), f"reading stream {name}"
+                )
             return
         except nats.js.errors.NotFoundError:
             if waited == 0.0:
@@ -64,7 +68,12 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
     try:
         bus = await Bus.connect(settings=settings, name=f"strata-{service.name}")
         if service.provisions_streams:
-            await bus.ensure_streams(settings.stream_replicas)
+            # Every service provisions at start: several at once, or during an election, may
+            # see a JetStream request go unanswered.
+            await retry_transient(
+                functools.partial(bus.ensure_streams, settings.stream_replicas),
+                "provisioning the streams",
+            )
         else:
             await wait_for_streams(bus)
         await service.start(bus, settings)

@@ -86,6 +86,10 @@ class ServiceProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def start(self, timeout: float = 30.0) -> ServiceProcess:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> ServiceProcess:
+        """Start the process without waiting for it (children die with the launching thread)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as log:
             self.proc = subprocess.Popen(
@@ -96,6 +100,10 @@ class ServiceProcess:
                 stderr=subprocess.STDOUT,
                 preexec_fn=procutil.child_preexec,
             )
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> ServiceProcess:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while not self._ready():
             if self.proc.poll() is not None:

@@ -67,7 +67,8 @@ RPC_TIMEOUT_S: Final = 5.0
 REGISTER_RETRY_S: Final = 60.0
 """How long start() and a re-registration keep trying: long enough for a registry restart."""
 LEAVE_RETRY_S: Final = 5.0
-MEMBERS_RETRY_S: Final = 5.0
+MEMBERS_RETRY_S: Final = 30.0
+"""How long members() keeps asking while no registry answers: long enough for a restart."""
 CLOSE_TIMEOUT_S: Final = 5.0
 _MAX_CPU_PERCENT: Final = 100_000.0
 MEMBERSHIP_EVENTS: Final = ("worker.registered", "worker.failed", "worker.left")

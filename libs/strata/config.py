@@ -36,6 +36,7 @@ class Env:
     S3_ENDPOINT_URL: Final = "STRATA_S3_ENDPOINT_URL"
     TEST_NATS_URL: Final = "STRATA_TEST_NATS_URL"
     API_TOKEN: Final = "STRATA_API_TOKEN"
+    ACK_JOURNAL: Final = "STRATA_ACK_JOURNAL"
 
 
 LogFormat = Literal["auto", "json", "console"]
@@ -69,6 +70,8 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices(Env.AWS_REGION, "aws_region")
     )
     s3_endpoint_url: str | None = None
+    ack_journal: Path | None = None
+    """A file to append the id of every event JetStream acknowledged to (tests check it)."""
 
     @field_validator("nats_url")
     @classmethod

@@ -277,8 +277,9 @@ class AsyncDatasetRegistry:
         """Reset an epoch's progress to the cursors of the committed checkpoint a job restarts
         from (the union of every rank's cursor); later epochs start afresh.
 
-        Idempotent per `checkpoint_step`, so every worker of the restarting job may call it; call
-        it before any worker reads again, e.g. before a barrier they all pass afterwards.
+        Idempotent, so every worker of the restarting job may call it; call it before any worker
+        reads again, e.g. before a barrier they all pass afterwards. A restart from the same
+        checkpoint as the last one (a failure before the next commit) resets again.
         """
         _check_id("dataset_id", dataset_id)
         epoch = _check_epoch(epoch)

@@ -53,7 +53,15 @@ class JobSharding:
     datasets: dict[str, DatasetSpec] = field(default_factory=dict)
     plans: dict[tuple[str, int], EpochPlan] = field(default_factory=dict)
     restored: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Dataset id -> (epoch, checkpoint step) of the last restore, so a repeat is a no-op."""
+    """Dataset id -> (epoch, checkpoint step) of the last restore."""
+    retired: dict[tuple[str, int], int] = field(default_factory=dict)
+    """(dataset id, epoch) -> the version of its plan that a restore dropped. The epoch's next plan
+    goes on from there: versions only grow, so a worker that saw the dropped plan takes the new
+    one for what it is, a newer plan (and its id is new to the stream)."""
+    restores: dict[str, int] = field(default_factory=dict)
+    """Dataset id -> how many restores it has had: part of a restore's event id, so a second
+    restore to the same checkpoint (a failure before the next one committed) is not dropped as
+    a duplicate of the first."""
 
     def latest_epoch(self, dataset_id: str) -> int | None:
         epochs = [epoch for (ds, epoch) in self.plans if ds == dataset_id]
@@ -109,8 +117,9 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
     elif isinstance(event, ShardProgressRestored):
         job = state.job(event.job)
         job.restored[event.dataset_id] = (event.epoch, event.checkpoint_step)
+        job.restores[event.dataset_id] = job.restores.get(event.dataset_id, 0) + 1
         for key in [k for k in job.plans if k[0] == event.dataset_id and k[1] > event.epoch]:
-            del job.plans[key]
+            job.retired[key] = job.plans.pop(key).plan.version
         epoch_plan = job.plans.get((event.dataset_id, event.epoch))
         if epoch_plan is not None:
             size = epoch_plan.plan.owner.size
@@ -206,13 +215,11 @@ def _plan_event(
     if not members:
         return None
     if current is None:
-        version, moved = 0, 0
+        version, moved = job.retired.get((dataset_id, epoch), -1) + 1, 0
     else:
         version = current.plan.version + 1
         _, moved = replan(current.plan, members)
     return ShardPlanChanged(
-        # A restore drops later epochs' plans: their next plan restarts at version 0 and must not
-        # reuse the dropped plan's id, or the stream would drop it as a duplicate.
         id=event_id("plan", job.job, dataset_id, epoch, version, job.restored.get(dataset_id)),
         job=job.job,
         source=SOURCE,
@@ -355,13 +362,28 @@ def report_progress(state: ShardingState, request: ReportProgressRequest, now: f
     )
 
 
+def _already_restored(job: JobSharding, request: RestoreProgressRequest) -> bool:
+    """The epoch's progress is exactly the checkpoint's and nothing was planned past it: a retry,
+    or the same restore from another rank. Progress reported since the last restore to this
+    checkpoint (the job failed again before the next one committed) calls for a new reset."""
+    if job.restored.get(request.dataset_id) != (request.epoch, request.checkpoint_step):
+        return False
+    if any(d == request.dataset_id and e > request.epoch for d, e in job.plans):
+        return False
+    epoch_plan = job.plans.get((request.dataset_id, request.epoch))
+    if epoch_plan is None:
+        return False
+    completed = set(request.completed)
+    partial = {p.shard_id: p.offset for p in request.partial if p.shard_id not in completed}
+    done = {int(s) for s in epoch_plan.plan.done.nonzero()[0]}
+    return done == completed and epoch_plan.offsets == partial
+
+
 def restore_progress(state: ShardingState, request: RestoreProgressRequest, now: float) -> Decision:
-    """Plan the epoch if needed, then reset its progress, once per checkpoint step."""
+    """Plan the epoch if needed, then reset its progress to the checkpoint's cursors."""
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
         return Decision(error=job)
-    if job.restored.get(request.dataset_id) == (request.epoch, request.checkpoint_step):
-        return Decision()
     spec = job.datasets[request.dataset_id]
     named = [*request.completed, *(p.shard_id for p in request.partial)]
     outside = sorted({s for s in named if s >= spec.num_shards})
@@ -373,6 +395,8 @@ def restore_progress(state: ShardingState, request: RestoreProgressRequest, now:
                 field="completed",
             )
         )
+    if _already_restored(job, request):
+        return Decision()
     events: list[Event] = []
     if (request.dataset_id, request.epoch) not in job.plans:
         if request.worker_id not in job.live:
@@ -386,7 +410,12 @@ def restore_progress(state: ShardingState, request: RestoreProgressRequest, now:
     events.append(
         ShardProgressRestored(
             id=event_id(
-                "restored", request.job, request.dataset_id, request.epoch, request.checkpoint_step
+                "restored",
+                request.job,
+                request.dataset_id,
+                request.epoch,
+                request.checkpoint_step,
+                job.restores.get(request.dataset_id, 0),
             ),
             job=request.job,
             source=SOURCE,

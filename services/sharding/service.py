@@ -33,6 +33,10 @@ from strata.sharding import DatasetSpec, Plan, shard_order
 
 log = structlog.get_logger("strata.sharding")
 
+SNAPSHOT_VERSION = 2
+"""2: restore counts and retired plan versions (a version 1 snapshot is ignored: the stream is
+replayed instead)."""
+
 
 class Sharding(Projection[ShardingState]):
     name = "sharding"
@@ -139,6 +143,8 @@ def snapshot(state: ShardingState) -> dict[str, Any]:
                 "membership_epoch": job.membership_epoch,
                 "live": sorted(job.live),
                 "restored": [[ds, e, step] for ds, (e, step) in job.restored.items()],
+                "restores": [[ds, count] for ds, count in job.restores.items()],
+                "retired": [[ds, e, version] for (ds, e), version in job.retired.items()],
                 "datasets": [
                     [s.dataset_id, s.total_samples, s.shard_size, s.shuffle, s.seed]
                     for s in job.datasets.values()
@@ -157,11 +163,11 @@ def snapshot(state: ShardingState) -> dict[str, Any]:
                 ],
             }
         )
-    return {"v": 1, "jobs": jobs}
+    return {"v": SNAPSHOT_VERSION, "jobs": jobs}
 
 
 def restore(data: dict[str, Any]) -> ShardingState:
-    if data.get("v") != 1:
+    if data.get("v") != SNAPSHOT_VERSION:
         raise ValueError(f"unknown sharding snapshot version {data.get('v')!r}")
     state = ShardingState()
     for raw in data["jobs"]:
@@ -169,6 +175,8 @@ def restore(data: dict[str, Any]) -> ShardingState:
         job.membership_epoch = raw["membership_epoch"]
         job.live = set(raw["live"])
         job.restored = {ds: (e, step) for ds, e, step in raw.get("restored", [])}
+        job.restores = {ds: int(count) for ds, count in raw.get("restores", [])}
+        job.retired = {(ds, e): int(version) for ds, e, version in raw.get("retired", [])}
         for ds, total, size, shuffle, seed in raw["datasets"]:
             job.datasets[ds] = DatasetSpec(ds, total, size, shuffle, seed)
         for p in raw["plans"]:

@@ -4,14 +4,16 @@ While the demo job runs (3 workers, 2 epochs, 3-replica streams), a seeded sched
 of the four services once (restarted at once), the leader node of the event stream once (started
 again a few seconds later) and two workers (each replaced once the registry has failed it, as
 `strata demo` does). Then: the job completed; every committed checkpoint loads with valid
-checksums; every checkpoint event a worker recorded as acknowledged is in the stream; the last
-committed cursors of each epoch cover every shard exactly once; no barrier waited past its timeout.
+checksums; every event a publisher (service or worker) journaled as acknowledged is in the stream;
+the last committed cursors of each epoch cover every shard exactly once; no barrier waited past its
+timeout.
 Recovery times are printed and written to test-artifacts/chaos/recovery.json.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import io
@@ -35,7 +37,7 @@ from strata import procutil
 from strata.bus import Bus, EventFeed
 from strata.bus.server import NatsCluster
 from strata.config import Env
-from strata.demo.driver import _ask
+from strata.errors import StrataError
 from strata.events import subjects
 from strata.events.requests import Manifest, MembersRequest, MembersResult
 from strata.storage import open_storage
@@ -156,14 +158,22 @@ def _new_leader(cluster: NatsCluster, old: str) -> bool:
     return cluster.stream_leader(STREAM) not in (None, old)
 
 
-def _member_gone(nats_url: str, job: str, worker_id: str | None) -> bool:
-    try:
-        members: MembersResult = asyncio.run(
-            _ask(nats_url, "registry", "members", MembersRequest(job=job), MembersResult)
-        )
-    except Exception:  # the registry itself may be down in the schedule: ask again
-        return False
-    return all(m.worker_id != worker_id for m in members.members)
+async def _wait_member_gone(
+    nats_url: str, job: str, worker_id: str | None, timeout: float, stop: threading.Event
+) -> bool:
+    """Until the registry no longer lists `worker_id` as a live member of `job`."""
+    deadline = time.monotonic() + timeout
+    async with await Bus.connect(nats_url, name="chaos-replacer", deadline=timeout) as bus:
+        while time.monotonic() < deadline and not stop.is_set():
+            # The registry, or the NATS node of this connection, may be down in the schedule.
+            with contextlib.suppress(StrataError, nats.errors.Error, TimeoutError):
+                members = await bus.rpc.call(
+                    "registry", "members", MembersRequest(job=job), result=MembersResult
+                )
+                if all(m.worker_id != worker_id for m in members.members):
+                    return True
+            await asyncio.sleep(0.1)
+    return False
 
 
 class Stack:
@@ -173,33 +183,54 @@ class Stack:
         self.cluster, self.logs, self.env = cluster, logs, env
         self.services: dict[str, ServiceProcess] = {}
 
-    def start(self, name: str) -> None:
-        self.services[name] = ServiceProcess(
+    def _process(self, name: str) -> ServiceProcess:
+        return ServiceProcess(
             name,
             self.cluster.url,
             self.logs,
             heartbeat_interval=HEARTBEAT_INTERVAL,
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             env=self.env,
-        ).start(timeout=60.0)
+        )
+
+    def start(self, name: str) -> None:
+        self.services[name] = self._process(name).start(timeout=60.0)
+
+    def start_all(self, names: tuple[str, ...]) -> None:
+        """Launch every service, then wait for each: they start side by side."""
+        for name in names:
+            self.services[name] = self._process(name).launch()
+        for name in names:
+            self.services[name].wait_ready(timeout=60.0)
 
     def stop(self) -> None:
         for service in self.services.values():
             service.stop()
 
 
-def _chaos_thread(
-    schedule: list[tuple[int, float, str, str]],
-    stack: Stack,
-    chaos: Chaos,
-    rng: random.Random,
-    stop: threading.Event,
-) -> None:
+@dataclass(frozen=True)
+class Action:
+    """One background kill: after `rounds` `round` lines and `delay` seconds more."""
+
+    rounds: int
+    delay: float
+    kind: str
+    target: str
+    down_s: float = 0.0
+    """How long a killed NATS node stays down."""
+
+
+def _act(action: Action, stack: Stack, chaos: Chaos, stop: threading.Event) -> None:
+    """Wait for the action's moment, then kill and recover its target.
+
+    Each action has a thread of its own, so a slow recovery (a NATS node catching up) never
+    holds back the next moment of the schedule.
+    """
     cluster = stack.cluster
-    for rounds, delay, kind, target in schedule:
-        if not chaos.wait_rounds(rounds, stop) or stop.wait(delay):
-            chaos.error(f"{kind} {target} after {rounds} rounds never happened: the job ended")
-            continue
+    kind, target = action.kind, action.target
+    if not chaos.wait_rounds(action.rounds, stop) or stop.wait(action.delay):
+        chaos.error(f"{kind} {target} after {action.rounds} rounds never happened: the job ended")
+    else:
         try:
             if kind == "service":
                 stack.services[target].kill()
@@ -216,7 +247,7 @@ def _chaos_thread(
                 )
                 if _poll(functools.partial(_new_leader, cluster, leader), 60, stop):
                     rec.recovered_at = time.monotonic()
-                stop.wait(rng.uniform(*NATS_DOWN_S))
+                stop.wait(action.down_s)
                 cluster.restart(index, timeout=60.0)
         except BaseException as exc:  # pytest.fail() raises a BaseException
             chaos.error(f"{kind} {target}: {type(exc).__name__}: {exc}")
@@ -231,14 +262,14 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
     job = new_job("chaos")
     logs, checkpoints, records = tmp_path / "logs", tmp_path / "checkpoints", tmp_path / "records"
     logs.mkdir()
+    journals = {role: tmp_path / f"acked-by-{role}.journal" for role in ("services", "workers")}
     env = {
         Env.STREAM_REPLICAS: "3",
         Env.DATA_DIR: str(tmp_path / "data"),
         Env.LOG_LEVEL: "info",
     }
-    stack = Stack(cluster, logs, env)
-    for name in SERVICES:
-        stack.start(name)
+    stack = Stack(cluster, logs, {**env, Env.ACK_JOURNAL: str(journals["services"])})
+    stack.start_all(SERVICES)
 
     events: queue.Queue[tuple[Slot, dict[str, Any]]] = queue.Queue()
     slots: list[Slot] = []
@@ -272,6 +303,7 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
                         Env.HEARTBEAT_INTERVAL: str(HEARTBEAT_INTERVAL),
                         Env.HEARTBEAT_TIMEOUT: str(HEARTBEAT_TIMEOUT),
                         Env.LOG_FORMAT: "json",
+                        Env.ACK_JOURNAL: str(journals["workers"]),
                     },
                     stdout=subprocess.PIPE,
                     stderr=log,
@@ -287,7 +319,7 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
     def replace_when_failed(victim: Slot) -> None:
         # The replacement must take the victim's rank, so it starts only once the registry
         # has failed the victim.
-        if not _poll(lambda: _member_gone(cluster.url, job, victim.worker_id), 90, stop):
+        if not asyncio.run(_wait_member_gone(cluster.url, job, victim.worker_id, 90, stop)):
             chaos.error(f"the registry never failed worker {victim.index} ({victim.worker_id})")
         # The main thread starts it: children die with the thread that started them
         # (PR_SET_PDEATHSIG), and this one is about to end.
@@ -296,29 +328,35 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
     # The schedule: seeded moments in the first part of the run, each a number of `round`
     # lines and, for the background kills, a delay after it to land anywhere within a round.
     low, high = (int(ROUND_EVENTS * f) for f in CHAOS_WINDOW)
-    plan: list[tuple[int, float, str, str]] = [
-        (rng.randint(low, high), rng.uniform(0, 1), "service", s) for s in SERVICES
-    ]
-    plan.append((rng.randint(low, high), rng.uniform(0, 1), "nats", "stream leader"))
-    background = sorted(plan)
+    background = [Action(rng.randint(low, high), rng.uniform(0, 1), "service", s) for s in SERVICES]
+    background.append(
+        Action(
+            rng.randint(low, high),
+            rng.uniform(0, 1),
+            "nats",
+            "stream leader",
+            down_s=rng.uniform(*NATS_DOWN_S),
+        )
+    )
     worker_kills = sorted(rng.randint(low, high) for _ in range(2))
     print(f"\nchaos schedule (seed {SEED}), after so many `round` lines of {ROUND_EVENTS}:")
     for rounds, delay, kind, target in sorted(
-        background + [(m, 0.0, "worker", "a live worker") for m in worker_kills]
+        [(a.rounds, a.delay, a.kind, a.target) for a in background]
+        + [(m, 0.0, "worker", "a live worker") for m in worker_kills]
     ):
         print(f"  {rounds:3d} +{delay:.2f}s  SIGKILL {kind} {target}")
 
-    chaos_thread: threading.Thread | None = None
+    actors: list[threading.Thread] = []
     job_seconds = 0.0
     replacers: list[threading.Thread] = []
     started = time.monotonic()
     try:
         for _ in range(WORLD):
             spawn()
-        chaos_thread = threading.Thread(
-            target=_chaos_thread, args=(background, stack, chaos, rng, stop), daemon=True
-        )
-        chaos_thread.start()
+        for action in background:
+            actor = threading.Thread(target=_act, args=(action, stack, chaos, stop), daemon=True)
+            actor.start()
+            actors.append(actor)
         pending_kills = list(worker_kills)
         open_worker_recoveries: list[tuple[Recovery, int]] = []
         while True:
@@ -382,8 +420,8 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
         for s in live:
             assert s.proc.wait(timeout=60) == 0, _tail(s.log_file)
         stop.set()
-        if chaos_thread is not None:
-            chaos_thread.join(timeout=90)
+        for actor in actors:
+            actor.join(timeout=90)
         for replacer in replacers:
             replacer.join(timeout=10)
     finally:
@@ -403,7 +441,7 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
 
     manifests = _check_checkpoints(checkpoints, job)
     recorded = [json.loads(line) for f in records.glob("*.jsonl") for line in f.open()]
-    _check_acked_events(cluster, job, recorded)
+    _check_acked_events(cluster, journals, recorded)
     _check_exactly_once(checkpoints, manifests)
     _check_barriers(recorded)
 
@@ -440,7 +478,12 @@ def _report(chaos: Chaos, job_seconds: float) -> None:
 
 
 def _check_checkpoints(checkpoints: Path, job: str) -> list[tuple[Manifest, dict[int, Any]]]:
-    """Every committed checkpoint: its manifest and each rank's state, read checksum-checked."""
+    """Every committed checkpoint: its manifest and each rank's state, read checksum-checked.
+
+    A step's participants are the live members when the service opens it, so a step opened
+    after a failure (its opening delayed by a checkpoint service restart) commits without the
+    failed rank; the job never resumes from one of those, but it must load all the same.
+    """
     paths = sorted((checkpoints / job).glob("step-*/MANIFEST.json"))
     assert paths, f"no committed checkpoint under {checkpoints / job}"
     storage = open_storage(str(checkpoints))
@@ -449,7 +492,8 @@ def _check_checkpoints(checkpoints: Path, job: str) -> list[tuple[Manifest, dict
         loaded = []
         for path in paths:
             manifest = Manifest.model_validate_json(path.read_text())
-            assert len(manifest.shards) == WORLD, f"{path}: {len(manifest.shards)} shards"
+            ranks = sorted(shard.rank for shard in manifest.shards)
+            assert ranks == sorted(p.rank for p in manifest.participants), f"{path}: {ranks}"
             states = {}
             for shard in manifest.shards:
                 data = await storage.read(shard.key, shard.checksum)
@@ -457,19 +501,39 @@ def _check_checkpoints(checkpoints: Path, job: str) -> list[tuple[Manifest, dict
             loaded.append((manifest, states))
         return loaded
 
-    return asyncio.run(load())
+    loaded = asyncio.run(load())
+    short = [m.step for m, _ in loaded if len(m.shards) < WORLD]
+    print(
+        f"committed checkpoints: {len(loaded)}, every shard checksum-checked and loaded"
+        + (f" ({len(short)} committed by a short world: steps {short})" if short else "")
+    )
+    return loaded
 
 
-def _check_acked_events(cluster: NatsCluster, job: str, recorded: list[dict[str, Any]]) -> None:
-    acked = {r["id"] for r in recorded if r["kind"] == "acked"}
-    assert acked, "the workers recorded no acknowledged checkpoint event"
+def _read_journal(path: Path) -> set[str]:
+    """The ids in an `AckJournal` file (`<msg id> <stream> <seq>` lines)."""
+    if not path.exists():
+        return set()
+    return {line.split()[0] for line in path.read_text().splitlines() if line.strip()}
 
-    async def stored_ids() -> set[str]:
-        found: set[str] = set()
+
+def _check_acked_events(
+    cluster: NatsCluster, journals: dict[str, Path], recorded: list[dict[str, Any]]
+) -> None:
+    acked = {role: _read_journal(path) for role, path in journals.items()}
+    everything = set().union(*acked.values())
+    # The workers' own record of their checkpoint acks is a cross-check of the journal.
+    by_worker = {r["id"] for r in recorded if r["kind"] == "acked"}
+    assert by_worker, "the workers recorded no acknowledged checkpoint event"
+    unjournaled = by_worker - acked["workers"]
+    assert not unjournaled, f"{len(unjournaled)} acked checkpoint events not in the journal"
+
+    async def stored_types() -> dict[str, str]:
+        found: dict[str, str] = {}
         bus = await Bus.connect(cluster.url, name="chaos-check", deadline=30.0)
-        async with bus, EventFeed(bus.js, STREAM, subjects.job_events(job)) as feed:
+        async with bus, EventFeed(bus.js, STREAM, subjects.all_events()) as feed:
             async for delivered in feed:
-                found.add(delivered.event.id)
+                found[delivered.event.id] = delivered.event.type
                 if feed.caught_up.is_set():
                     break
         return found
@@ -478,14 +542,26 @@ def _check_acked_events(cluster: NatsCluster, job: str, recorded: list[dict[str,
     deadline = time.monotonic() + 90
     while True:
         try:
-            stored = asyncio.run(asyncio.wait_for(stored_ids(), timeout=60))
+            stored = asyncio.run(asyncio.wait_for(stored_types(), timeout=60))
             break
         except (TimeoutError, nats.errors.TimeoutError):
             if time.monotonic() >= deadline:
                 raise
-    lost = acked - stored
-    assert not lost, f"{len(lost)} of {len(acked)} acknowledged events missing from the stream"
-    print(f"acknowledged checkpoint events recorded: {len(acked)}, all in the stream")
+    lost = sorted(everything - stored.keys())
+    assert not lost, f"{len(lost)} of {len(everything)} acknowledged events missing: {lost[:10]}"
+    types = collections.Counter(stored[i] for i in acked["services"])
+    for wanted in (
+        "worker.failed",
+        "shard.plan_changed",
+        "barrier.released",
+        "checkpoint.committed",
+    ):
+        assert types[wanted], f"no acknowledged {wanted} in the services' journal: {types}"
+    print(
+        f"acknowledged events journaled: {len(acked['services'])} by the services, "
+        f"{len(acked['workers'])} by the workers; all in the stream "
+        f"({', '.join(f'{t} {n}' for t, n in sorted(types.items()))})"
+    )
 
 
 def _check_exactly_once(checkpoints: Path, loaded: list[tuple[Manifest, dict[int, Any]]]) -> None:
@@ -493,7 +569,9 @@ def _check_exactly_once(checkpoints: Path, loaded: list[tuple[Manifest, dict[int
         finished = [
             (manifest, states)
             for manifest, states in loaded
-            if manifest.epoch == epoch and all(state["epoch_done"] for state in states.values())
+            if manifest.epoch == epoch
+            and len(manifest.shards) == WORLD
+            and all(state["epoch_done"] for state in states.values())
         ]
         assert finished, f"no committed checkpoint ends epoch {epoch}"
         manifest, _ = max(finished, key=lambda item: item[0].committed_ts)
@@ -518,7 +596,9 @@ def _check_exactly_once(checkpoints: Path, loaded: list[tuple[Manifest, dict[int
 def _check_barriers(recorded: list[dict[str, Any]]) -> None:
     waits = [r for r in recorded if r["kind"] == "barrier"]
     assert waits, "the workers recorded no barrier wait"
-    late = [w for w in waits if w["outcome"] == "timeout" or w["seconds"] > w["timeout"] + 5.0]
+    late = [
+        w for w in waits if w["outcome"] == "timeout" or w["seconds"] > w["timeout"] + BARRIER_GRACE
+    ]
     assert not late, f"barriers waited past their timeout: {late}"
     slowest = max(waits, key=lambda w: w["seconds"])
     broken = sum(w["outcome"] == "broken" for w in waits)

@@ -9,6 +9,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from uuid import uuid4
 
 import pytest
@@ -16,6 +17,7 @@ import strata
 from nats.js.api import StorageType
 from strata.bus import Bus, ConnectOptions, EventFeed, PublishOptions, connect
 from strata.bus.server import NatsServer
+from strata.config import Env, load_settings
 from strata.events import WorkerStateChanged, subject_for, subjects
 from strata.procutil import free_port
 from structlog.testing import capture_logs
@@ -178,6 +180,30 @@ async def test_expected_last_subject_sequence_detects_a_concurrent_writer(bus: B
     assert list((await read_job(bus, job)).keys()) == [first.seq, winner.seq]
     after_reload = await bus.publish(state_changed(job, 5), expected_last_subject_seq=winner.seq)
     assert after_reload.seq > winner.seq
+
+
+async def test_the_ack_journal_lists_every_acknowledged_event_and_nothing_else(
+    nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = tmp_path / "acked.journal"
+    monkeypatch.setenv(Env.ACK_JOURNAL, str(journal))
+    job = new_job()
+    single, *many = [state_changed(job, step) for step in range(5)]
+    async with await Bus.connect(nats_url, settings=load_settings(), deadline=10) as bus:
+        await bus.ensure_streams()
+        first = await bus.publish(single, expected_last_subject_seq=0)
+        acks = await bus.publish_many([single, *many], window=2)
+        with pytest.raises(strata.ConflictError):
+            await bus.publish(state_changed(job, 9), expected_last_subject_seq=0)
+        stored = await read_job(bus, job)
+
+    lines = [line.split() for line in journal.read_text().splitlines()]
+    assert [(msg_id, int(seq)) for msg_id, _, seq in lines] == [
+        (single.id, first.seq),
+        *((event.id, ack.seq) for event, ack in zip([single, *many], acks, strict=True)),
+    ]
+    assert {stream for _, stream, _ in lines} == {EVENTS}
+    assert {msg_id for msg_id, _, _ in lines} == set(stored.values())
 
 
 async def test_publish_without_a_stream_times_out_with_an_actionable_message(

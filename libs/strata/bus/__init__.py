@@ -17,6 +17,7 @@ from strata.bus.connection import ConnectOptions, connect
 from strata.bus.consume import Delivered, DurableConsumer, EventFeed
 from strata.bus.publish import (
     DEFAULT_PUBLISH,
+    AckJournal,
     PublishOptions,
     publish_event,
     publish_events,
@@ -28,6 +29,7 @@ from strata.config import Settings
 from strata.events.models import Event
 
 __all__ = [
+    "AckJournal",
     "Bus",
     "ConnectOptions",
     "Delivered",
@@ -62,7 +64,10 @@ class Bus:
         name: str = "strata",
         deadline: float = 30.0,
     ) -> Bus:
-        """Connect to `servers` (or the settings' `STRATA_NATS_URL`), retrying until `deadline`."""
+        """Connect to `servers` (or the settings' `STRATA_NATS_URL`), retrying until `deadline`.
+
+        With the settings' `STRATA_ACK_JOURNAL`, acknowledged event ids go to that file.
+        """
         options = ConnectOptions(
             name=name,
             deadline=deadline,
@@ -71,11 +76,18 @@ class Bus:
         )
         if servers is None:
             servers = settings.nats_servers if settings else "nats://127.0.0.1:4222"
-        return cls(await connect(servers, options))
+        nc = await connect(servers, options)
+        if settings is None or settings.ack_journal is None:
+            return cls(nc)
+        return cls(nc, publish_options=PublishOptions(journal=AckJournal(settings.ack_journal)))
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        try:
+            if not self.nc.is_closed:
+                await self.nc.drain()
+        finally:
+            if self.publish_options.journal is not None:
+                self.publish_options.journal.close()
 
     async def __aenter__(self) -> Bus:
         return self

@@ -2,6 +2,7 @@
 
 A worker or service that starts before NATS is reachable keeps trying until its deadline rather than
 failing at once; once connected, nats-py reconnects on its own and buffers while it does.
+`retry_transient` does the same for one JetStream call: no leader yet, a timeout, a reconnect.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats
+import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 
@@ -37,12 +41,69 @@ class ConnectOptions:
     max_outstanding_pings: int = 3
 
 
+T = TypeVar("T")
+
+TRANSIENT_DEADLINE_S = 60.0
+"""How long `retry_transient` keeps trying: several leader elections' worth."""
+_TRANSIENT_STATUS = {408, 503}
+
+
 def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
     """Exponential backoff with jitter: each delay in [ceiling/2, ceiling], the ceiling doubling."""
     ceiling = initial
     while True:
         yield random.uniform(ceiling / 2, ceiling)
         ceiling = min(maximum, ceiling * 2)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure that the same call may not meet again: a stream or cluster without a leader for
+    the moment, a timeout, a connection that is reconnecting."""
+    if isinstance(exc, nats.js.errors.APIError) and not isinstance(
+        exc, nats.js.errors.NoStreamResponseError
+    ):
+        return (exc.code or 0) in _TRANSIENT_STATUS
+    return isinstance(
+        exc,
+        (
+            nats.errors.TimeoutError,
+            asyncio.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.OutboundBufferLimitError,
+            nats.errors.StaleConnectionError,
+        ),
+    )
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]], what: str, deadline: float = TRANSIENT_DEADLINE_S
+) -> T:
+    """`call()`, made again with backoff while it fails transiently, for up to `deadline` seconds.
+
+    Any other failure is raised at once; past the deadline, `BusError` names `what` was tried.
+    """
+    give_up = time.monotonic() + deadline
+    delays = backoff_delays(0.05, 1.0)
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            return await call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                raise BusError(
+                    f"{what} failed {attempts} times over {deadline:.0f}s, last with "
+                    f"{type(exc).__name__}: {exc}; is the NATS cluster up and has JetStream "
+                    "a leader?"
+                ) from None
+            if attempts == 1:
+                log.warning("jetstream_retrying", what=what, error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(min(next(delays), remaining))
 
 
 async def connect(servers: str | Sequence[str], options: ConnectOptions | None = None) -> NATS:

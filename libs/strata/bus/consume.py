@@ -102,8 +102,14 @@ class EventFeed:
             pending_msgs_limit=65_536,
             pending_bytes_limit=256 * 1024 * 1024,
         )
+        try:
+            info = await sub.consumer_info()
+        except BaseException:
+            # Left subscribed, a retried start would leave a second consumer behind.
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+            raise
         self._sub = sub
-        info = await sub.consumer_info()
         if (info.num_pending or 0) == 0:
             delivered = info.delivered
             if delivered is None or delivered.consumer_seq == 0:

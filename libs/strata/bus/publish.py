@@ -3,7 +3,9 @@
 Each event's id is its `Nats-Msg-Id`, so a publish can be retried through the transient failures of
 a cluster (no responders while a stream elects a leader, timeouts, a reconnect) until a deadline
 without ever storing a second copy. Optimistic concurrency goes through
-`Nats-Expected-Last-Subject-Sequence`; a lost race is a `ConflictError`, never retried.
+`Nats-Expected-Last-Subject-Sequence`; a lost race is a `ConflictError`, never retried. With an
+`AckJournal` (`STRATA_ACK_JOURNAL`), every acknowledged id is also appended to a file, so a test can
+check from the outside that nothing acknowledged went missing from the stream.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
@@ -20,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from strata.bus.connection import backoff_delays
+from strata.bus.connection import backoff_delays, is_transient
 from strata.errors import BusError, ConflictError, PublishTimeout
 from strata.events import encode_event, subject_for
 from strata.events.models import Event
@@ -28,7 +31,25 @@ from strata.events.models import Event
 MSG_ID = "Nats-Msg-Id"
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-sequence check
-_TRANSIENT_STATUS = {408, 503}
+
+
+class AckJournal:
+    """Appends `<msg id> <stream> <seq>` for every acknowledged publish to a file.
+
+    Each line is one write to a file opened for appending, so several processes can share the
+    file and a process killed mid-run leaves whole lines behind.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("ab", buffering=0)
+
+    def record(self, msg_id: str, ack: PubAck) -> None:
+        if not self._file.closed:
+            self._file.write(f"{msg_id} {ack.stream} {ack.seq}\n".encode())
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @dataclass(frozen=True)
@@ -37,28 +58,11 @@ class PublishOptions:
     deadline: float = 30.0
     initial_backoff: float = 0.02
     max_backoff: float = 1.0
+    journal: AckJournal | None = None
+    """Where acknowledged ids are recorded, if anywhere."""
 
 
 DEFAULT_PUBLISH = PublishOptions()
-
-
-def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, nats.js.errors.APIError) and not isinstance(
-        exc, nats.js.errors.NoStreamResponseError
-    ):
-        return (exc.code or 0) in _TRANSIENT_STATUS
-    return isinstance(
-        exc,
-        (
-            nats.errors.TimeoutError,
-            asyncio.TimeoutError,
-            nats.errors.NoRespondersError,
-            nats.js.errors.NoStreamResponseError,
-            nats.errors.ConnectionReconnectingError,
-            nats.errors.OutboundBufferLimitError,
-            nats.errors.StaleConnectionError,
-        ),
-    )
 
 
 def _refusal(
@@ -72,7 +76,7 @@ def _refusal(
         )
     if isinstance(exc, nats.errors.ConnectionClosedError):
         return BusError(f"cannot publish to {subject}: the NATS connection is closed")
-    if _is_transient(exc):
+    if is_transient(exc):
         return None
     if isinstance(exc, nats.js.errors.APIError):
         return BusError(f"JetStream refused the publish to {subject}: {exc}")
@@ -89,6 +93,22 @@ async def publish_bytes(
     options: PublishOptions = DEFAULT_PUBLISH,
 ) -> PubAck:
     """Publish with dedup id and retries; returns the ack (`duplicate` set if already stored)."""
+    ack = await _publish_with_retries(
+        js, subject, payload, msg_id, expected_last_subject_seq, options
+    )
+    if options.journal is not None:
+        options.journal.record(msg_id, ack)
+    return ack
+
+
+async def _publish_with_retries(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    msg_id: str,
+    expected_last_subject_seq: int | None,
+    options: PublishOptions,
+) -> PubAck:
     headers = {MSG_ID: msg_id}
     if expected_last_subject_seq is not None:
         headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_last_subject_seq)
@@ -100,6 +120,8 @@ async def publish_bytes(
         if refusal is not None:
             raise refusal from None
         last_error: BaseException = exc
+    # Remembered across attempts: a last attempt cut short by the deadline ends in a timeout.
+    no_stream = isinstance(last_error, nats.js.errors.NoStreamResponseError)
     deadline = time.monotonic() + options.deadline
     delays = backoff_delays(options.initial_backoff, options.max_backoff)
     attempts = 1
@@ -107,7 +129,7 @@ async def publish_bytes(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             hint = "Is the stream's cluster up and does it have a leader?"
-            if isinstance(last_error, nats.js.errors.NoStreamResponseError):
+            if no_stream:
                 hint = (
                     "No stream answered for this subject: are the streams provisioned "
                     "(Bus.ensure_streams, or strata up) and does the stream have a leader?"
@@ -132,6 +154,7 @@ async def publish_bytes(
             if refusal is not None:
                 raise refusal from None
             last_error = exc
+            no_stream = no_stream or isinstance(exc, nats.js.errors.NoStreamResponseError)
 
 
 async def publish_event(
@@ -186,7 +209,9 @@ async def publish_events(
         if future.cancelled() or future.exception() is not None:
             failed.append(index)
         else:
-            results[index] = future.result()
+            results[index] = ack = future.result()
+            if options.journal is not None:
+                options.journal.record(encoded[index][2], ack)
 
     for index, (subject, payload, msg_id) in enumerate(encoded):
         while in_flight and (len(in_flight) >= window or in_flight[0][2].done()):

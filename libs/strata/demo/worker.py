@@ -3,8 +3,9 @@
 Training goes in rounds: each worker trains a few batches, reports its progress, meets the others
 at a barrier, then every rank checkpoints its state under the same step (the round number). When a
 worker dies, the survivors' barrier breaks; each of them, and the replacement, reloads the latest
-committed checkpoint, resets the data progress to that checkpoint's cursors, waits until the whole
-world is back, and goes on. Progress lines go to stdout as JSON for the demo driver.
+committed checkpoint, resets the data progress to that checkpoint's cursors (to nothing without
+one), waits until the whole world is back, and goes on. Progress lines go to stdout as JSON for the
+demo driver.
 """
 
 from __future__ import annotations
@@ -190,6 +191,9 @@ class Trainer:
         manifest = self.complete_checkpoint()
         self.carried = frozenset()
         if manifest is None:
+            # The job starts over, and so does its data: what was read before a failure is in
+            # no model state.
+            self.registry.restore_progress(DATASET, 0, 0)
             return 0, 0, False
         state = self.checkpoints.load_state(step=manifest.step, rank=self.worker.rank)
         model.load_state_dict(state["model"])

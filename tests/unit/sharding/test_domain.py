@@ -1,0 +1,154 @@
+"""The sharding service's pure domain: restoring an epoch's progress to a checkpoint's cursors."""
+
+from __future__ import annotations
+
+from strata.events import DatasetRegistered, Event, ShardPlanChanged, WorkerRegistered
+from strata.events.requests import (
+    GetShardsRequest,
+    ReportProgressRequest,
+    RestoreProgressRequest,
+)
+from strata.services.sharding import domain
+from strata.services.sharding.domain import Decision, ShardingState
+from strata.services.sharding.service import restore, snapshot
+
+JOB = "job-a"
+DATASET = "ds"
+WORKERS = ("w0", "w1")
+NOW = 1000.0
+
+
+def apply(state: ShardingState, decision: Decision) -> list[Event]:
+    assert decision.error is None, decision.error
+    for event in decision.events:
+        domain.evolve(state, event)
+    return decision.events
+
+
+def started_job() -> ShardingState:
+    """Two workers, a dataset of 8 shards, epoch 0 planned."""
+    state = ShardingState()
+    for rank, worker in enumerate(WORKERS):
+        domain.evolve(
+            state,
+            WorkerRegistered(
+                job=JOB,
+                source="registry",
+                worker_id=worker,
+                instance=f"p-{worker}",
+                rank=rank,
+                world_size=rank + 1,
+                membership_epoch=rank + 1,
+                heartbeat_interval=1.0,
+                heartbeat_timeout=5.0,
+            ),
+        )
+    domain.evolve(
+        state,
+        DatasetRegistered(
+            job=JOB,
+            source="sharding",
+            dataset_id=DATASET,
+            total_samples=80,
+            shard_size=10,
+            shuffle=True,
+            seed=1,
+        ),
+    )
+    plan(state, epoch=0)
+    return state
+
+
+def plan(state: ShardingState, epoch: int) -> list[Event]:
+    request = GetShardsRequest(job=JOB, dataset_id=DATASET, worker_id="w0", epoch=epoch)
+    return apply(state, domain.get_shards(state, request, NOW))
+
+
+def read_all(state: ShardingState, epoch: int) -> None:
+    """Each worker reports every shard of its own done."""
+    plan_of = state.jobs[JOB].plans[(DATASET, epoch)].plan
+    for worker in WORKERS:
+        request = ReportProgressRequest(
+            job=JOB,
+            dataset_id=DATASET,
+            epoch=epoch,
+            worker_id=worker,
+            completed=plan_of.shards_of(worker),
+        )
+        apply(state, domain.report_progress(state, request, NOW))
+
+
+def restore_to(state: ShardingState, completed: list[int], worker: str = "w0") -> list[Event]:
+    request = RestoreProgressRequest(
+        job=JOB,
+        dataset_id=DATASET,
+        epoch=0,
+        worker_id=worker,
+        checkpoint_step=6,
+        completed=completed,
+    )
+    return apply(state, domain.restore_progress(state, request, NOW))
+
+
+def done(state: ShardingState, epoch: int = 0) -> set[int]:
+    return {int(s) for s in state.jobs[JOB].plans[(DATASET, epoch)].plan.done.nonzero()[0]}
+
+
+def test_every_rank_restoring_the_same_checkpoint_resets_once() -> None:
+    state = started_job()
+    read_all(state, epoch=0)
+
+    first = restore_to(state, [1, 2], worker="w0")
+    again = restore_to(state, [1, 2], worker="w1")
+
+    assert [e.type for e in first] == ["shard.progress_restored"]
+    assert again == []
+    assert done(state) == {1, 2}
+
+
+def test_a_second_restart_from_the_same_checkpoint_undoes_the_progress_made_since() -> None:
+    state = started_job()
+    first = restore_to(state, [1, 2])
+    read_all(state, epoch=0)  # the restarted job reads on, then fails before its next checkpoint
+    assert done(state) == set(range(8))
+
+    second = restore_to(state, [1, 2])
+
+    assert [e.type for e in second] == ["shard.progress_restored"]
+    assert second[0].id != first[0].id, "the stream would drop it as a duplicate"
+    assert done(state) == {1, 2}
+
+
+def test_a_later_epoch_planned_again_after_a_restore_goes_on_with_newer_versions() -> None:
+    state = started_job()
+    restore_to(state, [1, 2])
+    read_all(state, epoch=0)
+    (first_plan,) = plan(state, epoch=1)
+    assert (DATASET, 1) in state.jobs[JOB].plans
+
+    restore_to(state, [1, 2])
+    assert (DATASET, 1) not in state.jobs[JOB].plans
+    (second_plan,) = plan(state, epoch=1)
+
+    assert isinstance(first_plan, ShardPlanChanged)
+    assert isinstance(second_plan, ShardPlanChanged)
+    # A worker that saw the dropped plan must see the new one as newer, never as older.
+    assert second_plan.plan_version > first_plan.plan_version
+    assert second_plan.id != first_plan.id
+    assert state.jobs[JOB].plans[(DATASET, 1)].plan.version == second_plan.plan_version
+
+
+def test_restore_counts_and_retired_versions_survive_a_snapshot() -> None:
+    state = started_job()
+    first = restore_to(state, [1, 2])
+    read_all(state, epoch=0)
+    plan(state, epoch=1)
+    second = restore_to(state, [1, 2])
+
+    rebuilt = restore(snapshot(state))
+    read_all(rebuilt, epoch=0)
+    third = restore_to(rebuilt, [1, 2])
+
+    assert rebuilt.jobs[JOB].restores == {DATASET: 3}
+    assert rebuilt.jobs[JOB].retired == {(DATASET, 1): 0}
+    assert len({first[0].id, second[0].id, third[0].id}) == 3
