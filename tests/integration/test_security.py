@@ -48,9 +48,14 @@ async def _connect(url: str, cred: Credential, errors: list[str]) -> NATS:
 
 
 async def _published(
-    server: NatsServer, publisher: Credential, subjects: list[str], services: Credential
+    server: NatsServer,
+    publisher: Credential,
+    subjects: list[str],
+    services: Credential,
+    refusals: int,
 ) -> tuple[set[str], list[str]]:
-    """Which of `subjects` reached a services-role subscriber, and the publisher's errors."""
+    """Which of `subjects` reached a services-role subscriber, and the publisher's errors (given
+    until `refusals` permission errors have come, or 5 s have passed)."""
     errors: list[str] = []
     seen: set[str] = set()
     marker = asyncio.Event()
@@ -78,6 +83,12 @@ async def _published(
         # The server has handled every publish once the sender's flush returns, and the watcher
         # has received everything routed to it once its own flush returns.
         await watcher.flush()
+    # The server's refusals reach the error callback on tasks of their own: wait for them.
+    deadline = asyncio.get_running_loop().time() + 5
+    while sum("permissions violation" in e.lower() for e in errors) < refusals:
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.01)
     await sender.close()
     await watcher.close()
     return seen, errors
@@ -103,7 +114,7 @@ async def test_worker_cannot_publish_service_events_or_other_workers_heartbeats(
         f"strata.evt.{JOB}.checkpoint.shard_saved",
         "strata.rpc.registry.register",
     ]
-    seen, errors = await _published(secured, worker, forbidden + allowed, services)
+    seen, errors = await _published(secured, worker, forbidden + allowed, services, len(forbidden))
     assert seen == set(allowed)
     assert any("permissions violation" in e.lower() for e in errors), errors
 
@@ -119,7 +130,7 @@ async def test_gateway_cannot_publish_on_strata_subjects(
         "strata.rpc.registry.register",
         f"strata.ctl.{JOB}.worker-0",
     ]
-    seen, errors = await _published(secured, gateway, subjects, services)
+    seen, errors = await _published(secured, gateway, subjects, services, len(subjects))
     assert seen == set()
     assert sum("permissions violation" in e.lower() for e in errors) >= len(subjects)
 
