@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import operator
 import os
-import re
 import socket
 import sys
 import time
@@ -26,11 +24,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from strata._barrier import BarrierClient
+from strata._checks import check_id, check_int, is_id
 from strata.bus import Bus
 from strata.config import Settings, load_settings
 from strata.errors import ConfigError, ConflictError, NotFound, StrataError, ValidationError
 from strata.events import (
-    ID_PATTERN,
     LIVE_STATES,
     LiveState,
     WorkerFailed,
@@ -73,7 +71,6 @@ CLOSE_TIMEOUT_S: Final = 5.0
 _MAX_CPU_PERCENT: Final = 100_000.0
 MEMBERSHIP_EVENTS: Final = ("worker.registered", "worker.failed", "worker.left")
 _NATS_SCHEMES: Final = ("nats://", "tls://", "ws://", "wss://")
-_ID = re.compile(ID_PATTERN)
 
 OnRejoin = Callable[[Registration], Awaitable[None] | None]
 """Called after the worker re-registered on its own, having been marked failed."""
@@ -87,16 +84,6 @@ class WorkerNotStarted(StrataError):
     code = "not_started"
 
 
-def _check_id(what: str, value: object, hint: str) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ValidationError(
-            f"{what} {value!r} is not a valid id: use 1 to 128 letters, digits, '_', '.' or '-', "
-            f"starting with a letter or digit ({hint})",
-            field=what,
-        )
-    return value
-
-
 def _check_state(state: object) -> LiveState:
     for live in LIVE_STATES:
         if state == live:
@@ -106,20 +93,6 @@ def _check_state(state: object) -> LiveState:
         "(failed and left are decided by the registry)",
         field="state",
     )
-
-
-def _check_count(what: str, value: object, maximum: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)  # type: ignore[arg-type]  # TypeError is the check
-    except TypeError:
-        raise ValidationError(
-            f"{what} must be an integer, got {type(value).__name__} {value!r}", field=what
-        ) from None
-    if not 0 <= number <= maximum:
-        raise ValidationError(f"{what} must be between 0 and {maximum}, got {value!r}", field=what)
-    return int(number)
 
 
 def _check_nats_url(url: str) -> str:
@@ -224,17 +197,17 @@ class Worker:
         if not structlog.is_configured():
             # structlog's default prints to stdout, which belongs to the training program.
             configure_logging(self._settings.log_format, self._settings.log_level)
-        self._job = _check_id(
+        self._job = check_id(
             "job",
             job if job is not None else self._settings.job,
             "pass job=... or set STRATA_JOB",
         )
         if worker_id is not None:
-            _check_id("worker_id", worker_id, "pass another worker_id=..., or none to get one")
+            check_id("worker_id", worker_id, "pass another worker_id=..., or none to get one")
         self._nats_url = _check_nats_url(nats_url if nats_url else self._settings.nats_url)
         self._instance = uuid.uuid4().hex
         user = self._settings.nats_user
-        if worker_id is None and user and _ID.match(user) and not user.startswith("strata-"):
+        if worker_id is None and user and is_id(user) and not user.startswith("strata-"):
             # With per-worker NATS credentials (strata up --secure, the Helm chart), the user
             # name is the worker id: it may only publish heartbeats under that id.
             worker_id = user
@@ -571,8 +544,8 @@ class Worker:
         """Validate and keep the new progress; True when the state itself changed."""
         previous_state, previous_step, previous_epoch = self._progress
         new_state = _check_state(state)
-        new_step = previous_step if step is None else _check_count("step", step, MAX_STEP)
-        new_epoch = previous_epoch if epoch is None else _check_count("epoch", epoch, MAX_EPOCH)
+        new_step = previous_step if step is None else check_int("step", step, 0, MAX_STEP)
+        new_epoch = previous_epoch if epoch is None else check_int("epoch", epoch, 0, MAX_EPOCH)
         self._progress = (new_state, new_step, new_epoch)
         return new_state != previous_state
 

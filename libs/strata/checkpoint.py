@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from strata._checks import check_int
 from strata.errors import BusError, ConflictError, NotFound, StrataError, ValidationError
 from strata.events import CheckpointShardSaved, DataCursor
 from strata.events.models import MAX_STEP
@@ -126,10 +127,7 @@ def _serialise(state: Any) -> bytes:
 
 
 def _check_step(step: object, epoch: object) -> tuple[int, int]:
-    for name, value in (("step", step), ("epoch", epoch)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_STEP:
-            raise ValidationError(f"{name} must be an integer >= 0, got {value!r}", field=name)
-    return step, epoch  # type: ignore[return-value]
+    return check_int("step", step, 0, MAX_STEP), check_int("epoch", epoch, 0, MAX_STEP)
 
 
 class AsyncCheckpointManager:

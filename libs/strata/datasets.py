@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import operator
-import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final, TypeVar
 
@@ -21,8 +19,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from strata._checks import check_id, check_int
 from strata.errors import StrataError, ValidationError
-from strata.events import ID_PATTERN, ShardPlanChanged, decode_event, subjects
+from strata.events import ShardPlanChanged, decode_event, subjects
 from strata.events.models import (
     MAX_EPOCH,
     MAX_PROGRESS_ITEMS,
@@ -54,7 +53,6 @@ RPC_TIMEOUT_S: Final = 5.0
 RETRY_FOR_S: Final = 30.0
 """How long a call keeps retrying while no sharding service answers: long enough for a restart."""
 MAX_SEED: Final = 2**63 - 1
-_ID = re.compile(ID_PATTERN)
 _R = TypeVar("_R", bound=pydantic.BaseModel)
 
 log = structlog.get_logger("strata.datasets")
@@ -63,32 +61,8 @@ log = structlog.get_logger("strata.datasets")
 # -- argument checks ------------------------------------------------------------------------------
 
 
-def _check_id(what: str, value: object) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ValidationError(
-            f"{what} {value!r} is not a valid id: use 1 to 128 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit",
-            field=what,
-        )
-    return value
-
-
-def _check_int(what: str, value: object, low: int, high: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)  # type: ignore[arg-type]  # TypeError is the check
-    except TypeError:
-        raise ValidationError(
-            f"{what} must be an integer, got {type(value).__name__} {value!r}", field=what
-        ) from None
-    if not low <= number <= high:
-        raise ValidationError(f"{what} must be between {low} and {high}, got {value!r}", field=what)
-    return int(number)
-
-
 def _check_epoch(epoch: object) -> int:
-    return _check_int("epoch", epoch, 0, MAX_EPOCH)
+    return check_int("epoch", epoch, 0, MAX_EPOCH)
 
 
 def _check_progress(
@@ -96,16 +70,16 @@ def _check_progress(
 ) -> tuple[list[int], list[ShardOffset]]:
     if isinstance(completed, str | bytes):
         raise ValidationError("completed must be shard ids, not a string", field="completed")
-    done = list(dict.fromkeys(_check_int("completed", s, 0, MAX_SHARDS - 1) for s in completed))
+    done = list(dict.fromkeys(check_int("completed", s, 0, MAX_SHARDS - 1) for s in completed))
     offsets = []
     for shard, offset in (partial or {}).items():
-        shard_id = _check_int("partial shard id", shard, 0, MAX_SHARDS - 1)
+        shard_id = check_int("partial shard id", shard, 0, MAX_SHARDS - 1)
         if shard_id in done:
             continue  # completed says more than any offset
         offsets.append(
             ShardOffset(
                 shard_id=shard_id,
-                offset=_check_int("partial offset", offset, 0, MAX_TOTAL_SAMPLES),
+                offset=check_int("partial offset", offset, 0, MAX_TOTAL_SAMPLES),
             )
         )
     return done, offsets
@@ -178,14 +152,14 @@ class AsyncDatasetRegistry:
         Shard `s` covers samples `[s * shard_size, min((s + 1) * shard_size, total_samples))`.
         Raises `strata.ConflictError` when the dataset exists with other parameters.
         """
-        _check_id("dataset_id", dataset_id)
-        total = _check_int("total_samples", total_samples, 1, MAX_TOTAL_SAMPLES)
-        size = _check_int("shard_size", shard_size, 1, MAX_TOTAL_SAMPLES)
+        check_id("dataset_id", dataset_id)
+        total = check_int("total_samples", total_samples, 1, MAX_TOTAL_SAMPLES)
+        size = check_int("shard_size", shard_size, 1, MAX_TOTAL_SAMPLES)
         if not isinstance(shuffle, bool):
             raise ValidationError(
                 f"shuffle must be True or False, got {shuffle!r}", field="shuffle"
             )
-        seed = _check_int("seed", seed, 0, MAX_SEED)
+        seed = check_int("seed", seed, 0, MAX_SEED)
         if -(-total // size) > MAX_SHARDS:
             smallest = -(-total // MAX_SHARDS)
             raise ValidationError(
@@ -212,8 +186,8 @@ class AsyncDatasetRegistry:
         The first request of an epoch plans it over the live workers. Raises `strata.NotFound`
         for a dataset never registered, or a worker that is not a live member of the job.
         """
-        _check_id("dataset_id", dataset_id)
-        worker = self._worker.id if worker_id is None else _check_id("worker_id", worker_id)
+        check_id("dataset_id", dataset_id)
+        worker = self._worker.id if worker_id is None else check_id("worker_id", worker_id)
         epoch = _check_epoch(epoch)
         # Watching before asking: no plan change can fall between the answer and the watch.
         await self._ensure_watch()
@@ -248,7 +222,7 @@ class AsyncDatasetRegistry:
         `strata.ConflictError` when a named shard is no longer this worker's (the plan changed:
         fetch the assignment again); nothing of such a report is recorded.
         """
-        _check_id("dataset_id", dataset_id)
+        check_id("dataset_id", dataset_id)
         epoch = _check_epoch(epoch)
         done, offsets = _check_progress(completed, partial)
         result: ProgressResult | None = None
@@ -281,7 +255,7 @@ class AsyncDatasetRegistry:
         reads again, e.g. before a barrier they all pass afterwards. A restart from the same
         checkpoint as the last one (a failure before the next commit) resets again.
         """
-        _check_id("dataset_id", dataset_id)
+        check_id("dataset_id", dataset_id)
         epoch = _check_epoch(epoch)
         done, offsets = _check_progress(completed, partial)
         request = RestoreProgressRequest(
@@ -289,7 +263,7 @@ class AsyncDatasetRegistry:
             dataset_id=dataset_id,
             epoch=epoch,
             worker_id=self._worker.id,
-            checkpoint_step=_check_int("checkpoint_step", checkpoint_step, 0, 2**62),
+            checkpoint_step=check_int("checkpoint_step", checkpoint_step, 0, 2**62),
             completed=done,
             partial=offsets,
         )
@@ -297,7 +271,7 @@ class AsyncDatasetRegistry:
 
     async def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:
         """The epoch's plan as a whole: version, shards per worker, shards done of all."""
-        _check_id("dataset_id", dataset_id)
+        check_id("dataset_id", dataset_id)
         request = PlanRequest(
             job=self._worker.job, dataset_id=dataset_id, epoch=_check_epoch(epoch)
         )

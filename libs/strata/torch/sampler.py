@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 from torch.utils.data import Sampler
 
+from strata._checks import check_int
 from strata.errors import ConflictError, ValidationError
 from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES
 from strata.events.requests import PlanSummary, ProgressResult, ShardAssignment
@@ -225,12 +226,12 @@ class ShardSampler(Sampler[int]):
         super().__init__()
         self._registry = registry
         self._dataset_id = _check_str("dataset_id", dataset_id)
-        self._epoch = _check_int("epoch", epoch, MAX_EPOCH)
+        self._epoch = check_int("epoch", epoch, 0, MAX_EPOCH)
         if not isinstance(shuffle_within_shard, bool) or not isinstance(manual_ack, bool):
             raise ValidationError("shuffle_within_shard and manual_ack must be True or False")
         self._shuffle = shuffle_within_shard
-        self._seed = _check_int("seed", seed, 2**63 - 1)
-        self._report_every = _check_int("report_every", report_every, MAX_SHARDS)
+        self._seed = check_int("seed", seed, 0, 2**63 - 1)
+        self._report_every = check_int("report_every", report_every, 0, MAX_SHARDS)
         self._manual_ack = manual_ack
         self._log = log.bind(dataset=dataset_id)
         self._reset()
@@ -291,7 +292,7 @@ class ShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Start another epoch; done shards of the previous one not yet reported are reported."""
-        epoch = _check_int("epoch", epoch, MAX_EPOCH)
+        epoch = check_int("epoch", epoch, 0, MAX_EPOCH)
         if epoch == self._epoch:
             return
         self._report()
@@ -370,7 +371,7 @@ class ShardSampler(Sampler[int]):
                 "ack() is for samplers made with manual_ack=True; this one counts an index as "
                 "consumed once the iteration moves past it"
             )
-        count = _check_int("num_samples", num_samples, MAX_TOTAL_SAMPLES)
+        count = check_int("num_samples", num_samples, 0, MAX_TOTAL_SAMPLES)
         outstanding = sum(run.count for run in self._in_flight)
         if count > outstanding:
             raise ValidationError(
@@ -523,11 +524,3 @@ def _check_str(what: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ValidationError(f"{what} must be a non-empty string, got {value!r}", field=what)
     return value
-
-
-def _check_int(what: str, value: object, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= high:
-        raise ValidationError(
-            f"{what} must be an integer in [0, {high}], got {value!r}", field=what
-        )
-    return int(value)
