@@ -47,6 +47,10 @@ MAX_PARTS: Final = 10_000
 CHECKSUM_METADATA: Final = "strata-checksum"
 """Metadata name of the checksum; on the wire it is the header `x-amz-meta-strata-checksum`."""
 
+ABORT_ATTEMPTS: Final = 5
+ABORT_RECHECK_S: Final = 0.1
+"""After an abort, how long before checking that the upload is gone (longer on each attempt)."""
+
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _DELETE_BATCH: Final = 1000
 _TRANSIENT_CODES: Final = frozenset(
@@ -312,6 +316,13 @@ class S3Storage(StorageBackend):
                     raise first from exc
             raise
 
+    async def _still_listed(self, s3: Any, object_key: str, upload_id: str) -> bool:
+        listed = await self._retry(
+            f"list uploads of {object_key}",
+            lambda: s3.list_multipart_uploads(Bucket=self.bucket, Prefix=object_key),
+        )
+        return any(u.get("UploadId") == upload_id for u in listed.get("Uploads", []))
+
     async def _has_checksum(self, s3: Any, object_key: str, checksum: str) -> bool:
         try:
             head = await s3.head_object(Bucket=self.bucket, Key=object_key)
@@ -320,13 +331,20 @@ class S3Storage(StorageBackend):
         return bool(head.get("Metadata", {}).get(CHECKSUM_METADATA) == checksum)
 
     async def _abort(self, s3: Any, object_key: str, upload_id: str) -> None:
+        """Abort the upload, again while it is still listed: a part whose request was under way
+        (a cancelled write) may be stored after the first abort and bring the upload back."""
         try:
-            await self._retry(
-                f"abort upload {object_key}",
-                lambda: s3.abort_multipart_upload(
-                    Bucket=self.bucket, Key=object_key, UploadId=upload_id
-                ),
-            )
+            for attempt in range(ABORT_ATTEMPTS):
+                await self._retry(
+                    f"abort upload {object_key}",
+                    lambda: s3.abort_multipart_upload(
+                        Bucket=self.bucket, Key=object_key, UploadId=upload_id
+                    ),
+                )
+                await asyncio.sleep(ABORT_RECHECK_S * (attempt + 1))
+                if not await self._still_listed(s3, object_key, upload_id):
+                    return
+            raise StorageError(f"upload {upload_id} of {object_key} still listed after aborts")
         except Exception as exc:
             # The write's own error is the one to raise; the parts left behind are reported
             # here, for a bucket lifecycle rule (AbortIncompleteMultipartUpload) to collect.
