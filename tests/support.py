@@ -15,8 +15,11 @@ from pathlib import Path
 from uuid import uuid4
 
 import pytest
+import strata.aio
 from strata import procutil
+from strata.bus import Bus, EventFeed
 from strata.config import Env
+from strata.events import AnyEvent, subjects
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0
@@ -125,3 +128,41 @@ class ServiceProcess:
     def stop(self) -> None:
         if self.proc is not None:
             procutil.terminate(self.proc, timeout=10)
+
+
+def numbered(count: int) -> list[str]:
+    """Worker ids w000, w001, ..."""
+    return [f"w{i:03d}" for i in range(count)]
+
+
+async def start_workers(
+    made: list[strata.aio.Worker], job: str, nats_url: str, ids: list[str], group: int = 10
+) -> list[strata.aio.Worker]:
+    """Start a worker per id, `group` at a time, and add them to `made` (stopped by the fixture).
+
+    Every start is a registration plus the membership events it causes at every other worker of
+    the process; all at once, that blocks this process's event loop (and so every worker's
+    heartbeats) for seconds on a loaded 2-core machine. Smaller groups spread the same work out.
+    """
+    new = [strata.aio.Worker(job, nats_url, worker_id=worker_id) for worker_id in ids]
+    made.extend(new)
+    for first in range(0, len(new), group):
+        await asyncio.gather(*(worker.start() for worker in new[first : first + group]))
+    return new
+
+
+async def job_events(bus: Bus, job: str) -> list[AnyEvent]:
+    """Every event of `job` stored so far, in stream order."""
+    events: list[AnyEvent] = []
+    feed = await EventFeed(bus.js, subjects.EVENTS_STREAM, subjects.job_events(job)).start()
+    try:
+        if feed.caught_up.is_set():
+            return events
+        async with asyncio.timeout(20):
+            async for delivered in feed:
+                events.append(delivered.event)
+                if feed.caught_up.is_set():
+                    break
+    finally:
+        await feed.stop()
+    return events

@@ -21,7 +21,7 @@ import pytest
 import strata
 from nats.aio.subscription import Subscription
 from strata import procutil
-from strata.bus import Bus, EventFeed
+from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events import (
@@ -34,7 +34,14 @@ from strata.events import (
     subjects,
 )
 
-from tests.support import ServiceProcess, async_wait_until, new_job
+from tests.support import (
+    ServiceProcess,
+    async_wait_until,
+    job_events,
+    new_job,
+    numbered,
+    start_workers,
+)
 
 pytestmark = pytest.mark.nats
 
@@ -96,35 +103,6 @@ def services(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     registry.stop()
 
 
-async def start_workers(
-    made: list[strata.aio.Worker], job: str, nats_url: str, n: int, group: int = 10
-) -> list[strata.aio.Worker]:
-    """Start workers `group` at a time: each decodes every membership event, so starting all at
-    once would stall this process's event loop, and with it every worker's heartbeats."""
-    new = [strata.aio.Worker(job, nats_url, worker_id=f"w{i:03d}") for i in range(n)]
-    made.extend(new)
-    for first in range(0, n, group):
-        await asyncio.gather(*(worker.start() for worker in new[first : first + group]))
-    return new
-
-
-async def job_events(bus: Bus, job: str) -> list[AnyEvent]:
-    """Every event of `job` stored so far, in stream order."""
-    events: list[AnyEvent] = []
-    feed = await EventFeed(bus.js, subjects.EVENTS_STREAM, subjects.job_events(job)).start()
-    try:
-        if feed.caught_up.is_set():
-            return events
-        async with asyncio.timeout(20):
-            async for delivered in feed:
-                events.append(delivered.event)
-                if feed.caught_up.is_set():
-                    break
-    finally:
-        await feed.stop()
-    return events
-
-
 async def watch_arrivals(bus: Bus, job: str) -> Subscription:
     return await bus.nc.subscribe(subjects.event_subject(job, "barrier.arrived"))
 
@@ -168,7 +146,7 @@ async def test_a_hundred_participants_are_released_together_never_before_the_las
     bus: Bus, workers: list[strata.aio.Worker], nats_url: str
 ) -> None:
     job = new_job("barrier")
-    group = await start_workers(workers, job, nats_url, 100)
+    group = await start_workers(workers, job, nats_url, numbered(100))
     # Met by count first, as at any start-up: then every worker is a member the service knows.
     assert await meet(group, "started", expected=100) == [0] * 100
     watch = await watch_arrivals(bus, job)
@@ -201,7 +179,7 @@ async def test_a_participant_killed_mid_barrier_breaks_it_for_the_other_99_quick
     child = start_child(job, nats_url)
     try:
         killed_id = await asyncio.wait_for(asyncio.to_thread(registered_id, child), 60)
-        group = await start_workers(workers, job, nats_url, 99)
+        group = await start_workers(workers, job, nats_url, numbered(99))
         watch = await watch_arrivals(bus, job)
         waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in group]
         await arrivals(watch, 99)
@@ -232,7 +210,7 @@ async def test_the_barrier_service_killed_mid_barrier_releases_exactly_once_afte
     bus = await Bus.connect(url, name="test-barrier-restart")
     try:
         job = new_job("barrier")
-        group = await start_workers(workers, job, url, 5)
+        group = await start_workers(workers, job, url, numbered(5))
         watch = await watch_arrivals(bus, job)
         waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in group[:4]]
         await arrivals(watch, 4)
@@ -266,7 +244,7 @@ async def test_a_name_reused_for_fifty_generations_never_mixes_them(
     bus: Bus, workers: list[strata.aio.Worker], nats_url: str
 ) -> None:
     job = new_job("barrier")
-    group = await start_workers(workers, job, nats_url, 4)
+    group = await start_workers(workers, job, nats_url, numbered(4))
     for step in range(50):
         assert await meet(group, "step") == [step] * 4
 
@@ -293,7 +271,7 @@ async def test_an_explicit_count_releases_whoever_arrives_that_many(
     workers: list[strata.aio.Worker], nats_url: str
 ) -> None:
     job = new_job("barrier")
-    a, b, c = await start_workers(workers, job, nats_url, 3)
+    a, b, c = await start_workers(workers, job, nats_url, numbered(3))
     for pair, generation in (([a, b], 0), ([c, a], 1)):
         assert await meet(pair, "pair", expected=2) == [generation, generation]
 
@@ -303,7 +281,7 @@ async def test_an_incomplete_barrier_times_out_for_every_waiter_at_its_deadline(
     bus: Bus, workers: list[strata.aio.Worker], nats_url: str
 ) -> None:
     job = new_job("barrier")
-    a, b, absent = await start_workers(workers, job, nats_url, 3)
+    a, b, absent = await start_workers(workers, job, nats_url, numbered(3))
     called = time.monotonic()
     results = await asyncio.gather(timed_barrier(a, "slow", 1.5), timed_barrier(b, "slow", 1.5))
     for outcome, returned in results:
@@ -321,7 +299,7 @@ async def test_a_graceful_leave_breaks_the_barrier_for_sync_and_async_waiters(
     bus: Bus, workers: list[strata.aio.Worker], nats_url: str
 ) -> None:
     job = new_job("barrier")
-    [waiter, leaver] = await start_workers(workers, job, nats_url, 2)
+    [waiter, leaver] = await start_workers(workers, job, nats_url, numbered(2))
     sync_worker = strata.Worker(job=job, nats_url=nats_url, worker_id="sync-waiter")
     await asyncio.to_thread(sync_worker.start)
     try:
@@ -342,7 +320,7 @@ async def test_a_worker_restarted_under_the_same_id_meets_the_others_again(
     workers: list[strata.aio.Worker], nats_url: str
 ) -> None:
     job = new_job("barrier")
-    stays, restarts = await start_workers(workers, job, nats_url, 2)
+    stays, restarts = await start_workers(workers, job, nats_url, numbered(2))
     for step in range(3):
         assert await meet([stays, restarts], "step") == [step, step]
     await restarts.stop()

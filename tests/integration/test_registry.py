@@ -23,7 +23,7 @@ import strata
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
-from strata.bus import Bus, EventFeed
+from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.errors import StrataError
 from strata.events import (
@@ -40,7 +40,13 @@ from strata.events import (
 from strata.events.requests import MembersResult
 from strata.services.registry.service import fast_beat
 
-from tests.support import ServiceProcess, async_wait_until, new_job
+from tests.support import (
+    ServiceProcess,
+    async_wait_until,
+    job_events,
+    new_job,
+    start_workers,
+)
 
 pytestmark = pytest.mark.nats
 
@@ -69,39 +75,6 @@ def registry(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     process = start_registry(nats_url, tmp_path_factory.mktemp("registry"))
     yield process
     process.stop()
-
-
-async def start_workers(
-    made: list[strata.aio.Worker], job: str, nats_url: str, ids: list[str], group: int = 10
-) -> list[strata.aio.Worker]:
-    """Start workers `group` at a time.
-
-    Every worker decodes every membership event, so N workers in one process decode N^2 events;
-    all at once, that blocks this process's event loop (and so every worker's heartbeats) for
-    seconds on a loaded 2-core machine. Smaller groups spread the same work out.
-    """
-    new = [strata.aio.Worker(job, nats_url, worker_id=worker_id) for worker_id in ids]
-    made.extend(new)
-    for first in range(0, len(new), group):
-        await asyncio.gather(*(worker.start() for worker in new[first : first + group]))
-    return new
-
-
-async def job_events(bus: Bus, job: str) -> list[AnyEvent]:
-    """Every event of `job` stored so far, in stream order."""
-    events: list[AnyEvent] = []
-    feed = await EventFeed(bus.js, subjects.EVENTS_STREAM, subjects.job_events(job)).start()
-    try:
-        if feed.caught_up.is_set():
-            return events
-        async with asyncio.timeout(20):
-            async for delivered in feed:
-                events.append(delivered.event)
-                if feed.caught_up.is_set():
-                    break
-    finally:
-        await feed.stop()
-    return events
 
 
 def failed_ids(events: list[AnyEvent]) -> list[str]:
