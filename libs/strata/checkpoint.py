@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
@@ -126,6 +126,15 @@ def _serialise(state: Any) -> bytes:
     return buffer.getvalue()
 
 
+class _Staged(NamedTuple):
+    """A state dict copied off the training state, with the buffers it was copied into."""
+
+    copied: Any
+    buffers: list[Any]
+    step: int
+    epoch: int
+
+
 def _check_step(step: object, epoch: object) -> tuple[int, int]:
     return check_int("step", step, 0, MAX_STEP), check_int("epoch", epoch, 0, MAX_STEP)
 
@@ -222,21 +231,17 @@ class AsyncCheckpointManager:
         cursors: list[DataCursor] | None = None,
     ) -> None:
         """Copy the tensors of `state` off the training state; serialise and persist later."""
-        self._raise_failure()
-        _check_step(step, epoch)
-        copied, buffers = self._staging.copy_off(state)
-        await self._save_copied(copied, buffers, step, epoch, cursors)
+        await self._save_staged(self._stage(state, step, epoch), cursors)
 
-    async def _save_copied(
-        self,
-        copied: Any,
-        buffers: list[Any],
-        step: int,
-        epoch: int,
-        cursors: list[DataCursor] | None,
-    ) -> None:
+    def _stage(self, state: Mapping[str, Any], step: object, epoch: object) -> _Staged:
+        """The blocking part of `save_state`, on the caller's thread: checks, then the copy."""
         self._raise_failure()
         step, epoch = _check_step(step, epoch)
+        copied, buffers = self._staging.copy_off(state)
+        return _Staged(copied, buffers, step, epoch)
+
+    async def _save_staged(self, staged: _Staged, cursors: list[DataCursor] | None) -> None:
+        copied, buffers, step, epoch = staged
         size = _state_bytes(copied)
         await self._reserve(size)
         self._spawn(size, self._serialise_and_persist(copied, buffers, step, epoch, cursors or []))
@@ -477,10 +482,8 @@ class CheckpointManager:
         *,
         cursors: list[DataCursor] | None = None,
     ) -> None:
-        self._aio._raise_failure()
-        _check_step(step, epoch)
-        copied, buffers = self._aio._staging.copy_off(state)  # the blocking part, on this thread
-        self._runner.run(self._aio._save_copied(copied, buffers, step, epoch, cursors))
+        staged = self._aio._stage(state, step, epoch)  # the blocking part, on this thread
+        self._runner.run(self._aio._save_staged(staged, cursors))
 
     def wait(self) -> None:
         self._runner.run(self._aio.wait())
