@@ -7,6 +7,7 @@ and every replay agrees. Membership comes from the registry's worker events. No 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from strata.errors import ConflictError, NotFound, StrataError, ValidationError
@@ -123,8 +124,7 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
         epoch_plan = job.plans.get((event.dataset_id, event.epoch))
         if epoch_plan is not None:
             size = epoch_plan.plan.owner.size
-            epoch_plan.plan.done[:] = False
-            epoch_plan.plan.mark_done([s for s in event.completed if s < size])
+            epoch_plan.plan.reset_progress(s for s in event.completed if s < size)
             epoch_plan.offsets = {
                 p.shard_id: p.offset
                 for p in event.partial
@@ -210,7 +210,7 @@ def _plan_event(
     """The event that brings (dataset, epoch) in line with the live members, if anything must."""
     members = sorted(job.live)
     current = job.plans.get((dataset_id, epoch))
-    if current is not None and current.plan.members == members:
+    if current is not None and current.plan.members == members and not current.plan.unowned():
         return None
     if not members:
         return None
@@ -407,26 +407,34 @@ def restore_progress(state: ShardingState, request: RestoreProgressRequest, now:
             )
         planned = _plan_event(job, request.dataset_id, request.epoch, now, "restored")
         events += [planned] if planned else []
-    events.append(
-        ShardProgressRestored(
-            id=event_id(
-                "restored",
-                request.job,
-                request.dataset_id,
-                request.epoch,
-                request.checkpoint_step,
-                job.restores.get(request.dataset_id, 0),
-            ),
-            job=request.job,
-            source=SOURCE,
-            ts=int(now * 1e9),
-            dataset_id=request.dataset_id,
-            epoch=request.epoch,
-            checkpoint_step=request.checkpoint_step,
-            completed=sorted(set(request.completed)),
-            partial=list(request.partial),
-        )
+    restored = ShardProgressRestored(
+        id=event_id(
+            "restored",
+            request.job,
+            request.dataset_id,
+            request.epoch,
+            request.checkpoint_step,
+            job.restores.get(request.dataset_id, 0),
+        ),
+        job=request.job,
+        source=SOURCE,
+        ts=int(now * 1e9),
+        dataset_id=request.dataset_id,
+        epoch=request.epoch,
+        checkpoint_step=request.checkpoint_step,
+        completed=sorted(set(request.completed)),
+        partial=list(request.partial),
     )
+    events.append(restored)
+    # Shards done after the checkpoint are unfinished again. Those whose reader has gone since
+    # (failed, left, restarted under a new id) have no reader now, and the epoch's members may
+    # be stale if it was not the latest epoch: the plan is brought in line with the live members
+    # as it stands after the restore, so every unfinished shard has a live reader.
+    after = ShardingState({job.job: copy.deepcopy(job)})
+    for event in events:
+        evolve(after, event)
+    replanned = _plan_event(after.job(job.job), request.dataset_id, request.epoch, now, "restored")
+    events += [replanned] if replanned else []
     return Decision(events)
 
 

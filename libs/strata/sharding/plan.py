@@ -118,6 +118,16 @@ class Plan:
     def assignment(self) -> dict[str, list[int]]:
         return {worker: self.shards_of(worker) for worker in self.members}
 
+    def unowned(self) -> int:
+        """Unfinished shards with no reader: done shards of a departed reader that a restore to
+        an earlier checkpoint made unfinished again. `replan` gives them readers."""
+        return int(np.count_nonzero(~self.done & (self.owner < 0)))
+
+    def reset_progress(self, completed: Iterable[int]) -> None:
+        """Make exactly `completed` the done shards (a restore to a checkpoint's cursors)."""
+        self.done[:] = False
+        self.mark_done(completed)
+
 
 def _check_members(members: Sequence[str]) -> list[str]:
     ordered = sorted(set(members))
@@ -139,14 +149,16 @@ def initial_plan(spec: DatasetSpec, epoch: int, members: Sequence[str]) -> Plan:
 def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     """The plan after a membership change, and how many unfinished shards changed reader.
 
-    Done shards never move: their samples were consumed. The unfinished shards of departed members
-    go one by one to the least-loaded members. Joiners first take the last unfinished shards of the
-    most-loaded members (never their first, which may be in progress), up to an even share. Shards
-    of members that stay move only to feed a joiner, so a departure moves exactly the departed
-    member's unfinished shards.
+    Done shards never move: their samples were consumed. The unfinished shards of departed
+    members, and unfinished shards with no reader at all (`Plan.unowned`), go one by one to the
+    least-loaded members; so after any replan every unfinished shard has a reader, even with the
+    members unchanged. Joiners first take the last unfinished shards of the most-loaded members
+    (never their first, which may be in progress), up to an even share. Shards of members that
+    stay move only to feed a joiner, so a departure moves exactly the departed member's
+    unfinished shards.
     """
     new_members = _check_members(members)
-    if new_members == plan.members:
+    if new_members == plan.members and not plan.unowned():
         return plan, 0
     new_index = {w: i for i, w in enumerate(new_members)}
     remap = np.array(

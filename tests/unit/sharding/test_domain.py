@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from strata.events import DatasetRegistered, Event, ShardPlanChanged, WorkerRegistered
+from strata.events import (
+    DatasetRegistered,
+    Event,
+    ShardPlanChanged,
+    WorkerFailed,
+    WorkerRegistered,
+)
 from strata.events.requests import (
     GetShardsRequest,
     ReportProgressRequest,
@@ -152,3 +158,32 @@ def test_restore_counts_and_retired_versions_survive_a_snapshot() -> None:
     assert rebuilt.jobs[JOB].restores == {DATASET: 3}
     assert rebuilt.jobs[JOB].retired == {(DATASET, 1): 0}
     assert len({first[0].id, second[0].id, third[0].id}) == 3
+
+
+def test_shards_done_by_a_worker_gone_since_the_checkpoint_get_a_live_reader_on_restore() -> None:
+    state = started_job()
+    read_all(state, epoch=0)  # w1 finishes its shards after the checkpoint, then fails
+    w1_shards = state.jobs[JOB].plans[(DATASET, 0)].plan.shards_of("w1")
+    domain.evolve(
+        state,
+        WorkerFailed(
+            job=JOB,
+            source="registry",
+            worker_id="w1",
+            rank=1,
+            reason="killed",
+            last_heartbeat_ts=0,
+            membership_epoch=3,
+        ),
+    )
+    for event in domain.replan_after_membership_change(state, JOB, NOW):
+        domain.evolve(state, event)
+
+    events = restore_to(state, [])
+
+    assert [e.type for e in events] == ["shard.progress_restored", "shard.plan_changed"]
+    assert isinstance(events[1], ShardPlanChanged)
+    assert events[1].moved_shards == len(w1_shards)
+    plan_of = state.jobs[JOB].plans[(DATASET, 0)].plan
+    assert sorted(plan_of.shards_of("w0")) == list(range(8))
+    assert plan_of.unowned() == 0
