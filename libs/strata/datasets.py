@@ -27,11 +27,13 @@ from strata.events.models import (
     MAX_PROGRESS_ITEMS,
     MAX_SHARDS,
     MAX_TOTAL_SAMPLES,
+    DataCursor,
     ShardOffset,
 )
 from strata.events.requests import (
     DatasetInfo,
     GetShardsRequest,
+    Manifest,
     PlanRequest,
     PlanSummary,
     ProgressResult,
@@ -46,7 +48,13 @@ if TYPE_CHECKING:
     from strata.sharding.plan import ShardRange
     from strata.worker import Worker
 
-__all__ = ["AsyncDatasetRegistry", "DatasetRegistry", "remaining_ranges"]
+__all__ = [
+    "AsyncDatasetRegistry",
+    "DatasetRegistry",
+    "checkpoint_cursor",
+    "merge_cursors",
+    "remaining_ranges",
+]
 
 SERVICE: Final = "sharding"
 RPC_TIMEOUT_S: Final = 5.0
@@ -83,6 +91,45 @@ def _check_progress(
             )
         )
     return done, offsets
+
+
+def merge_cursors(dataset_id: str, epoch: int, cursors: Iterable[DataCursor]) -> DataCursor:
+    """One cursor for what several say was consumed of `dataset_id` in `epoch` (others ignored).
+
+    A shard any of them completed is completed; otherwise the furthest offset into it counts.
+    Offsets are absolute within a shard, so whichever rank read a shard last knows the most.
+    """
+    completed: set[int] = set()
+    offsets: dict[int, int] = {}
+    for cursor in cursors:
+        if cursor.dataset_id != dataset_id or cursor.epoch != epoch:
+            continue
+        completed.update(cursor.completed)
+        for item in cursor.partial:
+            offsets[item.shard_id] = max(offsets.get(item.shard_id, 0), item.offset)
+    return DataCursor(
+        dataset_id=dataset_id,
+        epoch=epoch,
+        completed=sorted(completed),
+        partial=[
+            ShardOffset(shard_id=s, offset=o)
+            for s, o in sorted(offsets.items())
+            if s not in completed and o > 0
+        ],
+    )
+
+
+def checkpoint_cursor(manifest: Manifest | None, dataset_id: str) -> DataCursor:
+    """What the job had consumed of `dataset_id` when `manifest`'s checkpoint was taken: every
+    rank's cursor of the checkpoint's epoch, merged (nothing of epoch 0 without a checkpoint).
+
+    Every rank's, not only the caller's: after a restart with fewer or other ranks, the shards a
+    departed rank had read are still read, and a rank's cursor alone would make them read again.
+    """
+    if manifest is None:
+        return DataCursor(dataset_id=dataset_id, epoch=0)
+    cursors = (cursor for shard in manifest.shards for cursor in shard.cursors)
+    return merge_cursors(dataset_id, manifest.epoch, cursors)
 
 
 def remaining_ranges(assignment: ShardAssignment) -> list[ShardRange]:
@@ -269,6 +316,25 @@ class AsyncDatasetRegistry:
         )
         return await self._call("restore_progress", request, ProgressResult)
 
+    async def restore_from(self, manifest: Manifest | None, dataset_id: str) -> DataCursor:
+        """Reset `dataset_id`'s progress to the checkpoint a job restarts from, and return the
+        cursor restored (`checkpoint_cursor`): every rank's cursor of the checkpoint's epoch
+        merged. With no checkpoint (None) the data starts over from epoch 0.
+
+        Every rank of the restarting job calls it with the same checkpoint, before any of them
+        reads again (then a barrier). Carry the returned cursor into the next checkpoint
+        (`ShardSampler.cursor(carried)`): a fresh sampler knows only what it reads itself.
+        """
+        cursor = checkpoint_cursor(manifest, dataset_id)
+        await self.restore_progress(
+            dataset_id,
+            cursor.epoch,
+            manifest.step if manifest is not None else 0,
+            cursor.completed,
+            {item.shard_id: item.offset for item in cursor.partial},
+        )
+        return cursor
+
     async def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:
         """The epoch's plan as a whole: version, shards per worker, shards done of all."""
         check_id("dataset_id", dataset_id)
@@ -427,6 +493,12 @@ class DatasetRegistry:
         return self._worker.runner.run(
             self._aio.restore_progress(dataset_id, epoch, checkpoint_step, completed, partial)
         )
+
+    def restore_from(self, manifest: Manifest | None, dataset_id: str) -> DataCursor:
+        """Reset `dataset_id`'s progress to the checkpoint a job restarts from (every rank's
+        cursor merged; from scratch with None) and return that cursor, to carry into the next
+        checkpoint with `ShardSampler.cursor(carried)`. Every rank calls it, then a barrier."""
+        return self._worker.runner.run(self._aio.restore_from(manifest, dataset_id))
 
     def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary:
         """The epoch's plan as a whole: version, shards per worker, shards done of all."""

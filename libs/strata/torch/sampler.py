@@ -20,8 +20,9 @@ import structlog
 from torch.utils.data import Sampler
 
 from strata._checks import check_int
+from strata.datasets import merge_cursors
 from strata.errors import ConflictError, ValidationError
-from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES
+from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES, DataCursor, ShardOffset
 from strata.events.requests import PlanSummary, ProgressResult, ShardAssignment
 
 __all__ = [
@@ -310,6 +311,21 @@ class ShardSampler(Sampler[int]):
             "completed": sorted(self._completed),
             "current": list(self._current) if self._current is not None else None,
         }
+
+    def cursor(self, carried: DataCursor | None = None) -> DataCursor:
+        """This sampler's cursor as a checkpoint records it (`CheckpointManager.save(...,
+        cursors=[...])`), merged with `carried`: the cursor the job was restored to
+        (`DatasetRegistry.restore_from`), which a fresh sampler does not know. Without it, a
+        second restore in the same epoch would make the job read the first one's shards again."""
+        current = self._current
+        partial = [ShardOffset(shard_id=current[0], offset=current[1])] if current else []
+        own = DataCursor(
+            dataset_id=self._dataset_id,
+            epoch=self._epoch,
+            completed=sorted(self._completed),
+            partial=partial,
+        )
+        return merge_cursors(self._dataset_id, self._epoch, [own, *([carried] if carried else [])])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a cursor: its done shards are reported again (a no-op for those already

@@ -25,6 +25,7 @@ from strata.events.requests import (
     PlanSummary,
     ProgressResult,
     ReportProgressRequest,
+    RestoreProgressRequest,
     ShardAssignment,
     ShardOffset,
     ShardSpan,
@@ -554,3 +555,68 @@ def test_conflict_error_is_what_a_foreign_report_gets() -> None:
     b_shard = shards.view("b").assignment(DS).shards[0].shard_id
     with pytest.raises(ConflictError):
         shards.view("a").report_progress(DS, 0, [b_shard])
+
+
+def restore(shards: LocalShards, worker: str, step: int, cursors: list[Any]) -> Any:
+    """What `DatasetRegistry.restore_from` does, against the in-memory domain."""
+    from strata.datasets import merge_cursors
+
+    cursor = merge_cursors(DS, 0, cursors)
+    request = RestoreProgressRequest(
+        job=JOB,
+        dataset_id=DS,
+        epoch=0,
+        worker_id=worker,
+        checkpoint_step=step,
+        completed=cursor.completed,
+        partial=cursor.partial,
+    )
+    decision = domain.restore_progress(shards.state, request, shards.now)
+    assert decision.error is None, decision.error
+    shards.apply(*decision.events)
+    return cursor
+
+
+def test_two_restores_in_one_epoch_with_a_shrinking_world_count_every_sample_once() -> None:
+    """Checkpoint with 3 readers, all read on, one dies, the 2 left restore and read with the
+    restored cursor carried; at their checkpoint all read on and fail again; they restore that
+    one and finish. What counts is each checkpoint's cursors plus what is read after the last
+    restore: every sample exactly once, which needs the carried cursor in the second checkpoint."""
+    shards = LocalShards(total=300, shard_size=10, members=["a", "b", "c"])
+    samplers = {w: ShardSampler(shards.view(w), DS, 0) for w in "abc"}
+
+    def read(sampler: ShardSampler, count: int) -> list[int]:
+        return list(itertools.islice(iter(sampler), count))
+
+    for sampler in samplers.values():
+        read(sampler, 35)
+        sampler.flush()
+    first = [sampler.cursor() for sampler in samplers.values()]
+    for sampler in samplers.values():
+        read(sampler, 25)  # after the checkpoint: undone by the restore
+    shards.fail("c")
+
+    carried = restore(shards, "a", 1, first)
+    restore(shards, "b", 1, first)
+    samplers = {w: ShardSampler(shards.view(w), DS, 0) for w in "ab"}
+    spec = shards.state.jobs[JOB].datasets[DS]
+    counted: Counter[int] = Counter(shards.samples_of(carried.completed))
+    for item in carried.partial:
+        start = spec.shard_range(item.shard_id).start
+        counted.update(range(start, start + item.offset))
+    since_first: Counter[int] = Counter()
+    for sampler in samplers.values():
+        since_first.update(read(sampler, 40))
+        sampler.flush()
+    second = [sampler.cursor(carried) for sampler in samplers.values()]
+    for sampler in samplers.values():
+        read(sampler, 30)  # undone again
+
+    restore(shards, "a", 2, second)
+    restore(shards, "b", 2, second)
+    counted += since_first
+    for sampler in [ShardSampler(shards.view(w), DS, 0) for w in "ab"]:
+        counted.update(sampler)
+
+    assert shards.plan_summary().done_shards == 30
+    assert counted == Counter(range(300))
