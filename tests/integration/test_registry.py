@@ -332,7 +332,7 @@ async def test_malformed_heartbeats_and_requests_are_refused_and_counted(
         (register, b"\x93\x01", "malformed", "register"),
         (register, pack([job, "instance"]), "invalid_request", "register"),
         (register, pack({"job": "bad job!", "instance": "i"}), "invalid_request", "register"),
-        (register, pack({"job": job, "instance": "i", "rank": 3}), "invalid_request", "register"),
+        (register, pack({"job": job, "instance": "i", "rank": -1}), "invalid_request", "register"),
         (subjects.rpc_subject("registry", "frobnicate"), pack({}), "unknown_verb", "?"),
     ]
     for subject, payload, code, _ in requests:

@@ -159,21 +159,22 @@ async def test_async_worker_registers_and_reports_its_state(
     assert not first.started
 
 
-def test_a_second_process_with_the_same_worker_id_is_refused(
+def test_a_second_process_with_the_same_worker_id_supersedes_the_first(
     registry: RegistryProcess, nats_url: str
 ) -> None:
     job = new_job()
     with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0") as first:
         assert first.id == "trainer-0"
-        twin = strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0")
-        try:
-            with pytest.raises(strata.ConflictError, match="trainer-0"):
-                twin.start()
-            assert not twin.started
-            assert not twin.runner.running  # a refused start leaves no thread behind
-        finally:
-            twin.stop()
-        assert [m.worker_id for m in first.members().members] == ["trainer-0"]
+        with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0") as restarted:
+            assert (restarted.rank, restarted.world_size) == (first.rank, 1)
+            assert restarted.rejoined
+            [info] = restarted.members().members
+            assert (info.worker_id, info.instance) == ("trainer-0", restarted.instance)
+            # The replaced one leaves nothing: the id is the restarted process's now.
+            first.stop()
+            [info] = restarted.members().members
+            assert (info.instance, info.status) == (restarted.instance, "idle")
+            assert first.rejoin_count == 0
 
 
 # -- heartbeats -----------------------------------------------------------------------------------
