@@ -299,6 +299,11 @@ class ArriveRequest(StrictModel):
     arrival: Annotated[int, Field(ge=0, le=2**62)]
     timeout_s: Seconds = 300.0
     expected_count: Annotated[int, Field(ge=1, le=MAX_WORKERS)] | None = None
+    instance: Id | None = Field(
+        default=None,
+        description="The arriving process (its registration's instance): refused "
+        "(`superseded`) once another process registered the worker id.",
+    )
 
 
 class BarrierOutcome(StrictModel):
