@@ -77,6 +77,7 @@ class Worker:
         labels: dict[str, str] | None = None,
         settings: Settings | None = None,
         on_rejoin: OnRejoin | None = None,
+        rank: int | None = None,
     ) -> None:
         self._aio = AsyncWorker(
             job,
@@ -87,6 +88,7 @@ class Worker:
             labels=labels,
             settings=settings,
             on_rejoin=_off_the_loop(on_rejoin),
+            rank=rank,
         )
         self._runner = LoopRunner(name=f"strata-worker-{self._aio.id}")
         self._exit_hook: Callable[[], None] | None = None
@@ -188,7 +190,13 @@ class Worker:
 
     @property
     def rank(self) -> int:
+        """The rank the registry gave this worker: the one asked for with `rank=` (or
+        `STRATA_RANK`), else the lowest free one when it registered."""
         return self._aio.rank
+
+    @property
+    def requested_rank(self) -> int | None:
+        return self._aio.requested_rank
 
     @property
     def world_size(self) -> int:
@@ -233,3 +241,8 @@ class Worker:
     @property
     def rejoin_count(self) -> int:
         return self._aio.rejoin_count
+
+    @property
+    def superseded(self) -> bool:
+        """A newer process registered this worker id: this one no longer counts; stop it."""
+        return self._aio.superseded

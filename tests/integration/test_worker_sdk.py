@@ -1,6 +1,7 @@
 """The worker SDK (`strata.Worker`, `strata.aio.Worker`) against a real registry process and a real
-nats-server: registration and membership, state, conflicts, heartbeats that never block, automatic
-re-registration after a failure, and riding out a registry restart and a NATS restart.
+nats-server: registration and membership, state, restarts under the same id and rank conflicts,
+heartbeats that never block, automatic re-registration after a failure (at a requested rank), and
+riding out a registry restart and a NATS restart.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def test_a_second_process_with_the_same_worker_id_supersedes_the_first(
         with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0") as restarted:
             assert (restarted.rank, restarted.world_size) == (first.rank, 1)
             assert restarted.rejoined
+            wait_until(lambda: first.superseded, 5, "the first worker to learn it was replaced")
+            assert not restarted.superseded
             [info] = restarted.members().members
             assert (info.worker_id, info.instance) == ("trainer-0", restarted.instance)
             # The replaced one leaves nothing: the id is the restarted process's now.
@@ -175,6 +178,23 @@ def test_a_second_process_with_the_same_worker_id_supersedes_the_first(
             [info] = restarted.members().members
             assert (info.instance, info.status) == (restarted.instance, "idle")
             assert first.rejoin_count == 0
+
+
+def test_a_rank_taken_by_another_worker_id_is_refused(
+    registry: RegistryProcess, nats_url: str
+) -> None:
+    job = new_job()
+    with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0", rank=3) as first:
+        assert first.rank == 3
+        twin = strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-1", rank=3)
+        try:
+            with pytest.raises(strata.ConflictError, match="'trainer-0'"):
+                twin.start()
+            assert not twin.started
+            assert not twin.runner.running  # a refused start leaves no thread behind
+        finally:
+            twin.stop()
+        assert [m.worker_id for m in first.members().members] == ["trainer-0"]
 
 
 # -- heartbeats -----------------------------------------------------------------------------------
@@ -243,6 +263,28 @@ def test_a_silent_worker_is_failed_then_rejoins_on_its_own(
         wait_until(is_live, 5, "the rejoined worker to heartbeat")
         assert worker.rejoin_count == 1
         assert len(rejoins) == 1
+
+
+def test_a_worker_that_asked_for_a_rank_rejoins_at_that_rank(
+    registry: RegistryProcess, nats_url: str
+) -> None:
+    job = new_job()
+    with strata.Worker(job=job, nats_url=nats_url, rank=6) as worker:
+        assert (worker.rank, worker.requested_rank) == (6, 6)
+        worker.aio._suspend_heartbeats(True)
+
+        def is_failed() -> bool:
+            info = member(worker.members(include_gone=True), worker.id)
+            return info is not None and info.status == "failed"
+
+        wait_until(is_failed, 10 * HEARTBEAT_TIMEOUT, "the registry to fail the silent worker")
+        worker.aio._suspend_heartbeats(False)
+        wait_until(lambda: worker.rejoin_count == 1, 5, "the worker to re-register")
+        # Not the lowest free rank (0): the one it asked for.
+        assert (worker.rank, worker.world_size) == (6, 1)
+        info = member(worker.members(), worker.id)
+        assert info is not None
+        assert (info.rank, info.status) == (6, "idle")
 
 
 # -- outages --------------------------------------------------------------------------------------
