@@ -23,6 +23,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from strata import _signals
 from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int, is_id
 from strata.bus import Bus
@@ -460,6 +461,13 @@ class Worker:
                 await self._close_bus()
                 self._started = False
                 self._stopping = False
+
+    def leave_on_sigterm(self) -> None:
+        """Leave the job gracefully on SIGTERM, then let SIGTERM do what it did before (by
+        default: end the process, with the usual status). Opt in: nothing is installed unless
+        this is called. Call it from a coroutine on the main thread's event loop (it uses
+        `loop.add_signal_handler`); `strata.ConfigError` otherwise."""
+        _signals.install_async(self._worker_id, self.stop)
 
     async def __aenter__(self) -> Self:
         return await self.start()

@@ -19,6 +19,7 @@ from typing import Any, Final, Self
 
 import structlog
 
+from strata import _signals
 from strata._loop import LoopRunner
 from strata.aio import MEMBERS_RETRY_S, OnRejoin
 from strata.aio import Worker as AsyncWorker
@@ -122,6 +123,16 @@ class Worker:
             self._runner.run(self._aio.stop(), timeout)
         finally:
             self._runner.close()
+
+    def leave_on_sigterm(self) -> None:
+        """Leave the job gracefully on SIGTERM, then let SIGTERM do what it did before (by
+        default: end the process, with the usual status), so the registry records `worker.left`
+        at once instead of failing the worker after its heartbeat timeout.
+
+        Opt in: the library installs no signal handler unless this is called. Call it from the
+        main thread (Python runs signal handlers only there); `strata.ConfigError` otherwise.
+        """
+        _signals.install_sync(self.id, lambda: self.stop(timeout=EXIT_STOP_TIMEOUT_S))
 
     def __enter__(self) -> Self:
         return self.start()
