@@ -426,10 +426,9 @@ async def test_a_second_process_with_the_same_worker_id_supersedes_the_first_at_
         _, first_instance, first_rank = await asyncio.to_thread(child_says, first, "registered")
         assert int(first_rank) == 2
         epoch_before = (await others[0].members()).membership_epoch
-        # A restart faster than the heartbeat timeout, as torchrun's are.
-        started = time.monotonic()
+        # A restart faster than the heartbeat timeout, as torchrun's are: the first process
+        # still heartbeats, so nothing but the new registration can end its registration.
         await second.start()
-        assert time.monotonic() - started < TIMEOUT
         assert (second.rank, second.world_size) == (2, 3)
         assert second.rejoined
         assert second.membership_epoch == epoch_before + 2
