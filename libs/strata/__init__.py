@@ -25,6 +25,7 @@ from strata.errors import (
     StorageError,
     StrataError,
     ValidationError,
+    WorkerSuperseded,
 )
 from strata.worker import Worker
 
@@ -51,6 +52,7 @@ __all__ = [
     "ValidationError",
     "Worker",
     "WorkerNotStarted",
+    "WorkerSuperseded",
     "__version__",
     "aio",
 ]

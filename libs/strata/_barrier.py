@@ -150,6 +150,7 @@ class BarrierClient:
             arrival=arrival,
             timeout_s=timeout,
             expected_count=expected_count,
+            instance=self._worker.instance,
         )
         deadline = time.monotonic() + timeout + GRACE_S
         outcome = await self._arrive(request, deadline - time.monotonic())

@@ -23,11 +23,19 @@ import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from strata import _signals
 from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int, is_id
 from strata.bus import Bus
 from strata.config import Settings, load_settings
-from strata.errors import ConfigError, ConflictError, NotFound, StrataError, ValidationError
+from strata.errors import (
+    ConfigError,
+    ConflictError,
+    NotFound,
+    StrataError,
+    ValidationError,
+    WorkerSuperseded,
+)
 from strata.events import (
     LIVE_STATES,
     LiveState,
@@ -40,7 +48,7 @@ from strata.events import (
     subjects,
 )
 from strata.events.codec import validation_error
-from strata.events.models import MAX_EPOCH, MAX_STEP
+from strata.events.models import MAX_EPOCH, MAX_RANK, MAX_STEP, SUPERSEDED_REASON
 from strata.events.requests import (
     LeaveRequest,
     LeaveResult,
@@ -178,7 +186,9 @@ class Worker:
 
     `start()` registers with the registry (retrying while it restarts) and heartbeats in the
     background; when the registry has marked the worker failed (a long pause, a partition), the
-    worker registers again on its own and calls `on_rejoin`. `stop()` leaves the job.
+    worker registers again on its own and calls `on_rejoin`. `stop()` leaves the job. A newer
+    process that starts under the same worker id supersedes this one, which then stops
+    heartbeating and never registers again (`superseded`).
     """
 
     def __init__(
@@ -192,6 +202,7 @@ class Worker:
         labels: dict[str, str] | None = None,
         settings: Settings | None = None,
         on_rejoin: OnRejoin | None = None,
+        rank: int | None = None,
     ) -> None:
         self._settings = settings if settings is not None else load_settings()
         if not structlog.is_configured():
@@ -204,6 +215,10 @@ class Worker:
         )
         if worker_id is not None:
             check_id("worker_id", worker_id, "pass another worker_id=..., or none to get one")
+        if rank is None:
+            rank = self._settings.rank
+        if rank is not None:
+            rank = check_int("rank", rank, 0, MAX_RANK)
         self._nats_url = _check_nats_url(nats_url if nats_url else self._settings.nats_url)
         self._instance = uuid.uuid4().hex
         user = self._settings.nats_user
@@ -221,6 +236,7 @@ class Worker:
                 hostname=(hostname if hostname is not None else socket.gethostname())[:253],
                 gpus=gpus,
                 labels=dict(labels or {}),
+                rank=rank,
             )
         except pydantic.ValidationError as exc:
             raise validation_error(exc, "worker settings") from None
@@ -233,6 +249,8 @@ class Worker:
         """(membership epoch, world size), replaced whole for readers on other threads."""
         self._rejoin_count = 0
         self._registered_at = 0.0
+        self._superseded: str | None = None
+        """Why another process now holds this worker id, once this one was told."""
 
         self._bus: Bus | None = None
         self._control: Subscription | None = None
@@ -289,7 +307,14 @@ class Worker:
 
     @property
     def rank(self) -> int:
+        """The rank the registry gave this worker: the one asked for with `rank=` (or
+        `STRATA_RANK`), else the lowest free one when it registered."""
         return self._registered("rank").rank
+
+    @property
+    def requested_rank(self) -> int | None:
+        """The rank asked for (`rank=` or `STRATA_RANK`), or None for the lowest free one."""
+        return self._register_request.rank
 
     @property
     def world_size(self) -> int:
@@ -344,6 +369,12 @@ class Worker:
         return self._rejoin_count
 
     @property
+    def superseded(self) -> bool:
+        """A newer process registered this worker id (a restart): this one no longer counts
+        as the worker. It stops heartbeating and never registers again; stop it."""
+        return self._superseded is not None
+
+    @property
     def bus(self) -> Bus:
         """The NATS connection, for the other SDK parts that work on behalf of this worker."""
         if self._bus is None:
@@ -365,7 +396,9 @@ class Worker:
     async def start(self) -> Self:
         """Connect, register and start heartbeating; returns the worker. Idempotent.
 
-        Raises `ConflictError` when another live process uses this worker id, `BusError` when
+        A live process registered under the same worker id is superseded (recorded as failed):
+        this one takes its place, with its rank unless `rank=` asks for another. Raises
+        `ConflictError` when the requested rank is held by another live worker, `BusError` when
         NATS cannot be reached within 30 s, `ServiceUnavailable` when no registry answers for 60 s.
         """
         async with self._lock():
@@ -422,11 +455,19 @@ class Worker:
                 if self._barriers is not None:
                     await self._barriers.close()
                     self._barriers = None
-                await self._leave()
+                if self._superseded is None:  # else the id is another process's to leave
+                    await self._leave()
             finally:
                 await self._close_bus()
                 self._started = False
                 self._stopping = False
+
+    def leave_on_sigterm(self) -> None:
+        """Leave the job gracefully on SIGTERM, then let SIGTERM do what it did before (by
+        default: end the process, with the usual status). Opt in: nothing is installed unless
+        this is called. Call it from a coroutine on the main thread's event loop (it uses
+        `loop.add_signal_handler`); `strata.ConfigError` otherwise."""
+        _signals.install_async(self._worker_id, self.stop)
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -447,12 +488,16 @@ class Worker:
             subjects.control_subject(self._job, self._worker_id), cb=self._on_control
         )
 
-    async def _register(self) -> Registration:
-        # The same instance makes a retried register idempotent on the registry's side.
+    async def _register(self, *, rejoin: bool = False) -> Registration:
+        # The same instance makes a retried register idempotent on the registry's side. A rejoin
+        # asks for the same rank as the first registration did (its request is the same).
+        request = self._register_request
+        if rejoin:
+            request = request.model_copy(update={"rejoin": True})
         return await self.bus.rpc.call(
             REGISTRY,
             "register",
-            self._register_request,
+            request,
             result=Registration,
             timeout=RPC_TIMEOUT_S,
             retry_for=REGISTER_RETRY_S,
@@ -590,7 +635,7 @@ class Worker:
     async def _beat(self) -> None:
         """Publish one heartbeat; a failure is logged and the next beat tries again."""
         bus = self._bus
-        if bus is None or self._heartbeats_suspended:
+        if bus is None or self._heartbeats_suspended or self._superseded is not None:
             return
         try:
             cpu_percent, rss_bytes = self._sampler.sample()
@@ -635,11 +680,32 @@ class Worker:
             return
         if (notice.job, notice.worker_id) != (self._job, self._worker_id):
             return
+        if notice.instance is not None and notice.instance != self._instance:
+            return  # for another process using this worker id
         if notice.kind == "reregister":
             self._request_rejoin(notice.reason)
+        elif notice.kind == "superseded":
+            self._supersede(notice.reason)
+
+    def _supersede(self, reason: str) -> None:
+        """Another process holds this worker id now: stop heartbeating, never register again."""
+        if self._superseded is not None or not self._started or self._stopping:
+            return
+        self._superseded = reason
+        self._log.error(
+            "worker_superseded",
+            reason=reason,
+            consequence="this process no longer counts as the worker: its heartbeats stop, it "
+            "will not register again, and its barrier arrivals are refused; stop it",
+        )
 
     def _request_rejoin(self, reason: str) -> None:
-        if not self._started or self._stopping or self._registration is None:
+        if (
+            not self._started
+            or self._stopping
+            or self._registration is None
+            or self._superseded is not None
+        ):
             return
         if self._rejoin_task is not None and not self._rejoin_task.done():
             return  # one re-registration answers a whole burst of notices
@@ -652,7 +718,10 @@ class Worker:
         previous_rank = self.rank
         self._log.warning("worker_reregistering", reason=reason)
         try:
-            registration = await self._register()
+            registration = await self._register(rejoin=True)
+        except WorkerSuperseded as exc:
+            self._supersede(exc.message)
+            return
         except StrataError as exc:
             self._log.error(
                 "worker_reregister_failed",
@@ -713,9 +782,20 @@ class Worker:
         if event.job != self._job:
             return
         if isinstance(event, WorkerRegistered):
+            if event.worker_id == self._worker_id and event.instance != self._instance:
+                self._supersede(
+                    f"worker id {event.worker_id!r} of job {event.job!r} was registered by "
+                    f"another process (on {event.hostname or 'an unknown host'}) after this one"
+                )
             self._observe_membership(event.membership_epoch, event.world_size)
         elif isinstance(event, WorkerFailed | WorkerLeft):
-            if isinstance(event, WorkerFailed) and event.worker_id == self._worker_id:
+            if (
+                isinstance(event, WorkerFailed)
+                and event.worker_id == self._worker_id
+                # The end of the process this one superseded, or of this one (then the newer
+                # process's registration follows and tells it).
+                and not event.reason.startswith(SUPERSEDED_REASON)
+            ):
                 self._log.warning("worker_marked_failed", reason=event.reason)
             known_epoch, world_size = self._membership_view
             if event.membership_epoch == known_epoch + 1:

@@ -13,6 +13,7 @@ from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from strata.errors import ConfigError
+from strata.events.models import MAX_RANK
 
 
 class Env:
@@ -20,6 +21,7 @@ class Env:
 
     NATS_URL: Final = "STRATA_NATS_URL"
     JOB: Final = "STRATA_JOB"
+    RANK: Final = "STRATA_RANK"
     STREAM_REPLICAS: Final = "STRATA_STREAM_REPLICAS"
     HEARTBEAT_INTERVAL: Final = "STRATA_HEARTBEAT_INTERVAL"
     HEARTBEAT_TIMEOUT: Final = "STRATA_HEARTBEAT_TIMEOUT"
@@ -51,6 +53,8 @@ class Settings(BaseSettings):
     nats_user: str | None = None
     nats_password: str | None = None
     job: str = "default"
+    rank: int | None = Field(default=None, ge=0, le=MAX_RANK)
+    """The rank a worker asks the registry for when `rank=` is not given (None: the lowest free)."""
     stream_replicas: int = Field(default=1, ge=1, le=5)
     heartbeat_interval: float = Field(default=1.0, gt=0, le=300)
     heartbeat_timeout: float = Field(default=5.0, gt=0, le=3600)

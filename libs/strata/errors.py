@@ -11,6 +11,7 @@ turns a reply back into the matching subclass with `error_from_code`.
     │   └── InvalidRequest     an RPC request that breaks it           invalid_request
     ├── NotFound               the thing asked for does not exist      not_found
     ├── ConflictError          contradicts what is already recorded    conflict
+    │   └── WorkerSuperseded   a newer process holds this worker id    superseded
     ├── BusError               NATS trouble                            bus_error
     │   ├── PublishTimeout     no ack before the deadline              publish_timeout
     │   ├── ServiceUnavailable nobody answers a subject                unavailable
@@ -77,6 +78,13 @@ class ConflictError(StrataError):
     code = "conflict"
 
 
+class WorkerSuperseded(ConflictError):
+    """Another process registered this process's worker id after it (a restart): this one no
+    longer counts as that worker, and must not register again."""
+
+    code = "superseded"
+
+
 class BusError(StrataError):
     code = "bus_error"
 
@@ -122,6 +130,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         InvalidRequest,
         NotFound,
         ConflictError,
+        WorkerSuperseded,
         BusError,
         PublishTimeout,
         ServiceUnavailable,

@@ -19,6 +19,7 @@ from typing import Any, Final, Self
 
 import structlog
 
+from strata import _signals
 from strata._loop import LoopRunner
 from strata.aio import MEMBERS_RETRY_S, OnRejoin
 from strata.aio import Worker as AsyncWorker
@@ -77,6 +78,7 @@ class Worker:
         labels: dict[str, str] | None = None,
         settings: Settings | None = None,
         on_rejoin: OnRejoin | None = None,
+        rank: int | None = None,
     ) -> None:
         self._aio = AsyncWorker(
             job,
@@ -87,6 +89,7 @@ class Worker:
             labels=labels,
             settings=settings,
             on_rejoin=_off_the_loop(on_rejoin),
+            rank=rank,
         )
         self._runner = LoopRunner(name=f"strata-worker-{self._aio.id}")
         self._exit_hook: Callable[[], None] | None = None
@@ -120,6 +123,16 @@ class Worker:
             self._runner.run(self._aio.stop(), timeout)
         finally:
             self._runner.close()
+
+    def leave_on_sigterm(self) -> None:
+        """Leave the job gracefully on SIGTERM, then let SIGTERM do what it did before (by
+        default: end the process, with the usual status), so the registry records `worker.left`
+        at once instead of failing the worker after its heartbeat timeout.
+
+        Opt in: the library installs no signal handler unless this is called. Call it from the
+        main thread (Python runs signal handlers only there); `strata.ConfigError` otherwise.
+        """
+        _signals.install_sync(self.id, lambda: self.stop(timeout=EXIT_STOP_TIMEOUT_S))
 
     def __enter__(self) -> Self:
         return self.start()
@@ -188,7 +201,13 @@ class Worker:
 
     @property
     def rank(self) -> int:
+        """The rank the registry gave this worker: the one asked for with `rank=` (or
+        `STRATA_RANK`), else the lowest free one when it registered."""
         return self._aio.rank
+
+    @property
+    def requested_rank(self) -> int | None:
+        return self._aio.requested_rank
 
     @property
     def world_size(self) -> int:
@@ -233,3 +252,8 @@ class Worker:
     @property
     def rejoin_count(self) -> int:
         return self._aio.rejoin_count
+
+    @property
+    def superseded(self) -> bool:
+        """A newer process registered this worker id: this one no longer counts; stop it."""
+        return self._aio.superseded

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from strata.errors import ConflictError, NotFound, StrataError
+from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -223,6 +223,8 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
     """Join the current generation of the name, or open the next one; a retry changes nothing.
 
     Apply `conclude` first: a generation that is complete, or past its deadline, takes no more.
+    An arrival naming a process (`instance`) other than the one that registered the worker last
+    is refused: that process was superseded by a restart.
     """
     job = state.jobs.get(request.job)
     if job is None or request.worker_id not in job.live:
@@ -230,6 +232,16 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
             error=NotFound(
                 f"worker {request.worker_id!r} is not a live member of job {request.job!r}: "
                 "register it (strata.Worker.start) before using barriers"
+            )
+        )
+    registered = job.instances.get(request.worker_id)
+    if request.instance is not None and registered not in (None, request.instance):
+        # A process that a restart of the worker replaced: its arrivals, late or retried, would
+        # otherwise count for the new process's generation.
+        return Decision(
+            error=WorkerSuperseded(
+                f"worker {request.worker_id!r} of job {request.job!r} was registered by another "
+                "process after this one: this process's arrivals no longer count"
             )
         )
     named = job.barriers.get(request.name) or NamedBarrier()

@@ -146,7 +146,14 @@ class Barrier(Projection[BarrierState]):
 
     async def _arrive(self, request: ArriveRequest) -> BarrierOutcome:
         job = self.state.jobs.get(request.job)
-        if job is None or request.worker_id not in job.live:
+        if (
+            job is None
+            or request.worker_id not in job.live
+            or (
+                request.instance is not None
+                and job.instances.get(request.worker_id) != request.instance
+            )
+        ):
             # Its registration may be stored and not folded here yet: catch up, then decide.
             await self.sync()
         async with self.lock:

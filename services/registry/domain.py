@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from strata.errors import ConflictError, NotFound, StrataError
+from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     Event,
     LiveState,
@@ -23,7 +23,7 @@ from strata.events import (
     WorkerState,
     WorkerStateChanged,
 )
-from strata.events.models import MAX_WORKERS
+from strata.events.models import MAX_WORKERS, SUPERSEDED_REASON
 from strata.events.requests import (
     LeaveRequest,
     LeaveResult,
@@ -220,47 +220,110 @@ def worker_id_for(request: RegisterRequest) -> str:
     return request.worker_id or f"w-{request.instance[:24]}"
 
 
+def takes_over(state: RegistryState, request: RegisterRequest) -> bool:
+    """Whether registering `request` takes over an id that another registration held before: one
+    that failed or left, or a live one of another process (which it supersedes)."""
+    job = state.jobs.get(request.job)
+    existing = job.members.get(worker_id_for(request)) if job is not None else None
+    return existing is not None and (not existing.live or existing.instance != request.instance)
+
+
+def _host(member: Member) -> str:
+    return member.hostname or "an unknown host"
+
+
 def _register(
     state: RegistryState, request: RegisterRequest, now: float, policy: Policy
 ) -> Decision:
     job = state.jobs.get(request.job) or Job(request.job)
     worker_id = worker_id_for(request)
     existing = job.members.get(worker_id)
-    if existing is not None and existing.live:
-        if existing.instance == request.instance:
-            return Decision()  # a retry of a registration that already happened
+    if existing is not None and existing.live and existing.instance == request.instance:
+        if request.rank is not None and request.rank != existing.rank:
+            return Decision(
+                error=ConflictError(
+                    f"worker {worker_id!r} of job {request.job!r} is registered with rank "
+                    f"{existing.rank}, not {request.rank}; a registration keeps its rank: stop "
+                    "the worker and start a new one to change it"
+                )
+            )
+        return Decision()  # a retry of a registration that already happened
+    if request.rejoin and existing is not None and existing.instance != request.instance:
+        # The SDK re-registers on its own after being failed. Another process has registered
+        # the id since: the newer one holds it, and taking it back would make the two processes
+        # take the id from each other in turn.
         return Decision(
-            error=ConflictError(
-                f"worker id {worker_id!r} is already live in job {request.job!r} "
-                f"(rank {existing.rank}, host {existing.hostname or '?'}, another process); "
-                "stop that process, wait for it to be failed, or choose another worker id"
+            error=WorkerSuperseded(
+                f"worker id {worker_id!r} of job {request.job!r} was registered by another "
+                f"process (on {_host(existing)}) after this one, which therefore no longer "
+                "counts as that worker and must not register again; stop this process"
             )
         )
-    if job.world_size >= MAX_WORKERS:
+    superseded = existing if existing is not None and existing.live else None
+    if superseded is None and job.world_size >= MAX_WORKERS:
         return Decision(
             error=ConflictError(f"job {request.job!r} already has {MAX_WORKERS} live workers")
         )
-    epoch = job.membership_epoch + 1
-    return Decision(
-        [
-            WorkerRegistered(
-                id=event_id("registered", request.job, worker_id, request.instance, epoch),
+    if request.rank is not None:
+        holder_id = job.ranks.get(request.rank)
+        if holder_id is not None and holder_id != worker_id:
+            holder = job.members[holder_id]
+            return Decision(
+                error=ConflictError(
+                    f"rank {request.rank} of job {request.job!r} is held by live worker "
+                    f"{holder_id!r} on {_host(holder)}; stop that worker (or wait until it is "
+                    "failed), or ask for a free rank, or for none to get the lowest free one",
+                    rank=request.rank,
+                    holder=holder_id,
+                    host=holder.hostname,
+                )
+            )
+        rank = request.rank
+    elif superseded is not None:
+        rank = superseded.rank
+    else:
+        rank = job.lowest_free_rank()
+    events: list[Event] = []
+    epoch = job.membership_epoch
+    world_size = job.world_size
+    if superseded is not None:
+        # The same id as a heartbeat timeout of that registration would get: a registration ends
+        # once, and whichever decision of its end is stored first is the one that counts.
+        epoch += 1
+        world_size -= 1
+        events.append(
+            WorkerFailed(
+                id=event_id("failed", request.job, worker_id, superseded.registered_epoch),
                 job=request.job,
                 source=SOURCE,
                 ts=int(now * 1e9),
                 worker_id=worker_id,
-                instance=request.instance,
-                rank=job.lowest_free_rank(),
-                world_size=job.world_size + 1,
+                rank=superseded.rank,
+                reason=f"{SUPERSEDED_REASON}, on {request.hostname or 'an unknown host'}",
+                last_heartbeat_ts=superseded.last_heartbeat_ts or 0,
                 membership_epoch=epoch,
-                hostname=request.hostname,
-                gpus=request.gpus,
-                labels=request.labels,
-                heartbeat_interval=policy.heartbeat_interval,
-                heartbeat_timeout=policy.heartbeat_timeout,
             )
-        ]
+        )
+    epoch += 1
+    events.append(
+        WorkerRegistered(
+            id=event_id("registered", request.job, worker_id, request.instance, epoch),
+            job=request.job,
+            source=SOURCE,
+            ts=int(now * 1e9),
+            worker_id=worker_id,
+            instance=request.instance,
+            rank=rank,
+            world_size=world_size + 1,
+            membership_epoch=epoch,
+            hostname=request.hostname,
+            gpus=request.gpus,
+            labels=request.labels,
+            heartbeat_interval=policy.heartbeat_interval,
+            heartbeat_timeout=policy.heartbeat_timeout,
+        )
     )
+    return Decision(events)
 
 
 def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
@@ -272,7 +335,7 @@ def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
         )
     if member.instance != request.instance and member.live:
         return Decision(
-            error=ConflictError(
+            error=WorkerSuperseded(
                 f"worker {request.worker_id!r} of job {request.job!r} is now another process; "
                 "this process's registration ended earlier"
             )
@@ -338,6 +401,9 @@ class HeartbeatOutcome:
     events: list[Event] = field(default_factory=list)
     reregister: str | None = None
     """Set when the sender is not a live member: why it must register again."""
+    superseded: str | None = None
+    """Set when another process registered the sender's worker id after it: why it must stop
+    (never told to register again, or the two processes would take the id from each other)."""
     rejected: str | None = None
     """Set when the heartbeat is ignored (also for a sender told to re-register): the reason."""
 
@@ -378,10 +444,12 @@ def observe_beat(state: RegistryState, beat: Beat, now: float) -> HeartbeatOutco
         )
     status = member.status
     if member.instance != beat.instance:
-        if status not in GONE:
-            return HeartbeatOutcome(rejected="instance_mismatch")
+        # The SDK heartbeats only after registering, so the sender held this id once and a
+        # later registration (a restart of the worker) replaced it, whatever became of that one.
         return HeartbeatOutcome(
-            reregister=f"worker {beat.worker_id!r} is {status}", rejected="not_live"
+            superseded=f"worker id {beat.worker_id!r} of job {beat.job!r} was registered by "
+            f"another process (on {_host(member)}) after this one",
+            rejected="instance_mismatch",
         )
     if status in GONE:
         return HeartbeatOutcome(

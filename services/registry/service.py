@@ -15,7 +15,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgpack
 import nats.errors
@@ -31,6 +31,7 @@ from strata.errors import StrataError
 from strata.events import (
     ID_PATTERN,
     LIVE_STATES,
+    WorkerFailed,
     WorkerHeartbeat,
     WorkerRegistered,
     decode_event,
@@ -55,6 +56,7 @@ from strata.services.registry.domain import Leave, Policy, Register, RegistrySta
 log = structlog.get_logger("strata.registry")
 
 HEARTBEATS = "registry.heartbeats"
+NoticeKind = Literal["reregister", "superseded"]
 NOTIFIED_KEPT = 65_536
 """Re-registration notices remembered (to send one per interval) before old ones are dropped."""
 
@@ -102,7 +104,7 @@ class Registry(Projection[RegistryState]):
         self._hb_nc: NATS | None = None
         self._hb_sub: Subscription | None = None
         self._outbox: asyncio.Queue[Event] = asyncio.Queue(maxsize=100_000)
-        self._notified: dict[tuple[str, str], float] = {}
+        self._notified: dict[tuple[str, str, str], float] = {}
         self._notified_limit = NOTIFIED_KEPT
 
     def initial_state(self) -> RegistryState:
@@ -170,10 +172,11 @@ class Registry(Projection[RegistryState]):
     async def _register(self, request: RegisterRequest) -> Registration:
         async with self.lock:
             worker_id = domain.worker_id_for(request)
-            job = self.state.jobs.get(request.job)
-            before = job.members.get(worker_id) if job else None
-            rejoined = before is not None and not before.live
-            await self._run(Register(request))
+            rejoined = domain.takes_over(self.state, request)
+            decision = await self._run(Register(request))
+            for event in decision.events:
+                if isinstance(event, WorkerFailed):
+                    log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             job = self.state.job(request.job)
             log.info(
                 "worker_registered",
@@ -282,7 +285,9 @@ class Registry(Projection[RegistryState]):
             except asyncio.QueueFull:
                 self._reject("outbox_full")
         if outcome.reregister is not None:
-            await self._notify(beat.job, beat.worker_id, outcome.reregister)
+            await self._notify(beat, "reregister", outcome.reregister)
+        elif outcome.superseded is not None:
+            await self._notify(beat, "superseded", outcome.superseded)
 
     def _checked_beat(self, msg: Msg) -> domain.Beat | None:
         """The full decode and checks, for what the fast path left: a beat, or None (counted)."""
@@ -312,9 +317,12 @@ class Registry(Projection[RegistryState]):
             event.epoch,
         )
 
-    async def _notify(self, job: str, worker_id: str, reason: str) -> None:
-        """Tell a stranger to register again, at most once per heartbeat interval."""
-        key = (job, worker_id)
+    async def _notify(self, beat: domain.Beat, kind: NoticeKind, reason: str) -> None:
+        """Tell the process that sent `beat` to register again, or that a newer process holds
+        its worker id: at most once per heartbeat interval."""
+        job, worker_id = beat.job, beat.worker_id
+        # Per process: a notice for a stale process must not stand in for one to the live one.
+        key = (job, worker_id, beat.instance)
         now = self.clock()
         if now - self._notified.get(key, 0.0) < self.policy.heartbeat_interval:
             return
@@ -325,7 +333,9 @@ class Registry(Projection[RegistryState]):
             self._notified = {k: t for k, t in self._notified.items() if now - t < interval}
             self._notified_limit = max(NOTIFIED_KEPT, 2 * len(self._notified))
         self._notified[key] = now
-        notice = WorkerNotice(job=job, worker_id=worker_id, kind="reregister", reason=reason)
+        notice = WorkerNotice(
+            job=job, worker_id=worker_id, kind=kind, reason=reason, instance=beat.instance
+        )
         with contextlib.suppress(Exception):
             await self.bus.nc.publish(
                 subjects.control_subject(job, worker_id), pack(notice.model_dump())

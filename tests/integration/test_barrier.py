@@ -1,8 +1,8 @@
 """Barriers against real registry and barrier processes and a real nats-server: 100 participants
 released together and never before the last arrives, a SIGKILLed participant breaking the barrier
 for the other 99 within the failure timeout, the barrier service SIGKILLed mid-barrier and
-restarted, a name reused for 50 generations, explicit counts, timeouts, graceful leaves, and a
-worker process restarted under the same id.
+restarted, a name reused for 50 generations, explicit counts, timeouts, graceful leaves, a
+worker process restarted under the same id, and a restart superseding a waiting participant.
 """
 
 from __future__ import annotations
@@ -329,3 +329,44 @@ async def test_a_worker_restarted_under_the_same_id_meets_the_others_again(
     workers.append(again)
     await again.start()
     assert await meet([stays, again], "step") == [3, 3]
+
+
+@pytest.mark.usefixtures("services")
+async def test_a_restart_that_supersedes_a_participant_breaks_the_barrier_at_once(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str
+) -> None:
+    job = new_job("barrier")
+    stays = await start_workers(workers, job, nats_url, numbered(3))
+    [old] = await start_workers(workers, job, nats_url, ["restarting"])
+    assert await meet([*stays, old], "step") == [0] * 4
+    # Two of the others and the process about to be replaced wait; the third is still busy.
+    watch = await watch_arrivals(bus, job)
+    waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in [*stays[:2], old]]
+    await arrivals(watch, 3)
+    # Its restart comes faster than the heartbeat timeout, under the same worker id.
+    restarted = strata.aio.Worker(job, nats_url, worker_id=old.id)
+    workers.append(restarted)
+    await restarted.start()
+    registered_at = time.monotonic()
+    results = await asyncio.gather(*waiting)
+    for outcome, returned in results[:2]:
+        assert isinstance(outcome, strata.BarrierBroken), outcome
+        assert f"'{old.id}' failed" in str(outcome)
+        # At once: the replaced process still heartbeats, so no timeout would ever break it.
+        assert returned - registered_at < BREAK_ALLOWANCE
+    # The replaced process learns it too: from the break, or from its refused retry.
+    old_outcome, _ = results[2]
+    assert isinstance(old_outcome, strata.BarrierBroken | strata.WorkerSuperseded), old_outcome
+    # It can no longer arrive: not at the next generation, where it would stand for the new one.
+    with pytest.raises(strata.WorkerSuperseded, match=old.id):
+        await old.barrier("step", 5)
+    assert await meet([*stays, restarted], "step") == [2] * 4
+
+    events = await job_events(bus, job)
+    [broken] = of_type(events, BarrierBrokenEvent)
+    assert (broken.generation, broken.culprits) == (1, [old.id])
+    arrived = [(e.generation, e.worker_id, e.arrival) for e in of_type(events, BarrierArrived)]
+    # Generation 2 has the restarted process's first arrival (0), none of the old one's.
+    assert sorted(a for a in arrived if a[0] == 2) == sorted(
+        [(2, stays[0].id, 2), (2, stays[1].id, 2), (2, stays[2].id, 1), (2, old.id, 0)]
+    )

@@ -1,8 +1,9 @@
 """Checkpoints end to end: real registry and checkpoint services, local disk and a real S3 server.
 
 Ranks commit steps and reload their exact bytes; retention keeps `keep_count`; a rank SIGKILLed in
-the middle of its upload aborts the step and leaves nothing behind; a corrupted shard is refused;
-a checkpoint service SIGKILLed between acks commits after its restart.
+the middle of its upload aborts the step and leaves nothing behind; a restart superseding a rank
+aborts the step it had not saved; a corrupted shard is refused; a checkpoint service SIGKILLed
+between acks commits after its restart.
 """
 
 from __future__ import annotations
@@ -226,6 +227,50 @@ async def test_a_rank_killed_mid_upload_aborts_the_step_and_leaves_nothing(
         if victim.poll() is None:
             victim.kill()
             victim.wait()
+
+
+async def test_a_restart_that_supersedes_a_participant_aborts_the_step_it_had_not_saved(
+    workers: list[strata.aio.Worker], own_nats_server: NatsServer, tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    managers = [strata.aio.CheckpointManager(w, str(root), keep_count=5) for w in workers]
+    await save_step(managers, 10)
+    for rank, manager in enumerate(managers[:3]):
+        await manager.save(payload(rank, 20), step=20)
+    for manager in managers[:3]:
+        await manager.wait()
+
+    async def three_acked() -> bool:
+        answer = await managers[0].status(20)
+        return bool(answer.checkpoint and answer.checkpoint.acked_ranks == [0, 1, 2])
+
+    await async_wait_until(three_acked, 10, "the acks of ranks 0 to 2 to count")
+    answer = await managers[0].status(20)
+    assert answer.checkpoint is not None
+    assert answer.checkpoint.status == "open"
+    # rank3's process restarts, faster than the heartbeat timeout, before saving step 20.
+    restarted = strata.aio.Worker(workers[0].job, own_nats_server.url, worker_id="rank3")
+    try:
+        await restarted.start()
+        assert restarted.rank == 3
+
+        async def aborted() -> bool:
+            answer = await managers[0].status(20)
+            return bool(answer.checkpoint and answer.checkpoint.status == "aborted")
+
+        await async_wait_until(aborted, 10, "step 20 to be aborted")
+        answer = await managers[0].status(20)
+        assert answer.checkpoint is not None
+        assert "'rank3' (rank 3) failed" in answer.checkpoint.reason
+        latest = await managers[1].latest()
+        assert latest is not None
+        assert latest.step == 10
+        # The restarted process takes rank 3's part in the next step.
+        again = strata.aio.CheckpointManager(restarted, str(root), keep_count=5)
+        await save_step([*managers[:3], again], 30)
+        assert await again.load() == payload(3, 30)
+    finally:
+        await restarted.stop()
 
 
 async def test_a_corrupted_shard_is_refused_on_load(

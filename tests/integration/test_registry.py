@@ -1,7 +1,8 @@
 """The registry process against a real nats-server: 200 in-process workers of which exactly the
 silenced ones fail in time; crashes, clean restarts, a frozen registry and a NATS outage that fail
-nobody; malformed heartbeats and requests refused with a counted reason; jobs that never see each
-other. The fast heartbeat decoder is checked against the full model at the end.
+nobody; malformed heartbeats and requests refused with a counted reason; a second process under a
+worker id superseding the first at once; requested ranks; jobs that never see each other. The fast
+heartbeat decoder is checked against the full model at the end.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,13 +27,17 @@ import strata
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
+from strata import procutil
 from strata.bus import Bus
 from strata.bus.server import NatsServer
+from strata.config import Env
 from strata.errors import StrataError
 from strata.events import (
     AnyEvent,
     WorkerFailed,
     WorkerHeartbeat,
+    WorkerLeft,
+    WorkerRegistered,
     WorkerStateChanged,
     decode_event,
     encode_event,
@@ -37,6 +45,7 @@ from strata.events import (
     subjects,
     unpack,
 )
+from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import MembersResult
 from strata.services.registry.service import fast_beat
 
@@ -332,7 +341,7 @@ async def test_malformed_heartbeats_and_requests_are_refused_and_counted(
         (register, b"\x93\x01", "malformed", "register"),
         (register, pack([job, "instance"]), "invalid_request", "register"),
         (register, pack({"job": "bad job!", "instance": "i"}), "invalid_request", "register"),
-        (register, pack({"job": job, "instance": "i", "rank": 3}), "invalid_request", "register"),
+        (register, pack({"job": job, "instance": "i", "rank": -1}), "invalid_request", "register"),
         (subjects.rpc_subject("registry", "frobnicate"), pack({}), "unknown_verb", "?"),
     ]
     for subject, payload, code, _ in requests:
@@ -356,6 +365,160 @@ async def test_malformed_heartbeats_and_requests_are_refused_and_counted(
         return listed.members[0].last_heartbeat_ts is not None
 
     await async_wait_until(heartbeats_applied, 5, "the new worker's heartbeats")
+
+
+# -- restarts under the same worker id, and requested ranks ---------------------------------------
+
+RESTARTED_CHILD = """
+import sys, time
+import strata
+worker = strata.Worker(job=sys.argv[1], nats_url=sys.argv[2], worker_id=sys.argv[3]).start()
+print("registered", worker.instance, worker.rank, flush=True)
+deadline = time.monotonic() + 60
+while not worker.superseded and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("superseded" if worker.superseded else "never-superseded", flush=True)
+time.sleep(float(sys.argv[4]))  # keeps running, as a process that missed the news would
+print("rejoins", worker.rejoin_count, flush=True)
+worker.stop()
+print("stopped", flush=True)
+"""
+
+
+def start_restarted_child(
+    job: str, nats_url: str, worker_id: str, log_file: Path
+) -> subprocess.Popen[str]:
+    """A worker process of its own that reports its registration, then being superseded."""
+    with log_file.open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", RESTARTED_CHILD, job, nats_url, worker_id, str(QUIET_WINDOW)],
+            env={**os.environ, Env.LOG_FORMAT: "json"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            preexec_fn=procutil.child_preexec,
+        )
+
+
+def child_says(child: subprocess.Popen[str], first_word: str) -> list[str]:
+    """The words of the child's next line, which must begin with `first_word`."""
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.split()[:1] == [first_word], f"{line!r}; the child exited with {child.poll()}"
+    return line.split()
+
+
+async def test_a_second_process_with_the_same_worker_id_supersedes_the_first_at_once(
+    registry: ServiceProcess,
+    nats_url: str,
+    bus: Bus,
+    workers: list[strata.aio.Worker],
+    tmp_path: Path,
+) -> None:
+    job = new_job("restart")
+    others = await start_workers(workers, job, nats_url, ["other-0", "other-1"])
+    log_file = tmp_path / "first.log"
+    first = start_restarted_child(job, nats_url, "trainer", log_file)
+    second = strata.aio.Worker(job, nats_url, worker_id="trainer", hostname="node-restarted")
+    workers.append(second)
+    try:
+        _, first_instance, first_rank = await asyncio.to_thread(child_says, first, "registered")
+        assert int(first_rank) == 2
+        epoch_before = (await others[0].members()).membership_epoch
+        # A restart faster than the heartbeat timeout, as torchrun's are: the first process
+        # still heartbeats, so nothing but the new registration can end its registration.
+        await second.start()
+        assert (second.rank, second.world_size) == (2, 3)
+        assert second.rejoined
+        assert second.membership_epoch == epoch_before + 2
+        assert (await asyncio.to_thread(child_says, first, "superseded")) == ["superseded"]
+        # The old process then neither registers again nor leaves in the new one's name.
+        assert (await asyncio.to_thread(child_says, first, "rejoins")) == ["rejoins", "0"]
+        assert (await asyncio.to_thread(child_says, first, "stopped")) == ["stopped"]
+        assert await asyncio.to_thread(first.wait, 30) == 0
+
+        trainer = [
+            e
+            for e in await job_events(bus, job)
+            if isinstance(e, WorkerRegistered | WorkerFailed | WorkerLeft)
+            and e.worker_id == "trainer"
+        ]
+        assert [type(e) for e in trainer] == [WorkerRegistered, WorkerFailed, WorkerRegistered]
+        registered_first, failed, registered_second = trainer
+        assert isinstance(registered_first, WorkerRegistered)
+        assert isinstance(failed, WorkerFailed)
+        assert isinstance(registered_second, WorkerRegistered)
+        assert registered_first.instance == first_instance
+        assert failed.reason == f"{SUPERSEDED_REASON}, on node-restarted"
+        assert (failed.rank, registered_second.rank) == (2, 2)
+        assert registered_second.instance == second.instance
+        assert failed.membership_epoch == epoch_before + 1
+        assert registered_second.membership_epoch == epoch_before + 2
+        listed = await second.members(include_gone=True)
+        assert [(m.worker_id, m.rank, m.status, m.instance) for m in listed.members] == [
+            ("other-0", 0, "idle", others[0].instance),
+            ("other-1", 1, "idle", others[1].instance),
+            ("trainer", 2, "idle", second.instance),
+        ]
+        records = [json.loads(line) for line in log_file.read_text().splitlines() if line]
+        told = [r for r in records if r.get("event") == "worker_superseded"]
+        assert [r["level"] for r in told] == ["error"], records
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+async def test_requested_ranks_are_given_exactly_and_a_taken_one_is_refused_naming_its_holder(
+    registry: ServiceProcess,
+    nats_url: str,
+    workers: list[strata.aio.Worker],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    job = new_job("ranks")
+    asked = {"r5": 5, "r0": 0, "r2": 2}
+    for worker_id, rank in asked.items():
+        worker = strata.aio.Worker(job, nats_url, worker_id=worker_id, rank=rank, hostname="n-a")
+        workers.append(worker)
+        await worker.start()
+        assert (worker.rank, worker.requested_rank) == (rank, rank)
+    (lowest,) = await start_workers(workers, job, nats_url, ["any"])
+    assert (lowest.rank, lowest.requested_rank, lowest.world_size) == (1, None, 4)
+
+    taken = strata.aio.Worker(job, nats_url, worker_id="intruder", rank=5)
+    with pytest.raises(strata.ConflictError) as refused:
+        await taken.start()
+    assert not isinstance(refused.value, strata.WorkerSuperseded)
+    assert refused.value.code == "conflict"
+    message = refused.value.message
+    assert "rank 5" in message
+    assert "'r5'" in message
+    assert "n-a" in message
+    assert "ask for a free rank" in message
+    assert not taken.started
+    listed = await lowest.members()
+    assert [(m.worker_id, m.rank) for m in listed.members] == [
+        ("r0", 0),
+        ("any", 1),
+        ("r2", 2),
+        ("r5", 5),
+    ]
+
+    # From the environment when rank= is not given (e.g. STRATA_RANK=$RANK in a launcher).
+    monkeypatch.setenv(Env.RANK, "7")
+    from_env = strata.aio.Worker(job, nats_url, worker_id="from-env")
+    workers.append(from_env)
+    await from_env.start()
+    assert (from_env.rank, from_env.requested_rank) == (7, 7)
+    explicit = strata.aio.Worker(job, nats_url, worker_id="explicit", rank=3)
+    workers.append(explicit)
+    assert (await explicit.start()).rank == 3
+    with pytest.raises(strata.ValidationError, match="rank"):
+        strata.aio.Worker(job, nats_url, rank=10_000)
+    monkeypatch.setenv(Env.RANK, "-1")
+    with pytest.raises(strata.ConfigError, match="STRATA_RANK"):
+        strata.aio.Worker(job, nats_url)
 
 
 # -- jobs are isolated ----------------------------------------------------------------------------

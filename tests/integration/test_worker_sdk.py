@@ -1,18 +1,24 @@
 """The worker SDK (`strata.Worker`, `strata.aio.Worker`) against a real registry process and a real
-nats-server: registration and membership, state, conflicts, heartbeats that never block, automatic
-re-registration after a failure, and riding out a registry restart and a NATS restart.
+nats-server: registration and membership, state, restarts under the same id and rank conflicts,
+heartbeats that never block, automatic re-registration after a failure (at a requested rank), riding
+out a registry restart and a NATS restart, and the opt-in graceful leave on SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import strata
+from strata import procutil
 from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
 from strata.events.requests import MemberInfo, MembersResult, Registration
@@ -159,15 +165,35 @@ async def test_async_worker_registers_and_reports_its_state(
     assert not first.started
 
 
-def test_a_second_process_with_the_same_worker_id_is_refused(
+def test_a_second_process_with_the_same_worker_id_supersedes_the_first(
     registry: RegistryProcess, nats_url: str
 ) -> None:
     job = new_job()
     with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0") as first:
         assert first.id == "trainer-0"
-        twin = strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0")
+        with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0") as restarted:
+            assert (restarted.rank, restarted.world_size) == (first.rank, 1)
+            assert restarted.rejoined
+            wait_until(lambda: first.superseded, 5, "the first worker to learn it was replaced")
+            assert not restarted.superseded
+            [info] = restarted.members().members
+            assert (info.worker_id, info.instance) == ("trainer-0", restarted.instance)
+            # The replaced one leaves nothing: the id is the restarted process's now.
+            first.stop()
+            [info] = restarted.members().members
+            assert (info.instance, info.status) == (restarted.instance, "idle")
+            assert first.rejoin_count == 0
+
+
+def test_a_rank_taken_by_another_worker_id_is_refused(
+    registry: RegistryProcess, nats_url: str
+) -> None:
+    job = new_job()
+    with strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-0", rank=3) as first:
+        assert first.rank == 3
+        twin = strata.Worker(job=job, nats_url=nats_url, worker_id="trainer-1", rank=3)
         try:
-            with pytest.raises(strata.ConflictError, match="trainer-0"):
+            with pytest.raises(strata.ConflictError, match="'trainer-0'"):
                 twin.start()
             assert not twin.started
             assert not twin.runner.running  # a refused start leaves no thread behind
@@ -244,6 +270,28 @@ def test_a_silent_worker_is_failed_then_rejoins_on_its_own(
         assert len(rejoins) == 1
 
 
+def test_a_worker_that_asked_for_a_rank_rejoins_at_that_rank(
+    registry: RegistryProcess, nats_url: str
+) -> None:
+    job = new_job()
+    with strata.Worker(job=job, nats_url=nats_url, rank=6) as worker:
+        assert (worker.rank, worker.requested_rank) == (6, 6)
+        worker.aio._suspend_heartbeats(True)
+
+        def is_failed() -> bool:
+            info = member(worker.members(include_gone=True), worker.id)
+            return info is not None and info.status == "failed"
+
+        wait_until(is_failed, 10 * HEARTBEAT_TIMEOUT, "the registry to fail the silent worker")
+        worker.aio._suspend_heartbeats(False)
+        wait_until(lambda: worker.rejoin_count == 1, 5, "the worker to re-register")
+        # Not the lowest free rank (0): the one it asked for.
+        assert (worker.rank, worker.world_size) == (6, 1)
+        info = member(worker.members(), worker.id)
+        assert info is not None
+        assert (info.rank, info.status) == (6, "idle")
+
+
 # -- outages --------------------------------------------------------------------------------------
 
 
@@ -299,6 +347,130 @@ def test_a_worker_heartbeats_again_after_a_nats_restart(
 
         wait_until(heartbeats_arrive, 20, "heartbeats after the NATS restart")
         assert (worker.rank, worker.rejoin_count, worker.world_size) == (rank, 0, 1)
+
+
+# -- SIGTERM --------------------------------------------------------------------------------------
+
+SIGTERM_CHILD = """
+import asyncio, signal, sys, time
+import strata
+
+job, nats_url, mode = sys.argv[1:4]
+if mode == "chained":
+    def previous(signum, frame):
+        print("previous-handler", flush=True)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, previous)
+if mode == "aio":
+    async def main():
+        worker = await strata.aio.Worker(job, nats_url).start()
+        worker.leave_on_sigterm()
+        print("registered-as", worker.id, flush=True)
+        await asyncio.Event().wait()
+    asyncio.run(main())
+else:
+    worker = strata.Worker(job=job, nats_url=nats_url).start()
+    worker.leave_on_sigterm()
+    print("registered-as", worker.id, flush=True)
+    while True:
+        time.sleep(3600)
+"""
+
+UNTOUCHED_CHILD = """
+import asyncio, signal, sys
+before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+def now():
+    return {s: signal.getsignal(s) for s in before}
+import strata, strata.aio
+assert now() == before, ("import", now())
+job, nats_url = sys.argv[1:3]
+worker = strata.Worker(job=job, nats_url=nats_url)
+assert now() == before, ("Worker()", now())
+worker.start()
+assert now() == before, ("start()", now())
+worker.stop()
+async def main():
+    in_loop = now()  # asyncio.run has its own SIGINT handler
+    async with strata.aio.Worker(job, nats_url):
+        assert now() == in_loop, ("aio start()", now())
+    assert now() == in_loop, ("aio stop()", now())
+asyncio.run(main())
+assert now() == before, ("stopped", now())
+print("untouched", flush=True)
+"""
+
+
+def run_child(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=procutil.child_preexec,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "said"),
+    [
+        ("sync", -signal.SIGTERM, ""),
+        ("aio", -signal.SIGTERM, ""),
+        ("chained", 7, "previous-handler\n"),
+    ],
+)
+def test_leave_on_sigterm_leaves_then_hands_sigterm_to_the_previous_handler(
+    registry: RegistryProcess, nats_url: str, mode: str, status: int, said: str
+) -> None:
+    job = new_job()
+    child = run_child(SIGTERM_CHILD, job, nats_url, mode)
+    try:
+        assert child.stdout is not None
+        words = child.stdout.readline().split()
+        assert words[:1] == ["registered-as"], f"{words}; exited with {child.poll()}"
+        worker_id = words[1]
+        with strata.Worker(job=job, nats_url=nats_url) as watcher:
+            wait_until(lambda: watcher.world_size == 2, 5, "the watcher to see the child")
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(30) == status
+            assert child.stdout.read() == said
+            # Left at once: the registry did not wait for the heartbeat timeout.
+            info = member(watcher.members(include_gone=True), worker_id)
+            assert info is not None
+            assert info.status == "left"
+            assert watcher.world_size == 1
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_the_library_installs_no_signal_handler_of_its_own(
+    registry: RegistryProcess, nats_url: str
+) -> None:
+    child = run_child(UNTOUCHED_CHILD, new_job(), nats_url)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.read() == "untouched\n"
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_leave_on_sigterm_needs_the_main_thread_and_for_aio_a_running_loop(
+    nats_url: str,
+) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    sync_worker = strata.Worker(job=new_job(), nats_url=nats_url)
+    aio_worker = strata.aio.Worker(new_job(), nats_url)
+    with ThreadPoolExecutor(1) as pool:
+        for install in (sync_worker.leave_on_sigterm, aio_worker.leave_on_sigterm):
+            with pytest.raises(strata.ConfigError, match="main thread"):
+                pool.submit(install).result()
+    with pytest.raises(strata.ConfigError, match="event loop running"):
+        aio_worker.leave_on_sigterm()
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 # -- bad input and the loop runner ----------------------------------------------------------------

@@ -135,8 +135,13 @@ class WorkerStateChanged(Event):
     epoch: Epoch = 0
 
 
+SUPERSEDED_REASON: Final = "superseded by a new instance of the same worker id (a restart)"
+"""How the `worker.failed` of a process replaced by a newer one under its worker id begins."""
+
+
 class WorkerFailed(Event):
-    """A worker missed its heartbeats for longer than the timeout (or was declared failed)."""
+    """A worker missed its heartbeats for longer than the timeout, or a newer process registered
+    its worker id (the reason then begins with `SUPERSEDED_REASON`)."""
 
     type: Literal["worker.failed"] = "worker.failed"
     v: Literal[1] = 1

@@ -44,7 +44,12 @@ Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS, fail
 
 
 class RegisterRequest(StrictModel):
-    """Join a job. Without `worker_id` one is derived from `instance` (stable across retries)."""
+    """Join a job. Without `worker_id` one is derived from `instance` (stable across retries).
+
+    A live registration of the same `worker_id` by another `instance` is superseded: that process
+    is recorded as failed and this one takes its place (a restart faster than the heartbeat
+    timeout).
+    """
 
     job: Id
     instance: Id = Field(description="Random per process: tells a retry from a second process.")
@@ -52,6 +57,16 @@ class RegisterRequest(StrictModel):
     hostname: Hostname = ""
     gpus: Annotated[int, Field(ge=0, le=1024)] = 0
     labels: Labels = Field(default_factory=dict)
+    rank: Rank | None = Field(
+        default=None,
+        description="The rank wanted (e.g. torch's RANK); refused while another live worker "
+        "holds it. None: the lowest free rank, or the rank of the registration it supersedes.",
+    )
+    rejoin: bool = Field(
+        default=False,
+        description="Sent by a worker re-registering on its own after it was failed: refused "
+        "(`superseded`) if another process registered the id since.",
+    )
 
 
 class Registration(StrictModel):
@@ -63,7 +78,10 @@ class Registration(StrictModel):
     membership_epoch: MembershipEpoch
     heartbeat_interval: Seconds
     heartbeat_timeout: Seconds
-    rejoined: bool = Field(description="The id was failed or had left before this registration.")
+    rejoined: bool = Field(
+        description="The id had failed or left before this registration, or was live in "
+        "another process, which this registration superseded."
+    )
 
 
 class LeaveRequest(StrictModel):
@@ -110,12 +128,20 @@ MEMBERS = endpoint("registry", "members", MembersRequest, MembersResult, "The me
 
 
 class WorkerNotice(StrictModel):
-    """Sent by a service to one worker on `strata.ctl.<job>.<worker>` (core NATS, no stream)."""
+    """Sent by a service to one worker on `strata.ctl.<job>.<worker>` (core NATS, no stream).
+
+    `reregister`: the worker is not a live member (failed, or unknown) and should register again.
+    `superseded`: another process registered the worker id after this one, which must stop.
+    """
 
     job: Id
     worker_id: Id
-    kind: Literal["reregister"]
+    kind: Literal["reregister", "superseded"]
     reason: Text
+    instance: Id | None = Field(
+        default=None,
+        description="The process the notice is for; other processes using the id ignore it.",
+    )
 
 
 # -- sharding -------------------------------------------------------------------------------------
@@ -273,6 +299,11 @@ class ArriveRequest(StrictModel):
     arrival: Annotated[int, Field(ge=0, le=2**62)]
     timeout_s: Seconds = 300.0
     expected_count: Annotated[int, Field(ge=1, le=MAX_WORKERS)] | None = None
+    instance: Id | None = Field(
+        default=None,
+        description="The arriving process (its registration's instance): refused "
+        "(`superseded`) once another process registered the worker id.",
+    )
 
 
 class BarrierOutcome(StrictModel):

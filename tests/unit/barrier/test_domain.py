@@ -15,7 +15,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from strata.errors import ConflictError, NotFound, StrataError
+from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -107,6 +107,7 @@ class Driver:
         *,
         timeout: float = 60.0,
         expected: int | None = None,
+        instance: str | None = None,
     ) -> BarrierOutcome | StrataError:
         request = ArriveRequest(
             job=JOB,
@@ -115,6 +116,7 @@ class Driver:
             arrival=arrival,
             timeout_s=timeout,
             expected_count=expected,
+            instance=instance,
         )
         self.fold(domain.conclude(self.state, JOB, name, self.now))
         decision = domain.arrive(self.state, request, self.now)
@@ -337,6 +339,32 @@ def test_a_new_process_with_the_same_worker_id_counts_from_zero(driver: Driver) 
     assert ok(driver.arrive("w2", "step", 2)).generation == 2  # a retry of its last arrival
     assert isinstance(driver.arrive("w2", "step", 0), ConflictError)
     assert ok(driver.arrive("w2", "step", 3)).generation == 4
+
+
+def test_a_superseded_process_breaks_its_generation_and_never_counts_for_the_next(
+    driver: Driver,
+) -> None:
+    ok(driver.arrive("w0", "step", 0, instance="proc-w0"))
+    ok(driver.arrive("w1", "step", 0, instance="proc-w1"))
+    # w1 restarts faster than the heartbeat timeout: the registry fails the old process, then
+    # registers the new one under the same id.
+    [broken] = driver.gone("w1")
+    assert isinstance(broken, BarrierBrokenEvent)
+    assert broken.culprits == ["w1"]
+    driver.register("w1", instance="proc-w1-restarted")
+    # The old process's retry, or its next arrival, would otherwise open the next generation.
+    for arrival in (0, 1):
+        refused = driver.arrive("w1", "step", arrival, instance="proc-w1")
+        assert isinstance(refused, WorkerSuperseded), refused
+        assert "'w1'" in refused.message
+    assert driver.current("step") is driver.generation("step", 0)
+    fresh = ok(driver.arrive("w1", "step", 0, instance="proc-w1-restarted"))
+    assert (fresh.generation, fresh.arrived) == (1, 1)
+    assert isinstance(driver.arrive("w1", "step", 0, instance="proc-w1"), WorkerSuperseded)
+    ok(driver.arrive("w0", "step", 1, instance="proc-w0"))
+    last = ok(driver.arrive("w2", "step", 0))  # an arrival naming no process is not checked
+    assert (last.generation, last.status, last.arrived) == (1, "released", 3)
+    assert sorted(driver.generation("step", 1).arrived) == ["w0", "w1", "w2"]
 
 
 def test_a_release_lost_in_a_crash_is_derived_again_with_the_same_id(driver: Driver) -> None:

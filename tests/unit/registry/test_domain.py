@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from strata.errors import ConflictError, NotFound
+from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import WorkerFailed, WorkerHeartbeat, WorkerRegistered, WorkerStateChanged
+from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import LeaveRequest, RegisterRequest
 from strata.services.registry import domain
 from strata.services.registry.domain import (
@@ -29,8 +32,16 @@ def run(state: RegistryState, command: domain.Command, now: float) -> domain.Dec
     return decision
 
 
-def register(state: RegistryState, worker: str, now: float, instance: str | None = None) -> int:
-    request = RegisterRequest(job=JOB, worker_id=worker, instance=instance or f"p-{worker}")
+def register(
+    state: RegistryState,
+    worker: str,
+    now: float,
+    instance: str | None = None,
+    rank: int | None = None,
+) -> int:
+    request = RegisterRequest(
+        job=JOB, worker_id=worker, instance=instance or f"p-{worker}", rank=rank
+    )
     decision = run(state, Register(request), now)
     assert decision.error is None, decision.error
     return state.jobs[JOB].members[worker].rank
@@ -62,16 +73,146 @@ def test_ranks_are_dense_then_the_lowest_free_rank_is_reused() -> None:
     assert state.jobs[JOB].world_size == 5
 
 
-def test_registration_is_idempotent_for_one_process_and_refused_for_another() -> None:
+def test_registration_is_idempotent_for_one_process_and_superseded_by_another() -> None:
     state = RegistryState()
     register(state, "w0", 10.0, instance="first")
+    register(state, "w1", 10.0)
     again = run(state, Register(RegisterRequest(job=JOB, worker_id="w0", instance="first")), 11.0)
     assert again.events == []
     assert again.error is None
-    other = run(state, Register(RegisterRequest(job=JOB, worker_id="w0", instance="second")), 11.0)
-    assert isinstance(other.error, ConflictError)
-    assert "'w0'" in other.error.message
-    assert state.jobs[JOB].membership_epoch == 1
+    restart = RegisterRequest(job=JOB, worker_id="w0", instance="second", hostname="node-2")
+    assert domain.takes_over(state, restart)
+    other = run(state, Register(restart), 12.0)
+    assert other.error is None
+    failed, registered = other.events
+    assert isinstance(failed, WorkerFailed)
+    assert isinstance(registered, WorkerRegistered)
+    assert (failed.worker_id, failed.rank, failed.membership_epoch) == ("w0", 0, 3)
+    assert failed.reason.startswith(SUPERSEDED_REASON)
+    assert "node-2" in failed.reason
+    assert (registered.worker_id, registered.instance, registered.rank) == ("w0", "second", 0)
+    assert (registered.world_size, registered.membership_epoch) == (2, 4)
+    job = state.jobs[JOB]
+    assert (job.membership_epoch, job.world_size) == (4, 2)
+    assert (job.members["w0"].instance, job.members["w0"].status) == ("second", "idle")
+    assert not domain.takes_over(state, restart)  # a retry of it is the same registration
+    assert run(state, Register(restart), 13.0).events == []
+
+
+def test_a_superseding_failure_has_the_id_a_timeout_of_that_registration_would_have() -> None:
+    state = RegistryState()
+    register(state, "w0", 10.0, instance="first")
+    timed_out = domain.detect_failures(copy.deepcopy(state), 100.0, POLICY)
+    superseded = domain.decide(
+        state, Register(RegisterRequest(job=JOB, worker_id="w0", instance="second")), 11.0, POLICY
+    ).events[0]
+    # One registration ends once: whichever decision of its end is stored first counts.
+    assert [e.id for e in timed_out] == [superseded.id]
+
+
+def test_the_superseded_process_is_fenced_off() -> None:
+    state = RegistryState()
+    register(state, "w0", 10.0, instance="old")
+    register(state, "w0", 11.0, instance="new")
+    member = state.jobs[JOB].members["w0"]
+    stale = WorkerHeartbeat(
+        job=JOB, source="w0", worker_id="w0", instance="old", seq=9, state="training"
+    )
+    outcome = domain.observe_heartbeat(state, stale, 12.0)
+    # Told that it was superseded, never to register again (it would take the id back).
+    assert (outcome.rejected, outcome.reregister, outcome.events) == ("instance_mismatch", None, [])
+    assert outcome.superseded is not None
+    assert "'w0'" in outcome.superseded
+    assert (member.last_seen, member.status) == (11.0, "idle")
+    leave = run(state, Leave(LeaveRequest(job=JOB, worker_id="w0", instance="old")), 12.0)
+    assert isinstance(leave.error, WorkerSuperseded)
+    rejoin = RegisterRequest(job=JOB, worker_id="w0", instance="old", rejoin=True)
+    refused = run(state, Register(rejoin), 12.0)
+    assert isinstance(refused.error, WorkerSuperseded)
+    assert refused.events == []
+    # Still refused once the newer process is gone: the id is no longer the old one's.
+    run(state, DetectFailures(), 100.0)
+    assert domain.observe_heartbeat(state, stale, 101.0).reregister is None
+    assert isinstance(run(state, Register(rejoin), 101.0).error, WorkerSuperseded)
+    # A process that failed and was not replaced rejoins with its own instance as before.
+    assert run(state, Register(rejoin.model_copy(update={"instance": "new"})), 102.0).error is None
+
+
+def test_a_requested_rank_is_given_exactly_or_refused_naming_its_holder() -> None:
+    state = RegistryState()
+    assert register(state, "a", 1.0, rank=5) == 5
+    assert register(state, "b", 1.0) == 0
+    request = RegisterRequest(job=JOB, worker_id="c", instance="p-c", rank=0, hostname="n3")
+    state.jobs[JOB].members["b"].hostname = "node-b"
+    refused = run(state, Register(request), 2.0)
+    assert isinstance(refused.error, ConflictError)
+    assert not isinstance(refused.error, WorkerSuperseded)
+    assert refused.events == []
+    message = refused.error.message
+    assert "rank 0" in message
+    assert "'b'" in message
+    assert "node-b" in message
+    assert "ask for a free rank" in message
+    assert refused.error.details == {"rank": 0, "holder": "b", "host": "node-b"}
+    assert register(state, "c", 2.0) == 1  # without rank=, the lowest free one
+    assert register(state, "d", 2.0, rank=2) == 2
+    assert register(state, "e", 2.0) == 3
+    assert register(state, "f", 2.0) == 4
+    assert register(state, "g", 2.0) == 6  # 5 is a's
+    assert state.jobs[JOB].world_size == 7
+    # The same process asking for another rank than it has is refused; a retry is not.
+    same = RegisterRequest(job=JOB, worker_id="a", instance="p-a", rank=5)
+    assert run(state, Register(same), 3.0).events == []
+    moved = run(state, Register(same.model_copy(update={"rank": 9})), 3.0)
+    assert isinstance(moved.error, ConflictError)
+    assert "rank 5" in moved.error.message
+
+
+def test_a_restart_keeps_its_rank_unless_it_asks_for_another() -> None:
+    state = RegistryState()
+    register(state, "a", 1.0)
+    register(state, "b", 1.0)
+    assert register(state, "b", 2.0, instance="b-2") == 1
+    restart = RegisterRequest(job=JOB, worker_id="b", instance="b-3", rank=7)
+    failed, registered = run(state, Register(restart), 3.0).events
+    assert isinstance(failed, WorkerFailed)
+    assert isinstance(registered, WorkerRegistered)
+    assert (failed.rank, registered.rank, registered.world_size) == (1, 7, 2)
+    assert sorted(state.jobs[JOB].ranks) == [0, 7]
+    # Superseding never takes another worker's rank.
+    taken = RegisterRequest(job=JOB, worker_id="b", instance="b-4", rank=0)
+    refused = run(state, Register(taken), 4.0)
+    assert isinstance(refused.error, ConflictError)
+    assert refused.events == []
+    assert state.jobs[JOB].members["b"].instance == "b-3"
+
+
+def test_a_rejoin_asks_for_its_rank_again() -> None:
+    state = RegistryState()
+    register(state, "a", 0.0, rank=3)
+    register(state, "b", 0.0)
+    run(state, DetectFailures(), 10.0)
+    rejoin = RegisterRequest(job=JOB, worker_id="a", instance="p-a", rank=3, rejoin=True)
+    assert domain.takes_over(state, rejoin)
+    assert run(state, Register(rejoin), 10.0).error is None
+    assert state.jobs[JOB].members["a"].rank == 3
+    # Taken by another worker meanwhile: refused, and free again once that one is gone.
+    run(state, DetectFailures(), 20.0)
+    assert register(state, "c", 20.0, rank=3) == 3
+    assert isinstance(run(state, Register(rejoin), 21.0).error, ConflictError)
+    run(state, Leave(LeaveRequest(job=JOB, worker_id="c", instance="p-c")), 22.0)
+    assert run(state, Register(rejoin), 23.0).error is None
+    assert state.jobs[JOB].members["a"].rank == 3
+
+
+def test_a_full_job_still_takes_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(domain, "MAX_WORKERS", 2)
+    state = RegistryState()
+    register(state, "a", 0.0)
+    register(state, "b", 0.0)
+    full = run(state, Register(RegisterRequest(job=JOB, worker_id="c", instance="p-c")), 1.0)
+    assert isinstance(full.error, ConflictError)
+    assert register(state, "b", 1.0, instance="b-2") == 1
 
 
 def test_worker_id_is_derived_from_the_instance_when_absent() -> None:
@@ -212,22 +353,74 @@ class Membership(RuleBasedStateMachine):
         self.epoch_seen = 0
         self.instances: dict[str, int] = {}
 
-    @rule(n=st.integers(0, 9), same_process=st.booleans())
-    def register(self, n: int, same_process: bool) -> None:
+    @rule(
+        n=st.integers(0, 9),
+        same_process=st.booleans(),
+        wanted=st.none() | st.integers(0, 11),
+        rejoin=st.booleans(),
+    )
+    def register(self, n: int, same_process: bool, wanted: int | None, rejoin: bool) -> None:
         worker = f"w{n}"
         generation = self.instances.get(worker, 0) + (0 if same_process else 1)
-        self.instances[worker] = generation
+        instance = f"{worker}-{generation}"
         job = self.state.jobs.get(JOB)
         free = job.lowest_free_rank() if job else 0
-        was_live = job is not None and worker in job.members and job.members[worker].live
-        request = RegisterRequest(job=JOB, worker_id=worker, instance=f"{worker}-{generation}")
+        existing = job.members.get(worker) if job else None
+        was_live = existing is not None and existing.live
+        holder = job.ranks.get(wanted) if job is not None and wanted is not None else None
+        request = RegisterRequest(
+            job=JOB, worker_id=worker, instance=instance, rank=wanted, rejoin=rejoin
+        )
         decision = run(self.state, Register(request), self.now)
-        if decision.events:
-            assert not was_live
-            assert self.state.jobs[JOB].members[worker].rank == free
-        elif decision.error is not None:
-            assert was_live
+        kinds = [type(e) for e in decision.events]
+        if existing is not None and was_live and existing.instance == instance:
+            # A retry: nothing new, unless it asks for another rank than it has.
+            assert kinds == []
+            refused = wanted is not None and wanted != existing.rank
+            assert isinstance(decision.error, ConflictError) == refused
+        elif rejoin and existing is not None and existing.instance != instance:
+            assert (kinds, type(decision.error)) == ([], WorkerSuperseded)
+        elif holder is not None and holder != worker:
+            assert kinds == []
             assert isinstance(decision.error, ConflictError)
+            assert repr(holder) in decision.error.message
+        elif was_live:
+            assert existing is not None
+            old_rank = existing.rank
+            assert kinds == [WorkerFailed, WorkerRegistered]
+            assert decision.events[0].reason.startswith(SUPERSEDED_REASON)  # type: ignore[attr-defined]
+            assert self.state.jobs[JOB].members[worker].rank == (
+                old_rank if wanted is None else wanted
+            )
+        else:
+            assert kinds == [WorkerRegistered]
+            assert self.state.jobs[JOB].members[worker].rank == (free if wanted is None else wanted)
+        if decision.events:
+            self.instances[worker] = generation
+
+    @rule(n=st.integers(0, 9), now=st.floats(0.0, 1.0))
+    def stale_beat(self, n: int, now: float) -> None:
+        """A heartbeat of a process that a later registration replaced changes nothing."""
+        job = self.state.jobs.get(JOB)
+        worker = f"w{n}"
+        member = job.members.get(worker) if job else None
+        generation = self.instances.get(worker, 0)
+        if member is None or generation == 0:
+            return
+        seen = member.last_seen
+        hb = WorkerHeartbeat(
+            job=JOB,
+            source=worker,
+            worker_id=worker,
+            instance=f"{worker}-{generation - 1}",
+            seq=1,
+            state="training",
+        )
+        outcome = domain.observe_heartbeat(self.state, hb, self.now + now)
+        assert outcome.reregister is None
+        assert outcome.superseded is not None
+        assert outcome.events == []
+        assert member.last_seen == seen
 
     @rule(n=st.integers(0, 9))
     def leave(self, n: int) -> None:
