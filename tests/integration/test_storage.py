@@ -200,6 +200,21 @@ async def test_overwrite_replaces_the_whole_object(store: Harness) -> None:
     assert await store.storage.list("job-a") == [KEY]
 
 
+async def test_size_is_the_stored_length_without_reading_the_object(store: Harness) -> None:
+    storage = store.make(part_size=SMALL_PART)
+    assert await storage.size(KEY) is None
+    await storage.write(KEY, b"")
+    assert await storage.size(KEY) == 0
+    await storage.write(KEY, os.urandom(MEDIUM))  # in parts
+    assert await storage.size(KEY) == MEDIUM
+    await storage.write(KEY, b"shorter")
+    assert await storage.size(KEY) == len(b"shorter")
+    # A prefix of stored keys is no object.
+    assert await storage.size(step_prefix("job-a", 100)) is None
+    await storage.delete(KEY)
+    assert await storage.size(KEY) is None
+
+
 async def test_corrupted_object_raises_checksum_mismatch(store: Harness) -> None:
     data = os.urandom(256 * 1024)
     result = await store.storage.write(KEY, data)
@@ -226,6 +241,7 @@ async def test_wrong_recorded_checksum_is_an_error(store: Harness) -> None:
 
 async def test_missing_objects(store: Harness) -> None:
     assert not await store.storage.exists(KEY)
+    assert await store.storage.size(KEY) is None
     with pytest.raises(NotFound, match="job-a"):
         await store.storage.read(KEY)
     await store.storage.delete(KEY)
@@ -280,6 +296,7 @@ async def test_path_traversal_is_refused_before_any_io(store: Harness, key: str)
         storage.write(key, b"x"),
         storage.read(key),
         storage.exists(key),
+        storage.size(key),
         storage.delete(key),
         storage.delete_prefix(key),
         storage.list(key) if key else storage.list("../x"),

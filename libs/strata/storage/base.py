@@ -73,6 +73,14 @@ class StorageBackend(ABC):
     async def exists(self, key: str) -> bool: ...
 
     @abstractmethod
+    async def size(self, key: str) -> int | None:
+        """The size in bytes of the object under `key`, or None when there is none.
+
+        Metadata only (a `stat`, a HEAD request): the commit checks every acked shard is still
+        there, whole, without reading it back.
+        """
+
+    @abstractmethod
     async def delete(self, key: str) -> None:
         """Remove `key`; removing a missing key is not an error."""
 

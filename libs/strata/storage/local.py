@@ -15,6 +15,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import sys
 import threading
 import uuid
@@ -221,6 +222,17 @@ class LocalStorage(StorageBackend):
     async def exists(self, key: str) -> bool:
         valid_key(key)
         return await self._io("checking", key, lambda: self.path(key).is_file())
+
+    async def size(self, key: str) -> int | None:
+        valid_key(key)
+        return await self._io("checking", key, self._file_size, key)
+
+    def _file_size(self, key: str) -> int | None:
+        try:
+            found = self.path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return found.st_size if stat.S_ISREG(found.st_mode) else None
 
     async def delete(self, key: str) -> None:
         valid_key(key)

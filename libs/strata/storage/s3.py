@@ -395,6 +395,21 @@ class S3Storage(StorageBackend):
             raise self._storage_error("checking", key, exc) from exc
         return True
 
+    async def size(self, key: str) -> int | None:
+        object_key = self.object_key(key)
+        s3 = await self.client()
+        try:
+            head = await self._retry(
+                f"head {object_key}", lambda: s3.head_object(Bucket=self.bucket, Key=object_key)
+            )
+        except ClientError as exc:
+            if _error_code(exc) in _MISSING_CODES:
+                return None
+            raise self._storage_error("checking", key, exc) from exc
+        except (BotoConnectionError, HTTPClientError, TimeoutError) as exc:
+            raise self._storage_error("checking", key, exc) from exc
+        return int(head["ContentLength"])
+
     async def delete(self, key: str) -> None:
         object_key = self.object_key(key)
         s3 = await self.client()
