@@ -20,6 +20,7 @@ turns a reply back into the matching subclass with `error_from_code`.
     ├── BarrierBroken          a participant failed or left            barrier_broken
     ├── BarrierTimeout         a barrier was not complete in time      barrier_timeout
     ├── ChecksumMismatch       stored bytes differ from their record   checksum_mismatch
+    ├── MissingShard           a checkpoint has no shard of a rank     missing_shard
     └── StorageError           the checkpoint store failed             storage_error
 """
 
@@ -117,6 +118,16 @@ class ChecksumMismatch(StrataError):
     code = "checksum_mismatch"
 
 
+class MissingShard(StrataError):
+    """The checkpoint exists but holds no shard of the rank asked for.
+
+    Not a `NotFound`: code that treats `NotFound` as "no checkpoint yet, start fresh" must not
+    start one rank fresh while the others resume.
+    """
+
+    code = "missing_shard"
+
+
 class StorageError(StrataError):
     code = "storage_error"
 
@@ -139,6 +150,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         BarrierBroken,
         BarrierTimeout,
         ChecksumMismatch,
+        MissingShard,
         StorageError,
     )
 }
