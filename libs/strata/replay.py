@@ -36,6 +36,7 @@ from strata.events import (
     CheckpointCommitted,
     CheckpointPruned,
     CheckpointShardSaved,
+    CheckpointShardStarted,
     CheckpointStarted,
     DatasetRegistered,
     Event,
@@ -96,6 +97,7 @@ ROUTES: Final[dict[str, tuple[str, ...]]] = {
     "barrier.broken": ("barrier",),
     "barrier.timed_out": ("barrier",),
     "checkpoint.started": ("checkpoint",),
+    "checkpoint.shard_started": ("checkpoint",),
     "checkpoint.shard_saved": ("checkpoint",),
     "checkpoint.committed": ("checkpoint",),
     "checkpoint.aborted": ("checkpoint",),
@@ -229,10 +231,13 @@ def summarize(event: Event) -> str:
             f"with {event.arrived} arrived, {len(event.missing)} missing"
         )
     if isinstance(event, CheckpointStarted):
+        world = "" if event.world_size is None else f" for a world of {event.world_size}"
         return (
-            f"checkpoint of step {event.step} (epoch {event.epoch}) started with "
+            f"checkpoint of step {event.step} (epoch {event.epoch}) started{world} with "
             f"{len(event.participants)} participants"
         )
+    if isinstance(event, CheckpointShardStarted):
+        return f"rank {event.rank} ({event.worker_id}) began its shard of step {event.step}"
     if isinstance(event, CheckpointShardSaved):
         return (
             f"rank {event.rank} ({event.worker_id}) saved {_mb(event.bytes)} for step {event.step}"

@@ -33,6 +33,7 @@ from strata.events import (
     CheckpointCommitted,
     CheckpointPruned,
     CheckpointShardSaved,
+    CheckpointShardStarted,
     CheckpointStarted,
     DatasetRegistered,
     Event,
@@ -297,9 +298,23 @@ def checkpoint(h: History, step: int, workers: list[str], commit: bool, saved: i
             participants=[Participant(worker_id=w, rank=r) for r, w in enumerate(workers)],
             keep_count=2,
             timeout_s=60.0,
+            world_size=len(workers),
+            membership_epoch=len(workers),
         )
     )
     for rank, worker in enumerate(workers[:saved]):
+        h.add(
+            CheckpointShardStarted(
+                job=JOB,
+                source="checkpoint",
+                step=step,
+                epoch=0,
+                rank=rank,
+                worker_id=worker,
+                instance=f"proc-{worker}",
+                save_id=f"save-{worker}-{step}",
+            )
+        )
         h.add(
             CheckpointShardSaved(
                 job=JOB,
@@ -531,6 +546,10 @@ def test_summaries_name_who_and_what_for_every_event_type() -> None:
         "checkpoint of step 300 committed: 10.0 MB in 4 shards, 500 ms"
     )
     assert seen["barrier.released"].startswith("barrier b#0 released: 4 participants")
+    assert seen["checkpoint.started"] == (
+        "checkpoint of step 500 (epoch 0) started for a world of 4 with 4 participants"
+    )
+    assert seen["checkpoint.shard_started"] == "rank 0 (w0) began its shard of step 500"
     assert seen["metric.sampled"] == "loss = 0.25"
     assert seen["shard.progress_restored"] == (
         "ds epoch 0: progress restored from the checkpoint of step 300 "

@@ -46,6 +46,7 @@ Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
 ShardId = Annotated[int, Field(ge=0, lt=MAX_SHARDS)]
 MembershipEpoch = Annotated[int, Field(ge=0, le=2**62)]
+WorldSize = Annotated[int, Field(ge=1, le=MAX_WORKERS)]
 
 WorkerState = Literal[
     "idle", "loading", "training", "checkpointing", "recovering", "failed", "left"
@@ -316,6 +317,8 @@ class Participant(StrictModel):
 
 
 class CheckpointStarted(Event):
+    """A step's checkpoint opened for a world: every rank of it must save for it to commit."""
+
     type: Literal["checkpoint.started"] = "checkpoint.started"
     v: Literal[1] = 1
     step: Step
@@ -326,6 +329,27 @@ class CheckpointStarted(Event):
     ]
     keep_count: Annotated[int, Field(ge=1, le=10_000)]
     timeout_s: Seconds
+    world_size: WorldSize | None = Field(
+        default=None,
+        description="The world the checkpoint belongs to: ranks 0..world_size-1. Absent from "
+        "events recorded before worlds were: then the participants are the world.",
+    )
+    membership_epoch: MembershipEpoch | None = Field(
+        default=None, description="The membership epoch at which that world was seen."
+    )
+
+
+class CheckpointShardStarted(Event):
+    """A rank's writer declared itself before writing its shard: no other may write that rank."""
+
+    type: Literal["checkpoint.shard_started"] = "checkpoint.shard_started"
+    v: Literal[1] = 1
+    step: Step
+    epoch: Epoch
+    rank: Rank
+    worker_id: Id
+    instance: Id = Field(description="The writing process (its worker registration's instance).")
+    save_id: Id = Field(description="One save call; a retried begin carries the same one.")
 
 
 class DataCursor(StrictModel):
@@ -436,6 +460,7 @@ AnyEvent: TypeAlias = Annotated[
     | BarrierBrokenEvent
     | BarrierTimedOut
     | CheckpointStarted
+    | CheckpointShardStarted
     | CheckpointShardSaved
     | CheckpointCommitted
     | CheckpointAborted
@@ -461,6 +486,7 @@ EVENT_MODELS: Final[tuple[type[Event], ...]] = (
     BarrierBrokenEvent,
     BarrierTimedOut,
     CheckpointStarted,
+    CheckpointShardStarted,
     CheckpointShardSaved,
     CheckpointCommitted,
     CheckpointAborted,

@@ -34,6 +34,7 @@ from strata.events.models import (
     Text,
     Uri,
     WorkerState,
+    WorldSize,
 )
 from strata.events.rpc import endpoint
 
@@ -357,10 +358,37 @@ class Manifest(StrictModel):
     participants: Annotated[list[Participant], Field(max_length=MAX_WORKERS, fail_fast=True)]
     shards: Annotated[list[ManifestShard], Field(max_length=MAX_WORKERS, fail_fast=True)]
     total_bytes: ByteCount
+    world_size: WorldSize | None = Field(
+        default=None,
+        description="The world it belongs to: ranks 0..world_size-1. Absent from manifests "
+        "written before worlds were recorded: then the participants are the world.",
+    )
+    membership_epoch: MembershipEpoch | None = Field(
+        default=None, description="The membership epoch at which that world was seen."
+    )
+
+    def world(self) -> int:
+        """The number of ranks the checkpoint must hold a shard of to be complete."""
+        return self.world_size if self.world_size is not None else len(self.participants)
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks of its world it has no shard of (empty for a complete checkpoint)."""
+        held = {shard.rank for shard in self.shards}
+        return [rank for rank in range(self.world()) if rank not in held]
+
+    @property
+    def complete(self) -> bool:
+        """Whether it holds a shard of every rank of its world."""
+        return not self.missing_ranks()
 
 
 class BeginCheckpointRequest(StrictModel):
-    """Open the checkpoint of `step` (idempotent: every participant sends it)."""
+    """Declare this worker's shard of `step`, opening the step's checkpoint if it is the first.
+
+    Sent once per save, before the shard is written; a retry carries the same `save_id` and gets
+    the same answer. `world_size` and `membership_epoch` are the membership as the worker sees
+    it: the first begin of a step fixes the step's world.
+    """
 
     job: Id
     worker_id: Id
@@ -369,6 +397,18 @@ class BeginCheckpointRequest(StrictModel):
     root_uri: Uri
     keep_count: Annotated[int, Field(ge=1, le=10_000)] = 5
     timeout_s: Seconds = 300.0
+    world_size: WorldSize | None = Field(
+        default=None, description="The saving worker's world size; None: the live membership."
+    )
+    membership_epoch: MembershipEpoch = Field(
+        default=0, description="The membership epoch the worker's world size is from."
+    )
+    instance: Id | None = Field(
+        default=None, description="The saving process (its worker registration's instance)."
+    )
+    save_id: Id | None = Field(
+        default=None, description="Unique per save call: tells a retry from a second save."
+    )
 
 
 class CheckpointInfo(StrictModel):
@@ -384,11 +424,18 @@ class CheckpointInfo(StrictModel):
     manifest_uri: Uri | None = None
     total_bytes: ByteCount = 0
     reason: Text = ""
+    world_size: WorldSize | None = None
+    membership_epoch: MembershipEpoch | None = None
 
 
 class CheckpointQuery(StrictModel):
     job: Id
     step: Step | None = Field(default=None, description="None: the latest committed one.")
+    include_incomplete: bool = Field(
+        default=False,
+        description="With step None: the latest committed one even if it lacks a rank of its "
+        "world (only checkpoints committed before worlds were recorded can).",
+    )
 
 
 class CheckpointAnswer(StrictModel):
@@ -402,7 +449,7 @@ BEGIN_CHECKPOINT = endpoint(
     "begin",
     BeginCheckpointRequest,
     CheckpointInfo,
-    "Open a step's checkpoint (idempotent); freezes its participants.",
+    "Declare a rank's shard of a step before writing it; the first opens the step for its world.",
 )
 CHECKPOINT_STATUS = endpoint(
     "checkpoint",
