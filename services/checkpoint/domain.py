@@ -1,14 +1,19 @@
-"""The checkpoint service's pure core: open checkpoints, acks, commit, abort, retention.
+"""The checkpoint service's pure core: worlds, intents, acks, commit, abort, retention.
 
-Phase one: each participant writes its shard to storage and publishes `checkpoint.shard_saved`.
-Phase two: once every participant has acked, the service writes the manifest (the commit marker)
-and records `checkpoint.committed`. A participant that fails before acking, or the deadline,
-aborts the step. Participants are frozen when the step opens: the job's live members with their
-ranks. No I/O here; the adapter does the storage work the decisions call for.
+A step opens for a world: ranks 0..world_size-1 as the first saving worker sees the membership,
+each mapped to the live worker holding it; a rank of that world with no live worker aborts the
+step at once, since it could never complete. Before writing, each rank's writer declares itself
+(`checkpoint.shard_started`), so a second writer of the same rank is refused instead of
+overwriting a shard. Phase one: each participant writes its shard and publishes
+`checkpoint.shard_saved`. Phase two: once every rank of the world has acked and the shards are
+verified in storage, the service writes the manifest (the commit marker) and records
+`checkpoint.committed`. A participant that fails before acking, or the deadline, aborts the step.
+No I/O here; the adapter does the storage work the decisions call for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from strata.errors import ConflictError, NotFound, StrataError
@@ -17,6 +22,7 @@ from strata.events import (
     CheckpointCommitted,
     CheckpointPruned,
     CheckpointShardSaved,
+    CheckpointShardStarted,
     CheckpointStarted,
     Event,
     Participant,
@@ -36,6 +42,15 @@ from strata.storage.base import shard_key
 SOURCE = "checkpoint"
 
 
+@dataclass(frozen=True)
+class Intent:
+    """Who declared itself the writer of a rank's shard."""
+
+    worker_id: str
+    instance: str
+    save_id: str
+
+
 @dataclass
 class OpenCheckpoint:
     step: int
@@ -45,15 +60,25 @@ class OpenCheckpoint:
     started_ns: int
     deadline_ns: int
     participants: dict[str, int]
-    """Worker id -> rank."""
+    """Worker id -> rank: the live holder of each rank of the world when the step opened."""
+    world_size: int | None = None
+    """Ranks 0..world_size-1 must ack; None for steps opened before worlds were recorded."""
+    membership_epoch: int | None = None
     acks: dict[int, CheckpointShardSaved] = field(default_factory=dict)
     """Rank -> its ack."""
+    intents: dict[int, Intent] = field(default_factory=dict)
+    """Rank -> the writer that declared itself for it (the first one)."""
+
+    def required_ranks(self) -> set[int]:
+        if self.world_size is None:
+            return set(self.participants.values())
+        return set(range(self.world_size))
 
     def complete(self) -> bool:
-        return set(self.acks) >= set(self.participants.values())
+        return set(self.acks) >= self.required_ranks()
 
     def missing_ranks(self) -> list[int]:
-        return sorted(set(self.participants.values()) - set(self.acks))
+        return sorted(self.required_ranks() - set(self.acks))
 
 
 @dataclass
@@ -74,13 +99,22 @@ class JobCheckpoints:
     job: str
     live: dict[str, int] = field(default_factory=dict)
     """Live worker id -> rank."""
+    membership_epoch: int = 0
+    """The newest membership epoch folded (registrations, failures, departures)."""
     open: dict[int, OpenCheckpoint] = field(default_factory=dict)
     committed: dict[int, CommittedCheckpoint] = field(default_factory=dict)
     aborted: dict[int, tuple[OpenCheckpoint, str]] = field(default_factory=dict)
     """Step -> the checkpoint as it was, and why it was aborted."""
+    pruned: set[int] = field(default_factory=set)
+    """Steps committed and since removed by retention: they stay taken."""
 
-    def latest(self) -> CommittedCheckpoint | None:
-        return self.committed[max(self.committed)] if self.committed else None
+    def latest(self, *, include_incomplete: bool = False) -> CommittedCheckpoint | None:
+        """The newest committed checkpoint that holds every rank of its world (or any)."""
+        for step in sorted(self.committed, reverse=True):
+            found = self.committed[step]
+            if include_incomplete or found.manifest.complete:
+                return found
+        return None
 
 
 @dataclass
@@ -105,22 +139,25 @@ def _participants(mapping: dict[str, int]) -> list[Participant]:
 
 def evolve(state: CheckpointState, event: Event) -> CheckpointState:
     if isinstance(event, WorkerRegistered):
-        state.job(event.job).live[event.worker_id] = event.rank
+        job = state.job(event.job)
+        job.live[event.worker_id] = event.rank
+        job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, WorkerFailed | WorkerLeft):
-        state.job(event.job).live.pop(event.worker_id, None)
+        job = state.job(event.job)
+        job.live.pop(event.worker_id, None)
+        job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, CheckpointStarted):
         job = state.job(event.job)
         if event.step not in job.open and event.step not in job.committed:
-            job.open[event.step] = OpenCheckpoint(
-                step=event.step,
-                epoch=event.epoch,
-                root_uri=event.root_uri,
-                keep_count=event.keep_count,
-                started_ns=event.ts,
-                deadline_ns=event.ts + int(event.timeout_s * 1e9),
-                participants={p.worker_id: p.rank for p in event.participants},
-            )
+            job.open[event.step] = _opened(event)
             job.aborted.pop(event.step, None)
+            job.pruned.discard(event.step)
+    elif isinstance(event, CheckpointShardStarted):
+        opened = state.job(event.job).open.get(event.step)
+        if opened is not None and opened.participants.get(event.worker_id) == event.rank:
+            opened.intents.setdefault(
+                event.rank, Intent(event.worker_id, event.instance, event.save_id)
+            )
     elif isinstance(event, CheckpointShardSaved):
         opened = state.job(event.job).open.get(event.step)
         if opened is not None and ack_problem(opened, event) is None:
@@ -146,8 +183,24 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
         if dropped is not None:
             job.aborted[event.step] = (dropped, event.reason)
     elif isinstance(event, CheckpointPruned):
-        state.job(event.job).committed.pop(event.step, None)
+        job = state.job(event.job)
+        job.committed.pop(event.step, None)
+        job.pruned.add(event.step)
     return state
+
+
+def _opened(event: CheckpointStarted) -> OpenCheckpoint:
+    return OpenCheckpoint(
+        step=event.step,
+        epoch=event.epoch,
+        root_uri=event.root_uri,
+        keep_count=event.keep_count,
+        started_ns=event.ts,
+        deadline_ns=event.ts + int(event.timeout_s * 1e9),
+        participants={p.worker_id: p.rank for p in event.participants},
+        world_size=event.world_size,
+        membership_epoch=event.membership_epoch,
+    )
 
 
 def ack_problem(opened: OpenCheckpoint, ack: CheckpointShardSaved) -> str | None:
@@ -165,6 +218,13 @@ def ack_problem(opened: OpenCheckpoint, ack: CheckpointShardSaved) -> str | None
             f"the shard of rank {ack.rank} must be stored as {expected_key} under "
             f"{opened.root_uri}, not at {ack.uri}"
         )
+    first = opened.acks.get(ack.rank)
+    if first is not None and (first.checksum, first.bytes) != (ack.checksum, ack.bytes):
+        return (
+            f"rank {ack.rank} of step {ack.step} was already acked with {first.checksum} "
+            f"({first.bytes} bytes); a second ack ({ack.checksum}, {ack.bytes} bytes) never "
+            "replaces it"
+        )
     return None
 
 
@@ -173,18 +233,49 @@ def ack_problem(opened: OpenCheckpoint, ack: CheckpointShardSaved) -> str | None
 
 @dataclass(frozen=True)
 class Decision:
+    """What a command records, and the error its caller gets (both may be set: a begin that
+    opens a step for a world it can never complete records the abort and is refused)."""
+
     events: list[Event] = field(default_factory=list)
     error: StrataError | None = None
 
 
+def declared_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> tuple[int, int]:
+    """The world (size, membership epoch) a step opens for, from the first begin's view.
+
+    A worker's view of the membership trails the registry's a little. When the service has folded
+    a newer membership than the worker saw, joins the worker has not heard of still count (they
+    are members already), while failures it has not heard of do not shrink the world: the ranks
+    it trained with are still ranks of that world, and a lost one makes the step incomplete.
+    """
+    live = len(job.live)
+    if request.world_size is None:
+        return live, job.membership_epoch
+    if request.membership_epoch < job.membership_epoch and live > request.world_size:
+        return live, job.membership_epoch
+    return request.world_size, request.membership_epoch
+
+
 def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) -> Decision:
+    """A worker declares its shard of `request.step`: open the step, record the intent, or refuse.
+
+    Refused (ConflictError): a committed (or pruned) step, an aborted one, a second save of a rank
+    that already has a writer, a save that disagrees with the open step on its world, epoch or
+    storage root. A step whose world has a rank with no live worker is recorded as aborted at once.
+    """
     job = state.job(request.job)
-    if request.step in job.committed or request.step in job.open:
-        return Decision()
-    if request.step in job.aborted:
+    step = request.step
+    if step in job.committed or step in job.pruned:
         return Decision(
             error=ConflictError(
-                f"checkpoint of step {request.step} was aborted ({job.aborted[request.step][1]}); "
+                f"checkpoint of step {step} is already committed; a committed shard is never "
+                "overwritten: save under a later step"
+            )
+        )
+    if step in job.aborted:
+        return Decision(
+            error=ConflictError(
+                f"checkpoint of step {step} was aborted ({job.aborted[step][1]}); "
                 "save under a later step"
             )
         )
@@ -195,22 +286,143 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
                 "register it (strata.Worker.start) before checkpointing"
             )
         )
-    return Decision(
-        [
-            CheckpointStarted(
-                id=event_id("ckpt-started", request.job, request.step),
-                job=request.job,
-                source=SOURCE,
-                ts=now_ns,
-                step=request.step,
-                epoch=request.epoch,
-                root_uri=request.root_uri,
-                participants=_participants(job.live),
-                keep_count=request.keep_count,
-                timeout_s=request.timeout_s,
-            )
-        ]
+    opened = job.open.get(step)
+    if opened is None:
+        return _open(job, request, now_ns)
+    return _declare(job, opened, request, now_ns)
+
+
+def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> Decision:
+    world_size, membership_epoch = declared_world(job, request)
+    holders = {rank: worker for worker, rank in job.live.items()}
+    participants = {holders[r]: r for r in range(world_size) if r in holders}
+    unheld = [rank for rank in range(world_size) if rank not in holders]
+    if unheld:
+        reason = f"rank {unheld[0]} of the world of {world_size} has no live worker"
+        if len(unheld) > 1:
+            reason += f" (nor {_ranks(unheld[1:])})"
+        refusal = ConflictError(
+            f"checkpoint of step {request.step} was aborted ({reason}); save under a later step"
+        )
+        if not participants:
+            return Decision(error=refusal)  # no rank to record a step with
+    started = CheckpointStarted(
+        id=event_id("ckpt-started", request.job, request.step),
+        job=request.job,
+        source=SOURCE,
+        ts=now_ns,
+        step=request.step,
+        epoch=request.epoch,
+        root_uri=request.root_uri,
+        participants=_participants(participants),
+        keep_count=request.keep_count,
+        timeout_s=request.timeout_s,
+        world_size=world_size,
+        membership_epoch=membership_epoch,
     )
+    opened = _opened(started)
+    if unheld:
+        return Decision([started, aborted(request.job, opened, reason, now_ns)], refusal)
+    rank = participants.get(request.worker_id)
+    if rank is None:
+        return Decision([started], _not_a_participant(opened, request))
+    return Decision([started, _shard_started(request, rank, now_ns)])
+
+
+def _declare(
+    job: JobCheckpoints, opened: OpenCheckpoint, request: BeginCheckpointRequest, now_ns: int
+) -> Decision:
+    """A begin for a step that is open already: this rank's intent, a retry, or a refusal."""
+    step = request.step
+    rank = opened.participants.get(request.worker_id)
+    disagreement = _disagreement(opened, request)
+    if disagreement is not None:
+        # A participant refused here will not save into the step, which can then never
+        # complete: end it now rather than at its deadline.
+        doomed = rank is not None and rank not in opened.acks
+        events = [aborted(job.job, opened, disagreement, now_ns)] if doomed else []
+        return Decision(events, ConflictError(f"checkpoint of step {step} refused: {disagreement}"))
+    if rank is None:
+        return Decision(error=_not_a_participant(opened, request))
+    mine = _intent(request)
+    declared = opened.intents.get(rank)
+    if declared == mine:
+        return Decision()  # a retried begin: the same answer again
+    if declared is not None and declared.instance != mine.instance:
+        return Decision(
+            error=ConflictError(
+                f"rank {rank} of step {step} is already being saved by another process of "
+                f"worker {declared.worker_id!r} (instance {declared.instance}); a shard is "
+                "written once: save under a later step"
+            )
+        )
+    if declared is not None or rank in opened.acks:
+        return Decision(
+            error=ConflictError(
+                f"step {step} was already saved by rank {rank}; save under a later step"
+            )
+        )
+    return Decision([_shard_started(request, rank, now_ns)])
+
+
+def _disagreement(opened: OpenCheckpoint, request: BeginCheckpointRequest) -> str | None:
+    """Why this begin cannot join the open step (world, epoch, storage root), or None."""
+    declared, world = request.world_size, opened.world_size
+    if declared is not None and world is not None and declared != world:
+        # A view older than the step's that misses joins counts the same world, only late.
+        older_view = request.membership_epoch < (opened.membership_epoch or 0)
+        if not (older_view and declared < world):
+            return (
+                f"the step is open for a world of {world} (membership epoch "
+                f"{opened.membership_epoch}); this save declares a world of {declared} "
+                f"(membership epoch {request.membership_epoch})"
+            )
+    if request.epoch != opened.epoch:
+        return f"the step is of epoch {opened.epoch}; this save declares epoch {request.epoch}"
+    if request.root_uri != opened.root_uri:
+        return f"the step is saved under {opened.root_uri}; this save writes to {request.root_uri}"
+    return None
+
+
+def _not_a_participant(opened: OpenCheckpoint, request: BeginCheckpointRequest) -> ConflictError:
+    world = opened.world_size if opened.world_size is not None else len(opened.participants)
+    return ConflictError(
+        f"worker {request.worker_id!r} is not a participant of step {request.step}'s checkpoint "
+        f"(its world of {world} ranks was fixed when it opened, at membership epoch "
+        f"{opened.membership_epoch}); save under a later step"
+    )
+
+
+def _intent(request: BeginCheckpointRequest) -> Intent:
+    # A client that sends no instance or save id cannot tell a retry from a second save: every
+    # begin of its rank counts as the same one, as all begins did before intents were recorded.
+    return Intent(
+        request.worker_id,
+        request.instance or request.worker_id,
+        request.save_id or f"step-{request.step}",
+    )
+
+
+def _shard_started(request: BeginCheckpointRequest, rank: int, now_ns: int) -> Event:
+    intent = _intent(request)
+    return CheckpointShardStarted(
+        id=event_id("ckpt-shard-started", request.job, request.step, rank),
+        job=request.job,
+        source=SOURCE,
+        ts=now_ns,
+        step=request.step,
+        epoch=request.epoch,
+        rank=rank,
+        worker_id=request.worker_id,
+        instance=intent.instance,
+        save_id=intent.save_id,
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
 def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
@@ -225,6 +437,8 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             root_uri=opened.root_uri,
             participants=_participants(opened.participants),
             acked_ranks=sorted(opened.acks),
+            world_size=opened.world_size,
+            membership_epoch=opened.membership_epoch,
         )
     done = job.committed.get(step)
     if done is not None:
@@ -235,9 +449,11 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             status="committed",
             root_uri=done.root_uri,
             participants=_participants(done.participants),
-            acked_ranks=sorted(done.participants.values()),
+            acked_ranks=sorted(shard.rank for shard in done.manifest.shards),
             manifest_uri=done.manifest_uri,
             total_bytes=done.total_bytes,
+            world_size=done.manifest.world_size,
+            membership_epoch=done.manifest.membership_epoch,
         )
     if step in job.aborted:
         dropped, reason = job.aborted[step]
@@ -250,6 +466,8 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             participants=_participants(dropped.participants),
             acked_ranks=sorted(dropped.acks),
             reason=reason,
+            world_size=dropped.world_size,
+            membership_epoch=dropped.membership_epoch,
         )
     raise NotFound(f"job {job_id!r} has no checkpoint of step {step}")
 
@@ -276,7 +494,32 @@ def manifest(opened: OpenCheckpoint, job: str, now_ns: int) -> Manifest:
         participants=_participants(opened.participants),
         shards=shards,
         total_bytes=sum(s.bytes for s in shards),
+        world_size=opened.world_size,
+        membership_epoch=opened.membership_epoch,
     )
+
+
+def storage_problem(opened: OpenCheckpoint, sizes: Mapping[int, int | None]) -> str | None:
+    """Why the step cannot commit with its shards as storage holds them, or None.
+
+    `sizes`: rank -> the size of the object under its acked key (None: no object). Each acked
+    shard must still be there, exactly as long as acked; the manifest is the commit marker, so
+    it is never written over a shard that was lost or cut short after its ack.
+    """
+    problems = []
+    for rank, ack in sorted(opened.acks.items()):
+        found = sizes.get(rank)
+        if found is None:
+            problems.append(f"the shard of rank {rank} ({ack.key}) is missing from storage")
+        elif found != ack.bytes:
+            problems.append(
+                f"the shard of rank {rank} ({ack.key}) holds {found} bytes in storage, "
+                f"{ack.bytes} were acked"
+            )
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more
 
 
 def committed(job: str, opened: OpenCheckpoint, manifest_uri: str, now_ns: int) -> Event:
@@ -335,12 +578,15 @@ def timeouts(state: CheckpointState, now_ns: int) -> list[Event]:
 
 
 def to_prune(job: JobCheckpoints) -> list[CommittedCheckpoint]:
-    """Committed checkpoints beyond the newest `keep_count` (never the latest one)."""
-    latest = job.latest()
+    """Committed checkpoints beyond the newest `keep_count`, never the latest one nor the newest
+    complete one (the checkpoint a restart resumes from)."""
+    latest = job.latest(include_incomplete=True)
     if latest is None:
         return []
+    resume_from = job.latest()
+    kept = None if resume_from is None else resume_from.step
     newest_first = sorted(job.committed.values(), key=lambda c: c.step, reverse=True)
-    return newest_first[max(1, latest.keep_count) :]
+    return [c for c in newest_first[max(1, latest.keep_count) :] if c.step != kept]
 
 
 def pruned(job: str, old: CommittedCheckpoint, now_ns: int) -> Event:

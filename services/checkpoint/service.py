@@ -1,10 +1,12 @@
 """The checkpoint service's NATS adapter: begin over RPC, acks as events, commit, abort, retention.
 
+Each saving worker's begin (an RPC, before it writes) opens the step or records its rank's writer.
 Acks (`checkpoint.shard_saved`) are events the workers publish; the service reacts when they are
-folded in. Completing a step writes the manifest to the checkpoint's storage, then records
-`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it).
-An abort records `checkpoint.aborted`, then removes the step's partial files. After a restart,
-open steps that completed or lost a participant meanwhile are settled before going live.
+folded in. Completing a step checks that storage holds every acked shard at its acked size, writes
+the manifest to the checkpoint's storage, then records `checkpoint.committed` (the manifest is
+written first, so a crash in between only re-writes it). An abort records `checkpoint.aborted`,
+then removes the step's partial files. After a restart, open steps that completed or lost a
+participant meanwhile are settled before going live.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from strata.bus import Bus, RpcServer
 from strata.config import Settings
 from strata.errors import NotFound, StrataError
 from strata.events import (
+    CheckpointAborted,
     CheckpointShardSaved,
     RequestRejected,
     WorkerFailed,
@@ -38,6 +41,8 @@ from strata.storage import StorageBackend, manifest_key, open_storage, step_pref
 log = structlog.get_logger("strata.checkpoint")
 
 TIMEOUT_CHECK_S = 0.25
+SIZE_CHECKS_IN_FLIGHT = 32
+"""Shards checked in storage at once before a commit (HEAD requests, or stats)."""
 
 
 class Checkpoints(Projection[CheckpointState]):
@@ -101,16 +106,21 @@ class Checkpoints(Projection[CheckpointState]):
         await self.sync()
         async with self.lock:
             decision = domain.begin(self.state, request, self.now_ns())
+            if decision.events:
+                self.storage(request.root_uri)  # fails here, clearly, for a root it cannot use
+            for event in decision.events:
+                if isinstance(event, CheckpointAborted):
+                    await self._abort([event])
+                else:
+                    await self.publish_and_apply([event])
             if decision.error is not None:
                 raise decision.error
-            self.storage(request.root_uri)  # fails here, clearly, for a root it cannot use
-            await self.publish_and_apply(decision.events)
             return domain.info(self.state, request.job, request.step)
 
     async def _status(self, query: CheckpointQuery) -> CheckpointAnswer:
         job = self.state.job(query.job)
         if query.step is None:
-            latest = job.latest()
+            latest = job.latest(include_incomplete=query.include_incomplete)
             if latest is None:
                 return CheckpointAnswer(found=False)
             step = latest.step
@@ -172,8 +182,12 @@ class Checkpoints(Projection[CheckpointState]):
         )
 
     async def _commit(self, job: str, opened: OpenCheckpoint) -> None:
-        now = self.now_ns()
         storage = self.storage(opened.root_uri)
+        problem = domain.storage_problem(opened, await self._stored_sizes(storage, opened))
+        if problem is not None:
+            await self._abort([domain.aborted(job, opened, problem, self.now_ns())])
+            return
+        now = self.now_ns()
         manifest = domain.manifest(opened, job, now)
         key = manifest_key(job, opened.step)
         await storage.write(key, manifest.model_dump_json(indent=2).encode())
@@ -182,6 +196,21 @@ class Checkpoints(Projection[CheckpointState]):
         for old in domain.to_prune(self.state.job(job)):
             await self._cleanup(old.root_uri, prefix=step_prefix(job, old.step))
             await self.publish_and_apply([domain.pruned(job, old, self.now_ns())])
+
+    @staticmethod
+    async def _stored_sizes(
+        storage: StorageBackend, opened: OpenCheckpoint
+    ) -> dict[int, int | None]:
+        """Rank -> the size storage holds under its acked key (None: nothing there)."""
+        limit = asyncio.Semaphore(SIZE_CHECKS_IN_FLIGHT)
+
+        async def size(key: str) -> int | None:
+            async with limit:
+                return await storage.size(key)
+
+        ranks = sorted(opened.acks)
+        sizes = await asyncio.gather(*(size(opened.acks[rank].key) for rank in ranks))
+        return dict(zip(ranks, sizes, strict=True))
 
     async def _abort(self, events: list[Event]) -> None:
         for event in events:

@@ -1,4 +1,9 @@
-"""The checkpoint service's pure domain: participants, acks, commit, abort, retention."""
+"""The checkpoint service's pure domain: worlds, intents, acks, commit, abort, retention.
+
+Properties: a step commits exactly when every rank of its declared world has acked (a world with
+a rank no live worker holds never commits), and retention never removes the newest complete
+checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,12 @@ from strata.errors import ConflictError, NotFound
 from strata.events import (
     CheckpointAborted,
     CheckpointCommitted,
+    CheckpointPruned,
     CheckpointShardSaved,
+    CheckpointShardStarted,
     CheckpointStarted,
     Event,
+    Participant,
     WorkerFailed,
     WorkerRegistered,
 )
@@ -28,33 +36,72 @@ def fold(state: CheckpointState, events: list[Event]) -> None:
         domain.evolve(state, event)
 
 
-def with_workers(n: int) -> CheckpointState:
-    state = CheckpointState()
-    fold(
-        state,
-        [
-            WorkerRegistered(
-                job=JOB,
-                source="registry",
-                worker_id=f"w{i}",
-                instance=f"i{i}",
-                rank=i,
-                world_size=i + 1,
-                membership_epoch=i + 1,
-                heartbeat_interval=1.0,
-                heartbeat_timeout=5.0,
-            )
-            for i in range(n)
-        ],
+def registered(rank: int, epoch: int, worker: str | None = None) -> WorkerRegistered:
+    return WorkerRegistered(
+        job=JOB,
+        source="registry",
+        worker_id=worker or f"w{rank}",
+        instance=f"i{rank}",
+        rank=rank,
+        world_size=rank + 1,
+        membership_epoch=epoch,
+        heartbeat_interval=1.0,
+        heartbeat_timeout=5.0,
     )
+
+
+def failed(rank: int, epoch: int) -> WorkerFailed:
+    return WorkerFailed(
+        job=JOB,
+        source="registry",
+        worker_id=f"w{rank}",
+        rank=rank,
+        reason="gone",
+        last_heartbeat_ts=0,
+        membership_epoch=epoch,
+    )
+
+
+def with_workers(n: int) -> CheckpointState:
+    """`n` live workers, w<i> holding rank i; the membership epoch is `n`."""
+    state = CheckpointState()
+    fold(state, [registered(i, i + 1) for i in range(n)])
     return state
 
 
-def begin(state: CheckpointState, step: int, worker: str = "w0", keep: int = 2) -> None:
-    request = BeginCheckpointRequest(
-        job=JOB, worker_id=worker, step=step, epoch=0, root_uri=ROOT, keep_count=keep
+def request(
+    step: int,
+    worker: str = "w0",
+    *,
+    world: tuple[int, int] | None = None,
+    keep: int = 2,
+    save_id: str | None = None,
+    instance: str | None = None,
+    epoch: int = 0,
+) -> BeginCheckpointRequest:
+    """A begin; `world` is the worker's view (world size, membership epoch)."""
+    return BeginCheckpointRequest(
+        job=JOB,
+        worker_id=worker,
+        step=step,
+        epoch=epoch,
+        root_uri=ROOT,
+        keep_count=keep,
+        world_size=None if world is None else world[0],
+        membership_epoch=0 if world is None else world[1],
+        instance=instance or f"proc-{worker}",
+        save_id=save_id or f"save-{worker}-{step}",
     )
-    decision = domain.begin(state, request, step * SECOND)
+
+
+def begin(
+    state: CheckpointState,
+    step: int,
+    worker: str = "w0",
+    keep: int = 2,
+    world: tuple[int, int] | None = None,
+) -> None:
+    decision = domain.begin(state, request(step, worker, world=world, keep=keep), step * SECOND)
     assert decision.error is None
     fold(state, decision.events)
 
@@ -87,12 +134,174 @@ def test_participants_are_frozen_when_the_step_opens() -> None:
     begin(state, 10)
     opened = state.job(JOB).open[10]
     assert opened.participants == {"w0": 0, "w1": 1, "w2": 2}
-    again = domain.begin(
-        state,
-        BeginCheckpointRequest(job=JOB, worker_id="w2", step=10, epoch=0, root_uri=ROOT),
-        11 * SECOND,
+    assert (opened.world_size, opened.membership_epoch) == (3, 3)
+    fold(state, [registered(3, 4)])
+    assert state.job(JOB).open[10].participants == {"w0": 0, "w1": 1, "w2": 2}
+    # A later begin of a participant records its intent; its retry records nothing more.
+    later = domain.begin(state, request(10, "w2"), 11 * SECOND)
+    assert later.error is None
+    assert [(type(e), getattr(e, "rank", None)) for e in later.events] == [
+        (CheckpointShardStarted, 2)
+    ]
+    fold(state, later.events)
+    assert opened.intents[2].worker_id == "w2"
+    retry = domain.begin(state, request(10, "w2"), 12 * SECOND)
+    assert (retry.events, retry.error) == ([], None)
+
+
+def test_the_first_begin_opens_the_step_for_its_world_and_declares_its_rank() -> None:
+    state = with_workers(3)
+    decision = domain.begin(state, request(4, "w1", world=(3, 3)), SECOND)
+    assert decision.error is None
+    started, intent = decision.events
+    assert isinstance(started, CheckpointStarted)
+    assert (started.world_size, started.membership_epoch) == (3, 3)
+    assert [p.rank for p in started.participants] == [0, 1, 2]
+    assert isinstance(intent, CheckpointShardStarted)
+    assert (intent.rank, intent.worker_id, intent.instance) == (1, "w1", "proc-w1")
+    fold(state, decision.events)
+    assert domain.info(state, JOB, 4).world_size == 3
+
+
+def test_a_world_with_a_rank_no_live_worker_holds_aborts_at_once() -> None:
+    state = with_workers(4)
+    fold(state, [failed(1, 5)])  # live ranks 0, 2, 3: a world of 3 lacks rank 1
+    decision = domain.begin(state, request(8, "w0", world=(3, 5)), 8 * SECOND)
+    assert isinstance(decision.error, ConflictError)
+    assert "rank 1 of the world of 3 has no live worker" in decision.error.message
+    started, abort = decision.events
+    assert isinstance(started, CheckpointStarted)
+    assert isinstance(abort, CheckpointAborted)
+    assert abort.reason == "rank 1 of the world of 3 has no live worker"
+    assert abort.missing_ranks == [0, 1, 2]
+    fold(state, decision.events)
+    assert domain.info(state, JOB, 8).status == "aborted"
+    again = domain.begin(state, request(8, "w2", world=(3, 5)), 9 * SECOND)
+    assert isinstance(again.error, ConflictError)
+    assert "aborted" in again.error.message
+    assert again.events == []
+
+
+def test_a_view_that_missed_joins_counts_them_but_one_that_missed_failures_keeps_its_world() -> (
+    None
+):
+    joined = with_workers(4)  # the first worker still believes it is alone
+    decision = domain.begin(joined, request(1, "w0", world=(1, 1)), SECOND)
+    assert decision.error is None
+    started = decision.events[0]
+    assert isinstance(started, CheckpointStarted)
+    assert (started.world_size, started.membership_epoch) == (4, 4)
+
+    lost = with_workers(3)
+    fold(lost, [failed(2, 4)])  # w0 has not heard of it yet: its world is still 3
+    decision = domain.begin(lost, request(1, "w0", world=(3, 3)), SECOND)
+    assert isinstance(decision.error, ConflictError)
+    assert "rank 2 of the world of 3 has no live worker" in decision.error.message
+
+    # Having heard of it, the world is the two that are left, both live: a world of its own.
+    decision = domain.begin(lost, request(2, "w0", world=(2, 4)), SECOND)
+    assert decision.error is None
+    started = decision.events[0]
+    assert isinstance(started, CheckpointStarted)
+    assert started.world_size == 2
+
+
+def test_a_later_begin_declaring_another_world_is_refused_naming_both() -> None:
+    state = with_workers(3)
+    begin(state, 6, world=(3, 3))
+    fold(state, [registered(3, 4)])
+    joiner = domain.begin(state, request(6, "w3", world=(4, 4)), 7 * SECOND)
+    assert isinstance(joiner.error, ConflictError)
+    assert "world of 3" in joiner.error.message
+    assert "world of 4" in joiner.error.message
+    assert joiner.events == []  # not a participant: the step goes on without it
+    # A participant that has not heard of the join yet counts the same world, only late.
+    late = domain.begin(state, request(6, "w2", world=(2, 2)), 7 * SECOND)
+    assert late.error is None
+    fold(state, late.events)
+    # A participant that will not save into the world of 3 ends the step at once.
+    other = domain.begin(state, request(6, "w1", world=(4, 4)), 8 * SECOND)
+    assert isinstance(other.error, ConflictError)
+    assert "world of 3" in other.error.message
+    assert "world of 4" in other.error.message
+    assert len(other.events) == 1
+    assert isinstance(other.events[0], CheckpointAborted)
+
+
+def test_a_begin_for_another_epoch_or_root_is_refused() -> None:
+    state = with_workers(2)
+    begin(state, 3)
+    wrong_epoch = domain.begin(state, request(3, "w1", epoch=1), 4 * SECOND)
+    assert isinstance(wrong_epoch.error, ConflictError)
+    assert "epoch" in wrong_epoch.error.message
+    elsewhere = request(3, "w1").model_copy(update={"root_uri": "/tmp/elsewhere"})
+    wrong_root = domain.begin(state, elsewhere, 4 * SECOND)
+    assert isinstance(wrong_root.error, ConflictError)
+    assert "/tmp/elsewhere" in wrong_root.error.message
+
+
+def test_a_rank_has_one_writer_and_one_save_per_step() -> None:
+    state = with_workers(2)
+    begin(state, 5)
+    second_save = domain.begin(state, request(5, "w0", save_id="another-save"), 6 * SECOND)
+    assert isinstance(second_save.error, ConflictError)
+    assert "step 5 was already saved by rank 0; save under a later step" in str(second_save.error)
+    other_process = domain.begin(
+        state, request(5, "w0", save_id="x", instance="proc-restarted"), 6 * SECOND
     )
-    assert (again.events, again.error) == ([], None)
+    assert isinstance(other_process.error, ConflictError)
+    assert "another process" in other_process.error.message
+    assert (second_save.events, other_process.events) == ([], [])
+    # A rank acked without a recorded intent (an older client) is not written again either.
+    state = with_workers(2)
+    begin(state, 5)
+    fold(state, [ack(5, 1)])
+    again = domain.begin(state, request(5, "w1"), 6 * SECOND)
+    assert isinstance(again.error, ConflictError)
+
+
+def test_a_committed_or_pruned_step_is_refused_never_reopened() -> None:
+    state = with_workers(1)
+    for step in (1, 2):
+        begin(state, step)
+        fold(state, [ack(step, 0)])
+        commit(state, step)
+    fold(state, [CheckpointPruned(job=JOB, source="checkpoint", step=1, manifest_uri="m")])
+    for step in (1, 2):
+        decision = domain.begin(state, request(step, save_id="fresh"), 9 * SECOND)
+        assert isinstance(decision.error, ConflictError)
+        assert "already committed" in decision.error.message
+        assert decision.events == []
+
+
+def test_an_ack_with_another_checksum_never_replaces_the_first() -> None:
+    state = with_workers(2)
+    begin(state, 4)
+    first = ack(4, 0)
+    fold(state, [first])
+    opened = state.job(JOB).open[4]
+    assert domain.ack_problem(opened, first) is None  # the same ack again counts once
+    other = first.model_copy(update={"checksum": "xxh128:" + "cd" * 16})
+    problem = domain.ack_problem(opened, other)
+    assert problem is not None
+    assert "never replaces" in problem
+    fold(state, [other])
+    assert opened.acks[0].checksum == first.checksum
+
+
+def test_storage_must_hold_every_acked_shard_at_its_acked_size() -> None:
+    state = with_workers(2)
+    begin(state, 2)
+    fold(state, [ack(2, 0), ack(2, 1)])
+    opened = state.job(JOB).open[2]
+    assert domain.storage_problem(opened, {0: 100, 1: 101}) is None
+    missing = domain.storage_problem(opened, {0: 100, 1: None})
+    assert missing is not None
+    assert "rank 1" in missing
+    assert "missing" in missing
+    short = domain.storage_problem(opened, {0: 7, 1: 101})
+    assert short is not None
+    assert "holds 7 bytes in storage, 100 were acked" in short
 
 
 def test_commit_needs_every_participant_and_acks_count_once() -> None:
@@ -138,11 +347,7 @@ def test_failure_before_acking_aborts_and_after_acking_does_not() -> None:
     assert "w1" in events[0].reason
     fold(state, events)
     assert 3 not in state.job(JOB).open
-    retry = domain.begin(
-        state,
-        BeginCheckpointRequest(job=JOB, worker_id="w0", step=3, epoch=0, root_uri=ROOT),
-        5 * SECOND,
-    )
+    retry = domain.begin(state, request(3, "w0"), 5 * SECOND)
     assert isinstance(retry.error, ConflictError)
 
 
@@ -168,25 +373,8 @@ def test_retention_keeps_the_newest_and_never_the_open_ones() -> None:
 
 def test_a_worker_that_is_not_live_cannot_open_a_step() -> None:
     state = with_workers(1)
-    fold(
-        state,
-        [
-            WorkerFailed(
-                job=JOB,
-                source="registry",
-                worker_id="w0",
-                rank=0,
-                reason="gone",
-                last_heartbeat_ts=0,
-                membership_epoch=2,
-            )
-        ],
-    )
-    decision = domain.begin(
-        state,
-        BeginCheckpointRequest(job=JOB, worker_id="w0", step=1, epoch=0, root_uri=ROOT),
-        SECOND,
-    )
+    fold(state, [failed(0, 2)])
+    decision = domain.begin(state, request(1, "w0"), SECOND)
     assert isinstance(decision.error, NotFound)
 
 
@@ -222,3 +410,97 @@ def test_an_ack_pointing_outside_its_slot_is_refused() -> None:
         assert problem is not None
         assert "must be stored as" in problem
     assert domain.ack_problem(opened, honest) is None
+
+
+@given(
+    st.integers(1, 6),
+    st.sets(st.integers(0, 7)),
+    st.lists(st.integers(0, 7), max_size=12),
+)
+def test_a_step_commits_exactly_when_every_rank_of_its_world_acked(
+    world: int, live_ranks: set[int], acked: list[int]
+) -> None:
+    state = CheckpointState()
+    fold(state, [registered(rank, epoch) for epoch, rank in enumerate(sorted(live_ranks), 1)])
+    opener = next((f"w{rank}" for rank in sorted(live_ranks)), None)
+    if opener is None:
+        return
+    epoch = state.job(JOB).membership_epoch
+    decision = domain.begin(state, request(1, opener, world=(world, epoch)), SECOND)
+    fold(state, decision.events)
+    fold(state, [ack(1, rank) for rank in acked])
+    job = state.job(JOB)
+    if not set(range(world)) <= live_ranks:
+        # A rank of the world that no live worker holds: never open, never committed.
+        assert isinstance(decision.error, ConflictError)
+        assert 1 not in job.open
+        return
+    opened = job.open[1]
+    assert opened.complete() == (set(range(world)) <= set(acked))
+    if opened.complete():
+        commit(state, 1)
+        done = job.latest()
+        assert done is not None
+        assert done.manifest.complete
+        assert [s.rank for s in done.manifest.shards] == list(range(world))
+
+
+def legacy_commit(state: CheckpointState, step: int, ranks: list[int], keep: int) -> None:
+    """A step as recorded before worlds were: its participants are its world."""
+    participants = [Participant(worker_id=f"w{rank}", rank=rank) for rank in ranks]
+    fold(
+        state,
+        [
+            CheckpointStarted(
+                job=JOB,
+                source="checkpoint",
+                ts=step * SECOND,
+                step=step,
+                epoch=0,
+                root_uri=ROOT,
+                participants=participants,
+                keep_count=keep,
+                timeout_s=60.0,
+            ),
+            *(ack(step, rank) for rank in ranks),
+        ],
+    )
+    commit(state, step)
+
+
+@given(
+    st.lists(st.booleans(), min_size=1, max_size=12),
+    st.integers(1, 4),
+)
+def test_retention_never_removes_the_newest_complete_checkpoint(
+    completeness: list[bool], keep: int
+) -> None:
+    state = with_workers(4)
+    for step, complete in enumerate(completeness, start=1):
+        # Incomplete ones can only come from before worlds were recorded: ranks 0, 1 and 3.
+        legacy_commit(state, step, [0, 1, 2] if complete else [0, 1, 3], keep)
+    job = state.job(JOB)
+    pruned = {c.step for c in domain.to_prune(job)}
+    newest_complete = job.latest()
+    newest = max(job.committed)
+    assert newest not in pruned
+    if newest_complete is not None:
+        assert newest_complete.step not in pruned
+        assert newest_complete.manifest.complete
+    kept = sorted(set(job.committed) - pruned, reverse=True)
+    assert kept[:keep] == sorted(job.committed, reverse=True)[:keep]
+    assert len(kept) <= keep + 1
+
+
+def test_the_latest_is_the_newest_complete_unless_asked_for_any() -> None:
+    state = with_workers(4)
+    legacy_commit(state, 1, [0, 1, 2], keep=5)
+    legacy_commit(state, 2, [0, 1, 3], keep=5)  # lacks rank 2 of its world of 3
+    job = state.job(JOB)
+    assert job.committed[2].manifest.missing_ranks() == [2]
+    latest = job.latest()
+    assert latest is not None
+    assert latest.step == 1
+    anything = job.latest(include_incomplete=True)
+    assert anything is not None
+    assert anything.step == 2
