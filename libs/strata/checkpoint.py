@@ -1,10 +1,13 @@
-"""The worker side of checkpoints: snapshot, persist in the background, recover.
+"""The worker side of checkpoints: declare, snapshot, persist in the background, recover.
 
-`save()` returns once the bytes are snapshotted; the write to storage and the ack to the checkpoint
-service run in the background, bounded by `max_pending_bytes` (a save waits for room rather than
-queueing without limit). `save_state()` blocks only to copy tensors off the training state; it
+`save()` declares this rank's shard of the step to the checkpoint service (the `begin` RPC, in the
+caller's call, so a rank that dies while writing is a participant that never acked and the step
+aborts) and returns once the bytes are snapshotted; the write to storage and the ack run in the
+background, bounded by `max_pending_bytes` (a save waits for room rather than queueing without
+limit). `save_state()` blocks only to copy tensors off the training state and declare; it
 serialises in the background. A background failure is raised by the next call or by `wait()`.
-`latest()`/`load()` ask the service and, when it is down, read the manifests in storage directly.
+`latest()`/`load()` see complete checkpoints only (a shard of every rank of their world); they ask
+the service and, when it is down, read the manifests in storage directly.
 """
 
 from __future__ import annotations
@@ -14,13 +17,21 @@ import io
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
 from strata._checks import check_int
-from strata.errors import BusError, ConflictError, NotFound, StrataError, ValidationError
+from strata.errors import (
+    BusError,
+    ConflictError,
+    MissingShard,
+    NotFound,
+    StrataError,
+    ValidationError,
+)
 from strata.events import CheckpointShardSaved, DataCursor
 from strata.events.models import MAX_STEP
 from strata.events.requests import (
@@ -167,6 +178,8 @@ class AsyncCheckpointManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
         self._staging = _Staging(keep_staging)
+        self._declared: dict[int, int] = {}
+        """Step -> the rank this manager declared a shard of (each step is saved once)."""
         self.saved: list[CheckpointShardSaved] = []
         """Acks this worker published, in order (what it has made durable)."""
 
@@ -215,12 +228,18 @@ class AsyncCheckpointManager:
         *,
         cursors: list[DataCursor] | None = None,
     ) -> None:
-        """Snapshot `data` and persist it in the background as this rank's shard of `step`."""
+        """Declare this rank's shard of `step`, snapshot `data` and persist it in the background.
+
+        Raises `ConflictError` at once for a step already saved (by this manager or committed),
+        aborted, or open for another world than this worker's.
+        """
         self._raise_failure()
         step, epoch = _check_step(step, epoch)
+        self._check_unsaved(step)
         snapshot = data if isinstance(data, bytes) else bytes(data)
+        rank = await self._begin(step, epoch)
         await self._reserve(len(snapshot))
-        self._spawn(len(snapshot), self._persist(snapshot, step, epoch, cursors or []))
+        self._spawn(len(snapshot), self._persist(snapshot, step, epoch, rank, cursors or []))
 
     async def save_state(
         self,
@@ -237,28 +256,34 @@ class AsyncCheckpointManager:
         """The blocking part of `save_state`, on the caller's thread: checks, then the copy."""
         self._raise_failure()
         step, epoch = _check_step(step, epoch)
+        self._check_unsaved(step)
         copied, buffers = self._staging.copy_off(state)
         return _Staged(copied, buffers, step, epoch)
 
     async def _save_staged(self, staged: _Staged, cursors: list[DataCursor] | None) -> None:
         copied, buffers, step, epoch = staged
+        try:
+            rank = await self._begin(step, epoch)
+        except BaseException:
+            self._staging.give_back(buffers)
+            raise
         size = _state_bytes(copied)
         await self._reserve(size)
-        self._spawn(size, self._serialise_and_persist(copied, buffers, step, epoch, cursors or []))
+        self._spawn(
+            size, self._serialise_and_persist(copied, buffers, step, epoch, rank, cursors or [])
+        )
 
-    async def _serialise_and_persist(
-        self, state: Any, buffers: list[Any], step: int, epoch: int, cursors: list[DataCursor]
-    ) -> None:
-        try:
-            data = await asyncio.to_thread(_serialise, state)
-        finally:
-            del state
-            self._staging.give_back(buffers)
-        await self._persist(data, step, epoch, cursors)
+    def _check_unsaved(self, step: int) -> None:
+        rank = self._declared.get(step)
+        if rank is not None:
+            raise ConflictError(
+                f"step {step} was already saved by rank {rank}; save under a later step"
+            )
 
-    async def _persist(self, data: bytes, step: int, epoch: int, cursors: list[DataCursor]) -> None:
+    async def _begin(self, step: int, epoch: int) -> int:
+        """Declare this rank's shard of `step` to the service (opening the step if it is the
+        first); the rank the shard is saved under. Waits out a checkpoint service restart."""
         worker = self._worker
-        started = time.perf_counter()
         info = await worker.bus.rpc.call(
             SERVICE,
             "begin",
@@ -270,20 +295,48 @@ class AsyncCheckpointManager:
                 root_uri=self.root_uri,
                 keep_count=self.keep_count,
                 timeout_s=self.timeout,
+                world_size=worker.world_size or None,
+                membership_epoch=worker.membership_epoch,
+                instance=worker.instance,
+                save_id=uuid.uuid4().hex,  # the same in every retry of this one call
             ),
             result=CheckpointInfo,
             timeout=10.0,
             retry_for=self.timeout,
             idempotent=True,
         )
+        # The service refuses these itself; an answer saying otherwise is not one to write on.
+        if info.status != "open":
+            raise ConflictError(f"checkpoint of step {step} is {info.status}; save a later step")
         rank = next((p.rank for p in info.participants if p.worker_id == worker.id), None)
         if rank is None:
             raise ConflictError(
-                f"{worker.id!r} is not a participant of step {step}'s checkpoint (it opened "
-                "before this worker joined); save the next step"
+                f"{worker.id!r} is not a participant of step {step}'s checkpoint; save a later step"
             )
-        if info.status != "open":
-            return  # committed already (a retry after success): nothing left to do
+        self._declared[step] = rank
+        return rank
+
+    async def _serialise_and_persist(
+        self,
+        state: Any,
+        buffers: list[Any],
+        step: int,
+        epoch: int,
+        rank: int,
+        cursors: list[DataCursor],
+    ) -> None:
+        try:
+            data = await asyncio.to_thread(_serialise, state)
+        finally:
+            del state
+            self._staging.give_back(buffers)
+        await self._persist(data, step, epoch, rank, cursors)
+
+    async def _persist(
+        self, data: bytes, step: int, epoch: int, rank: int, cursors: list[DataCursor]
+    ) -> None:
+        worker = self._worker
+        started = time.perf_counter()
         key = shard_key(worker.job, step, rank)
         written = await self._storage.write(key, data)
         ack = CheckpointShardSaved(
@@ -316,12 +369,15 @@ class AsyncCheckpointManager:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         self._raise_failure()
 
-    async def status(self, step: int | None = None) -> CheckpointAnswer:
-        """The service's view of `step` (None: the latest committed checkpoint)."""
+    async def status(
+        self, step: int | None = None, *, include_incomplete: bool = False
+    ) -> CheckpointAnswer:
+        """The service's view of `step` (None: the latest complete checkpoint, or with
+        `include_incomplete` the latest committed one)."""
         return await self._worker.bus.rpc.call(
             SERVICE,
             "status",
-            CheckpointQuery(job=self._worker.job, step=step),
+            CheckpointQuery(job=self._worker.job, step=step, include_incomplete=include_incomplete),
             result=CheckpointAnswer,
             timeout=STATUS_TIMEOUT_S,
             idempotent=True,
@@ -343,25 +399,33 @@ class AsyncCheckpointManager:
                 )
             await asyncio.sleep(0.05)
 
-    async def latest(self) -> Manifest | None:
-        """The latest committed checkpoint's manifest: from the service, else from storage."""
+    async def latest(self, *, include_incomplete: bool = False) -> Manifest | None:
+        """The manifest of the latest complete checkpoint (a shard of every rank of its world):
+        from the service, else from storage. `include_incomplete`: the latest committed one,
+        complete or not (only checkpoints committed before worlds were recorded can lack one)."""
         self._raise_failure()
         try:
-            answer = await self.status(None)
+            answer = await self.status(None, include_incomplete=include_incomplete)
         except BusError as exc:
             log.warning("checkpoint_service_unreachable", error=str(exc), fallback="storage")
-            return await self.latest_in_storage()
+            return await self.latest_in_storage(include_incomplete=include_incomplete)
         return answer.manifest if answer.found else None
 
-    async def latest_in_storage(self) -> Manifest | None:
-        """The newest manifest in storage, read directly (no service needed)."""
+    async def latest_in_storage(self, *, include_incomplete: bool = False) -> Manifest | None:
+        """The newest complete checkpoint's manifest in storage, read directly (no service)."""
         async for manifest in self._stored_manifests():
-            return manifest
+            if include_incomplete or manifest.complete:
+                return manifest
         return None
 
-    async def manifests(self) -> list[Manifest]:
-        """Every committed checkpoint's manifest in storage, newest first (no service needed)."""
-        return [manifest async for manifest in self._stored_manifests()]
+    async def manifests(self, *, include_incomplete: bool = False) -> list[Manifest]:
+        """Every complete checkpoint's manifest in storage (with `include_incomplete`, every
+        committed one), newest first; no service needed."""
+        return [
+            manifest
+            async for manifest in self._stored_manifests()
+            if include_incomplete or manifest.complete
+        ]
 
     async def _stored_manifests(self) -> AsyncIterator[Manifest]:
         job = self._worker.job
@@ -381,7 +445,11 @@ class AsyncCheckpointManager:
                 log.warning("manifest_unreadable", step=step, error=str(exc))
 
     async def load(self, step: int | None = None, rank: int | None = None) -> bytes:
-        """This rank's bytes of the latest (or `step`'s) committed checkpoint, checksum-verified."""
+        """The bytes `rank` (default: this worker's rank) saved in the latest complete checkpoint
+        (or `step`'s committed one), checksum-verified.
+
+        `NotFound`: no such checkpoint. `MissingShard`: the checkpoint has no shard of that rank.
+        """
         manifest = await self._manifest(step)
         shard = self._shard(manifest, self._worker.rank if rank is None else rank)
         return await self._storage.read(shard.key, shard.checksum)
@@ -415,7 +483,14 @@ class AsyncCheckpointManager:
         for shard in manifest.shards:
             if shard.rank == rank:
                 return shard
-        raise NotFound(f"checkpoint of step {manifest.step} has no shard of rank {rank}")
+        held = ", ".join(str(shard.rank) for shard in manifest.shards) or "none"
+        raise MissingShard(
+            f"checkpoint of step {manifest.step} has no shard of rank {rank}: it holds ranks "
+            f"{held} of its world of {manifest.world()}",
+            step=manifest.step,
+            rank=rank,
+            ranks=[shard.rank for shard in manifest.shards],
+        )
 
     async def close(self) -> None:
         await self.wait()
@@ -488,11 +563,14 @@ class CheckpointManager:
     def wait(self) -> None:
         self._runner.run(self._aio.wait())
 
-    def latest(self) -> Manifest | None:
-        return self._runner.run(self._aio.latest())
+    def latest(self, *, include_incomplete: bool = False) -> Manifest | None:
+        return self._runner.run(self._aio.latest(include_incomplete=include_incomplete))
 
-    def manifests(self) -> list[Manifest]:
-        return self._runner.run(self._aio.manifests())
+    def latest_in_storage(self, *, include_incomplete: bool = False) -> Manifest | None:
+        return self._runner.run(self._aio.latest_in_storage(include_incomplete=include_incomplete))
+
+    def manifests(self, *, include_incomplete: bool = False) -> list[Manifest]:
+        return self._runner.run(self._aio.manifests(include_incomplete=include_incomplete))
 
     def load(self, step: int | None = None, rank: int | None = None) -> bytes:
         return self._runner.run(self._aio.load(step, rank))

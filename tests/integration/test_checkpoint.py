@@ -1,9 +1,11 @@
 """Checkpoints end to end: real registry and checkpoint services, local disk and a real S3 server.
 
 Ranks commit steps and reload their exact bytes; retention keeps `keep_count`; a rank SIGKILLed in
-the middle of its upload aborts the step and leaves nothing behind; a restart superseding a rank
-aborts the step it had not saved; a corrupted shard is refused; a checkpoint service SIGKILLed
-between acks commits after its restart.
+the middle of its upload, or just after its save returned, aborts the step and leaves nothing
+behind; a restart superseding a rank aborts the step it had not saved; a world with a failed rank
+never commits; a step is saved once; a shard lost or cut short after its ack stops the commit; a
+rank a checkpoint lacks is a `MissingShard`, not a `NotFound`; a corrupted shard is refused; a
+checkpoint service SIGKILLed between acks commits after its restart.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,8 @@ import strata.aio
 import torch
 from strata.bus.server import NatsServer
 from strata.config import Env
-from strata.storage import manifest_key, shard_key
+from strata.events.requests import Manifest
+from strata.storage import StorageBackend, WriteResult, manifest_key, shard_key
 
 from tests.s3 import S3Endpoint, moto_server  # noqa: F401
 from tests.support import (
@@ -62,6 +65,57 @@ async def workers(
 
 def payload(rank: int, step: int) -> bytes:
     return (f"rank {rank} step {step};".encode() * 5000)[: 40_000 + rank]
+
+
+async def aborted_reason(manager: strata.aio.CheckpointManager, step: int) -> str:
+    """Wait until `step` is aborted; its reason."""
+
+    async def aborted() -> bool:
+        answer = await manager.status(step)
+        return bool(answer.checkpoint and answer.checkpoint.status == "aborted")
+
+    await async_wait_until(aborted, 20, f"step {step} to be aborted")
+    answer = await manager.status(step)
+    assert answer.checkpoint is not None
+    return answer.checkpoint.reason
+
+
+async def world_size_is(worker: strata.aio.Worker, size: int) -> None:
+    async def reached() -> bool:
+        return (await worker.members()).world_size == size
+
+    await async_wait_until(reached, 20, f"the job to have {size} live workers")
+
+
+class GatedStorage(StorageBackend):
+    """Another backend whose writes wait until `gate` is set (the rest passes straight through)."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        self.inner = inner
+        self.root_uri = inner.root_uri
+        self.gate = asyncio.Event()
+
+    async def write(self, key: str, data: bytes | memoryview) -> WriteResult:
+        await self.gate.wait()
+        return await self.inner.write(key, data)
+
+    async def read(self, key: str, checksum: str | None = None) -> bytes:
+        return await self.inner.read(key, checksum)
+
+    async def exists(self, key: str) -> bool:
+        return await self.inner.exists(key)
+
+    async def size(self, key: str) -> int | None:
+        return await self.inner.size(key)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await self.inner.delete_prefix(prefix)
+
+    async def list(self, prefix: str) -> list[str]:
+        return await self.inner.list(prefix)
 
 
 async def save_step(managers: list[strata.aio.CheckpointManager], step: int) -> None:
@@ -139,6 +193,18 @@ async def test_commit_and_retention_on_a_real_s3_server(
             return keys() == sorted(expected)
 
         await async_wait_until(retained, 10, "step 1 to be pruned from S3")
+        # A shard deleted after its ack: the commit finds it missing and aborts the step.
+        await managers[0].save(payload(0, 3), step=3)
+        await managers[0].wait()
+        client.delete_object(Bucket=bucket, Key=f"runs/{shard_key(job, 3, 0)}")
+        await managers[1].save(payload(1, 3), step=3)
+        await managers[1].wait()
+        reason = await aborted_reason(managers[0], 3)
+        assert f"the shard of rank 0 ({shard_key(job, 3, 0)}) is missing from storage" in reason
+        await async_wait_until(retained, 10, "the aborted step's objects to be removed")
+        latest = await managers[1].latest()
+        assert latest is not None
+        assert latest.step == 2
         for manager in managers:
             await manager.close()
     finally:
@@ -296,10 +362,19 @@ async def test_the_commit_happens_after_a_checkpoint_service_restart(
     for rank, manager in enumerate(managers[:2]):
         await manager.save(payload(rank, 5), step=5)
         await manager.wait()
-    services["checkpoint"].kill()
+    # Ranks 2 and 3 declare their shards while the service is up and write them once it is down.
+    gates = []
+    for manager in managers[2:]:
+        gated = GatedStorage(manager.storage)
+        manager._storage = gated
+        gates.append(gated.gate)
     for rank, manager in enumerate(managers[2:], start=2):
         await manager.save(payload(rank, 5), step=5)
-    await asyncio.sleep(0)  # the acks are published while the service is down
+    services["checkpoint"].kill()
+    for gate in gates:
+        gate.set()
+    for manager in managers[2:]:
+        await manager.wait()  # their acks are published while the service is down
     restarted = ServiceProcess("checkpoint", services["checkpoint"].env[Env.NATS_URL], tmp_path)
     services["checkpoint"] = await asyncio.to_thread(restarted.start)
     for manager in managers:
@@ -348,3 +423,213 @@ async def test_save_state_snapshots_at_the_call_and_reuses_its_buffers(
         assert one["layers"][1][1] == "tag"
         assert one["layers"][1][0].dtype == torch.float16
         assert (one["step"], two["step"]) == (1, 2)
+
+
+async def test_a_rank_failed_before_the_step_opened_never_commits(
+    workers: list[strata.aio.Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    managers = [strata.aio.CheckpointManager(w, str(root)) for w in workers]
+    await save_step(managers, 1)
+    workers[1]._suspend_heartbeats(True)  # rank 1 goes silent and is failed
+    await world_size_is(workers[0], 3)
+    survivors = [managers[0], managers[2], managers[3]]
+    # Live ranks 0, 2 and 3: whatever world the survivors see (3, or 4 if they have not heard of
+    # the failure), rank 1 of it has no live worker, so the step aborts as it opens.
+    with pytest.raises(strata.ConflictError, match=r"rank 1 of the world of [34] has no live"):
+        await survivors[0].save(payload(0, 2), step=2)
+    for manager in survivors[1:]:
+        with pytest.raises(strata.ConflictError, match="aborted"):
+            await manager.save(b"never written", step=2)
+    assert "has no live worker" in await aborted_reason(managers[0], 2)
+    for manager in survivors:
+        await manager.wait()
+        latest = await manager.latest()
+        assert latest is not None
+        assert latest.step == 1
+        assert latest.complete
+        assert (latest.world_size, [s.rank for s in latest.shards]) == (4, [0, 1, 2, 3])
+    assert await managers[2].load() == payload(2, 1)
+    assert not (root / workers[0].job / "step-000000000002").exists()
+
+
+KILLED_AFTER_SAVE = """
+import os, signal, sys
+import strata
+w = strata.Worker(job=sys.argv[1], nats_url=sys.argv[2], worker_id="victim")
+w.start()
+ckpt = strata.CheckpointManager(w, sys.argv[3])
+print("ready", flush=True)
+sys.stdin.readline()
+ckpt.save(os.urandom(32 * 1024 * 1024), step=int(sys.argv[4]))
+# Killed before the background write is done: it has declared itself, it never acks.
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+async def test_a_rank_killed_after_its_save_returned_aborts_the_step(
+    workers: list[strata.aio.Worker], own_nats_server: NatsServer, tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    job = workers[0].job
+    await workers[3].stop()  # the victim below takes its place (rank 3) in the job
+    survivors = [strata.aio.CheckpointManager(w, str(root)) for w in workers[:3]]
+    await save_step(survivors, 10)
+    victim = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-c", KILLED_AFTER_SAVE, job, own_nats_server.url, str(root), "20"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            Env.HEARTBEAT_INTERVAL: str(HEARTBEAT_INTERVAL),
+            Env.HEARTBEAT_TIMEOUT: str(HEARTBEAT_TIMEOUT),
+        },
+    )
+    try:
+        assert victim.stdout is not None
+        assert victim.stdin is not None
+        assert (await asyncio.to_thread(victim.stdout.readline)).strip() == "ready"
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        assert await asyncio.to_thread(victim.wait) == -9
+        # The survivors save after the victim's death: before they do, or as they do, the step
+        # is aborted, because the victim declared its shard of it before its save returned.
+        reason = await aborted_reason(survivors[0], 20)
+        assert "participant 'victim' (rank 3)" in reason
+        for rank, manager in enumerate(survivors):
+            with pytest.raises(strata.ConflictError, match="aborted"):
+                await manager.save(payload(rank, 20), step=20)
+        answer = await survivors[0].status(20)
+        assert answer.checkpoint is not None
+        assert answer.checkpoint.world_size == 4
+        assert "victim" in [p.worker_id for p in answer.checkpoint.participants]
+
+        async def cleaned() -> bool:
+            return not (root / job / "step-000000000020").exists()
+
+        await async_wait_until(cleaned, 10, "the aborted step's files to be removed")
+        latest = await survivors[1].latest()
+        assert latest is not None
+        assert latest.step == 10
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+
+
+async def test_a_step_is_saved_once_and_a_committed_one_never_again(
+    workers: list[strata.aio.Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    managers = [strata.aio.CheckpointManager(w, str(root)) for w in workers]
+    await save_step(managers, 3)
+    with pytest.raises(strata.ConflictError, match="step 3 was already saved by rank 0"):
+        await managers[0].save(b"again", step=3)
+    # Another manager of the same worker asks the service, which refuses the committed step.
+    other = strata.aio.CheckpointManager(workers[0], str(root))
+    with pytest.raises(strata.ConflictError, match="already committed"):
+        await other.save(b"again", step=3)
+    with pytest.raises(strata.ConflictError, match="already committed"):
+        await other.save_state({"x": torch.zeros(4)}, step=3)
+
+    await managers[1].save(payload(1, 4), step=4)
+    with pytest.raises(strata.ConflictError, match="step 4 was already saved by rank 1"):
+        await managers[1].save(b"second copy", step=4)
+    second = strata.aio.CheckpointManager(workers[1], str(root))
+    with pytest.raises(strata.ConflictError, match="step 4 was already saved by rank 1"):
+        await second.save(b"second copy", step=4)
+    for rank in (0, 2, 3):
+        await managers[rank].save(payload(rank, 4), step=4)
+    for manager in managers:
+        await manager.wait()
+    await managers[0].wait_committed(4, timeout=30)
+    for rank, manager in enumerate(managers):
+        assert await manager.load(step=3) == payload(rank, 3)
+        assert await manager.load(step=4) == payload(rank, 4)
+
+
+async def test_a_shard_lost_or_cut_short_after_its_ack_stops_the_commit(
+    workers: list[strata.aio.Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    job = workers[0].job
+    managers = [strata.aio.CheckpointManager(w, str(root), keep_count=1) for w in workers]
+    await save_step(managers, 1)
+
+    async def save_with(step: int, damage: Callable[[Path], None]) -> str:
+        for rank, manager in enumerate(managers[:3]):
+            await manager.save(payload(rank, step), step=step)
+            await manager.wait()
+        damage(root / shard_key(job, step, 1))
+        await managers[3].save(payload(3, step), step=step)
+        await managers[3].wait()
+        return await aborted_reason(managers[0], step)
+
+    lost = await save_with(2, Path.unlink)
+    assert f"the shard of rank 1 ({shard_key(job, 2, 1)}) is missing from storage" in lost
+    cut = await save_with(3, lambda path: os.truncate(path, 1000))
+    assert f"holds 1000 bytes in storage, {len(payload(1, 3))} were acked" in cut
+
+    async def only_step_1() -> bool:
+        return sorted(os.listdir(root / job)) == ["step-000000000001"]
+
+    # Retention keeps one, and that one is the newest complete checkpoint, through both aborts.
+    await async_wait_until(only_step_1, 10, "the aborted steps' files to be removed")
+    for rank, manager in enumerate(managers):
+        latest = await manager.latest()
+        assert latest is not None
+        assert latest.step == 1
+        assert await manager.load() == payload(rank, 1)
+    await save_step(managers, 4)
+
+    async def only_step_4() -> bool:
+        return sorted(os.listdir(root / job)) == ["step-000000000004"]
+
+    await async_wait_until(only_step_4, 10, "step 1 to be pruned once step 4 is committed")
+
+
+async def test_a_rank_the_checkpoint_lacks_is_a_missing_shard_not_a_not_found(
+    workers: list[strata.aio.Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    job = workers[0].job
+    managers = [strata.aio.CheckpointManager(w, str(root)) for w in workers]
+    with pytest.raises(strata.NotFound):
+        await managers[0].load()  # no checkpoint at all: start fresh
+    await save_step(managers, 1)
+    with pytest.raises(strata.MissingShard) as caught:
+        await managers[0].load(rank=7)
+    assert not isinstance(caught.value, strata.NotFound)
+    assert caught.value.code == "missing_shard"
+    assert "step 1 has no shard of rank 7: it holds ranks 0, 1, 2, 3 of its world of 4" in str(
+        caught.value
+    )
+    assert await managers[0].load(rank=2) == payload(2, 1)  # by the rank it was saved under
+
+    # A manifest from before worlds were recorded that lacks a rank of its participants' world:
+    # storage readers skip it unless asked, and loading the rank it lacks is a MissingShard too.
+    complete = Manifest.model_validate_json((root / manifest_key(job, 1)).read_bytes())
+    legacy = complete.model_copy(
+        update={
+            "step": 2,
+            "participants": [p for p in complete.participants if p.rank != 2],
+            "shards": [s for s in complete.shards if s.rank != 2],
+            "world_size": None,
+            "membership_epoch": None,
+        }
+    )
+    (root / job / "step-000000000002").mkdir()
+    (root / manifest_key(job, 2)).write_text(legacy.model_dump_json(exclude_none=True))
+    assert legacy.missing_ranks() == [2]
+    stored = await managers[0].latest_in_storage()
+    assert stored is not None
+    assert stored.step == 1
+    anything = await managers[0].latest_in_storage(include_incomplete=True)
+    assert anything is not None
+    assert anything.step == 2
+    assert [m.step for m in await managers[0].manifests()] == [1]
+    assert [m.step for m in await managers[0].manifests(include_incomplete=True)] == [2, 1]
+    with pytest.raises(strata.MissingShard, match="rank 2: it holds ranks 0, 1, 3 of its world"):
+        managers[0]._shard(anything, 2)
