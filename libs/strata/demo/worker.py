@@ -175,20 +175,13 @@ class Trainer:
                 rank=self.worker.rank,
             )
 
-    def complete_checkpoint(self) -> Manifest | None:
-        """The newest committed checkpoint that has a shard of every rank of the world."""
-        manifest = self.checkpoints.latest()
-        if manifest is None or len(manifest.shards) >= self.args.world_size:
-            return manifest
-        # Committed while the world was short of a worker: no state to give its replacement.
-        for older in self.checkpoints.manifests():
-            if len(older.shards) >= self.args.world_size:
-                return older
-        return None
-
     def resume(self, model: nn.Module, optimiser: torch.optim.Optimizer) -> tuple[int, int, bool]:
-        """(round, epoch, epoch finished) of the latest committed checkpoint, loaded; or a start."""
-        manifest = self.complete_checkpoint()
+        """(round, epoch, epoch finished) of the latest committed checkpoint, loaded; or a start.
+
+        Only complete checkpoints are committed (a shard of every rank of their world), and the
+        job never saves in a world short of a worker, so the latest has a shard for every rank.
+        """
+        manifest = self.checkpoints.latest()
         self.carried = frozenset()
         if manifest is None:
             # The job starts over, and so does its data: what was read before a failure is in
@@ -247,18 +240,26 @@ class Trainer:
                         "latest complete checkpoint"
                     )
                 worker.set_state("checkpointing", step=round_id, epoch=epoch)
-                self.checkpoints.save_state(
-                    {
-                        "model": model.state_dict(),
-                        "optimiser": optimiser.state_dict(),
-                        "epoch_done": epoch_done,
-                        "loss": self.loss,
-                        "round": round_id,
-                    },
-                    step=attempt * ROUNDS_PER_ATTEMPT + round_id,
-                    epoch=epoch,
-                    cursors=[cursor_of(sampler, carried)],
-                )
+                step = attempt * ROUNDS_PER_ATTEMPT + round_id
+                try:
+                    self.checkpoints.save_state(
+                        {
+                            "model": model.state_dict(),
+                            "optimiser": optimiser.state_dict(),
+                            "epoch_done": epoch_done,
+                            "loss": self.loss,
+                            "round": round_id,
+                        },
+                        step=step,
+                        epoch=epoch,
+                        cursors=[cursor_of(sampler, carried)],
+                    )
+                except strata.ConflictError as exc:
+                    # A worker failed since the check above: its rank of the world has no live
+                    # worker, so the step was aborted as it opened. Restart, as above.
+                    raise strata.BarrierBroken(
+                        f"the checkpoint of step {step} was refused, restarting: {exc.message}"
+                    ) from exc
                 self.record_acks()
                 worker.set_state("training", step=round_id, epoch=epoch)
                 emit(
