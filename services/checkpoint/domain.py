@@ -297,15 +297,13 @@ def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> 
     holders = {rank: worker for worker, rank in job.live.items()}
     participants = {holders[r]: r for r in range(world_size) if r in holders}
     unheld = [rank for rank in range(world_size) if rank not in holders]
+    doomed: str | None = None
     if unheld:
-        reason = f"rank {unheld[0]} of the world of {world_size} has no live worker"
+        doomed = f"rank {unheld[0]} of the world of {world_size} has no live worker"
         if len(unheld) > 1:
-            reason += f" (nor {_ranks(unheld[1:])})"
-        refusal = ConflictError(
-            f"checkpoint of step {request.step} was aborted ({reason}); save under a later step"
-        )
+            doomed += f" (nor {_ranks(unheld[1:])})"
         if not participants:
-            return Decision(error=refusal)  # no rank to record a step with
+            return Decision(error=_aborted_at_open(request.step, doomed))  # nothing to record
     started = CheckpointStarted(
         id=event_id("ckpt-started", request.job, request.step),
         job=request.job,
@@ -321,12 +319,19 @@ def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> 
         membership_epoch=membership_epoch,
     )
     opened = _opened(started)
-    if unheld:
-        return Decision([started, aborted(request.job, opened, reason, now_ns)], refusal)
+    if doomed is not None:
+        abort = aborted(request.job, opened, doomed, now_ns)
+        return Decision([started, abort], _aborted_at_open(request.step, doomed))
     rank = participants.get(request.worker_id)
     if rank is None:
         return Decision([started], _not_a_participant(opened, request))
     return Decision([started, _shard_started(request, rank, now_ns)])
+
+
+def _aborted_at_open(step: int, reason: str) -> ConflictError:
+    return ConflictError(
+        f"checkpoint of step {step} was aborted ({reason}); save under a later step"
+    )
 
 
 def _declare(
