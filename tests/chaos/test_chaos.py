@@ -480,9 +480,10 @@ def _report(chaos: Chaos, job_seconds: float) -> None:
 def _check_checkpoints(checkpoints: Path, job: str) -> list[tuple[Manifest, dict[int, Any]]]:
     """Every committed checkpoint: its manifest and each rank's state, read checksum-checked.
 
-    A step's participants are the live members when the service opens it, so a step opened
-    after a failure (its opening delayed by a checkpoint service restart) commits without the
-    failed rank; the job never resumes from one of those, but it must load all the same.
+    Each holds a shard of every rank of its world: a rank that fails before the step opens, or
+    while it is open, aborts it. A world smaller than the job's commits only if the saving
+    workers had already seen the failure (the job never resumes from one of those, but it must
+    load all the same).
     """
     paths = sorted((checkpoints / job).glob("step-*/MANIFEST.json"))
     assert paths, f"no committed checkpoint under {checkpoints / job}"
@@ -494,6 +495,7 @@ def _check_checkpoints(checkpoints: Path, job: str) -> list[tuple[Manifest, dict
             manifest = Manifest.model_validate_json(path.read_text())
             ranks = sorted(shard.rank for shard in manifest.shards)
             assert ranks == sorted(p.rank for p in manifest.participants), f"{path}: {ranks}"
+            assert manifest.complete, f"{path}: ranks {ranks} of a world of {manifest.world()}"
             states = {}
             for shard in manifest.shards:
                 data = await storage.read(shard.key, shard.checksum)
