@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from strata.errors import ConflictError, NotFound, StrataError
+from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     CheckpointAborted,
     CheckpointCommitted,
@@ -99,6 +99,8 @@ class JobCheckpoints:
     job: str
     live: dict[str, int] = field(default_factory=dict)
     """Live worker id -> rank."""
+    instances: dict[str, str] = field(default_factory=dict)
+    """Live worker id -> the process (instance) its registration belongs to."""
     membership_epoch: int = 0
     """The newest membership epoch folded (registrations, failures, departures)."""
     open: dict[int, OpenCheckpoint] = field(default_factory=dict)
@@ -141,10 +143,12 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
     if isinstance(event, WorkerRegistered):
         job = state.job(event.job)
         job.live[event.worker_id] = event.rank
+        job.instances[event.worker_id] = event.instance
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, WorkerFailed | WorkerLeft):
         job = state.job(event.job)
         job.live.pop(event.worker_id, None)
+        job.instances.pop(event.worker_id, None)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, CheckpointStarted):
         job = state.job(event.job)
@@ -261,7 +265,8 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
 
     Refused (ConflictError): a committed (or pruned) step, an aborted one, a second save of a rank
     that already has a writer, a save that disagrees with the open step on its world, epoch or
-    storage root. A step whose world has a rank with no live worker is recorded as aborted at once.
+    storage root, a save from a process whose worker id a newer process took (WorkerSuperseded).
+    A step whose world has a rank with no live worker is recorded as aborted at once.
     """
     job = state.job(request.job)
     step = request.step
@@ -284,6 +289,15 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
             error=NotFound(
                 f"worker {request.worker_id!r} is not a live member of job {request.job!r}: "
                 "register it (strata.Worker.start) before checkpointing"
+            )
+        )
+    holder = job.instances.get(request.worker_id)
+    if request.instance is not None and holder is not None and holder != request.instance:
+        return Decision(
+            error=WorkerSuperseded(
+                f"worker {request.worker_id!r} of job {request.job!r} is now held by another "
+                f"process (instance {holder}); this process's registration has ended, so it "
+                "saves nothing"
             )
         )
     opened = job.open.get(step)
@@ -356,7 +370,7 @@ def _declare(
     if declared is not None and declared.instance != mine.instance:
         return Decision(
             error=ConflictError(
-                f"rank {rank} of step {step} is already being saved by another process of "
+                f"rank {rank} of step {step} was already declared by another process of "
                 f"worker {declared.worker_id!r} (instance {declared.instance}); a shard is "
                 "written once: save under a later step"
             )

@@ -335,6 +335,10 @@ async def test_a_restart_that_supersedes_a_participant_aborts_the_step_it_had_no
         again = strata.aio.CheckpointManager(restarted, str(root), keep_count=5)
         await save_step([*managers[:3], again], 30)
         assert await again.load() == payload(3, 30)
+        # The replaced process saves nothing more: its begin is refused, not written.
+        with pytest.raises(strata.WorkerSuperseded, match="held by another process"):
+            await managers[3].save(b"from the replaced process", step=40)
+        assert not (root / workers[0].job / "step-000000000040").exists()
     finally:
         await restarted.stop()
 

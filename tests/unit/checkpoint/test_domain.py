@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from strata.errors import ConflictError, NotFound
+from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import (
     CheckpointAborted,
     CheckpointCommitted,
@@ -36,12 +36,14 @@ def fold(state: CheckpointState, events: list[Event]) -> None:
         domain.evolve(state, event)
 
 
-def registered(rank: int, epoch: int, worker: str | None = None) -> WorkerRegistered:
+def registered(
+    rank: int, epoch: int, worker: str | None = None, instance: str | None = None
+) -> WorkerRegistered:
     return WorkerRegistered(
         job=JOB,
         source="registry",
         worker_id=worker or f"w{rank}",
-        instance=f"i{rank}",
+        instance=instance or f"proc-w{rank}",
         rank=rank,
         world_size=rank + 1,
         membership_epoch=epoch,
@@ -246,12 +248,17 @@ def test_a_rank_has_one_writer_and_one_save_per_step() -> None:
     second_save = domain.begin(state, request(5, "w0", save_id="another-save"), 6 * SECOND)
     assert isinstance(second_save.error, ConflictError)
     assert "step 5 was already saved by rank 0; save under a later step" in str(second_save.error)
-    other_process = domain.begin(
-        state, request(5, "w0", save_id="x", instance="proc-restarted"), 6 * SECOND
-    )
-    assert isinstance(other_process.error, ConflictError)
-    assert "another process" in other_process.error.message
-    assert (second_save.events, other_process.events) == ([], [])
+    assert second_save.events == []
+    # The process that began rank 0 acks; a restart under the same worker id supersedes it.
+    fold(state, [ack(5, 0), failed(0, 3), registered(0, 4, instance="i0-restarted")])
+    old_process = domain.begin(state, request(6, "w0"), 6 * SECOND)
+    assert isinstance(old_process.error, WorkerSuperseded)
+    assert "i0-restarted" in old_process.error.message
+    assert old_process.events == []
+    restarted = domain.begin(state, request(5, "w0", instance="i0-restarted"), 6 * SECOND)
+    assert isinstance(restarted.error, ConflictError)
+    assert "rank 0 of step 5 was already declared by another process" in str(restarted.error)
+    assert restarted.events == []
     # A rank acked without a recorded intent (an older client) is not written again either.
     state = with_workers(2)
     begin(state, 5)
