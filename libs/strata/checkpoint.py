@@ -137,6 +137,13 @@ def _serialise(state: Any) -> bytes:
     return buffer.getvalue()
 
 
+class _ShardSlot(NamedTuple):
+    """Where one save's shard goes: its rank in the step's world, and its storage key."""
+
+    rank: int
+    key: str
+
+
 class _Staged(NamedTuple):
     """A state dict copied off the training state, with the buffers it was copied into."""
 
@@ -237,9 +244,9 @@ class AsyncCheckpointManager:
         step, epoch = _check_step(step, epoch)
         self._check_unsaved(step)
         snapshot = data if isinstance(data, bytes) else bytes(data)
-        rank = await self._begin(step, epoch)
+        slot = await self._begin(step, epoch)
         await self._reserve(len(snapshot))
-        self._spawn(len(snapshot), self._persist(snapshot, step, epoch, rank, cursors or []))
+        self._spawn(len(snapshot), self._persist(snapshot, step, epoch, slot, cursors or []))
 
     async def save_state(
         self,
@@ -263,14 +270,14 @@ class AsyncCheckpointManager:
     async def _save_staged(self, staged: _Staged, cursors: list[DataCursor] | None) -> None:
         copied, buffers, step, epoch = staged
         try:
-            rank = await self._begin(step, epoch)
+            slot = await self._begin(step, epoch)
         except BaseException:
             self._staging.give_back(buffers)
             raise
         size = _state_bytes(copied)
         await self._reserve(size)
         self._spawn(
-            size, self._serialise_and_persist(copied, buffers, step, epoch, rank, cursors or [])
+            size, self._serialise_and_persist(copied, buffers, step, epoch, slot, cursors or [])
         )
 
     def _check_unsaved(self, step: int) -> None:
@@ -280,9 +287,9 @@ class AsyncCheckpointManager:
                 f"step {step} was already saved by rank {rank}; save under a later step"
             )
 
-    async def _begin(self, step: int, epoch: int) -> int:
+    async def _begin(self, step: int, epoch: int) -> _ShardSlot:
         """Declare this rank's shard of `step` to the service (opening the step if it is the
-        first); the rank the shard is saved under. Waits out a checkpoint service restart."""
+        first); where the shard goes. Waits out a checkpoint service restart."""
         worker = self._worker
         info = await worker.bus.rpc.call(
             SERVICE,
@@ -314,7 +321,7 @@ class AsyncCheckpointManager:
                 f"{worker.id!r} is not a participant of step {step}'s checkpoint; save a later step"
             )
         self._declared[step] = rank
-        return rank
+        return _ShardSlot(rank, shard_key(worker.job, step, rank, info.attempt))
 
     async def _serialise_and_persist(
         self,
@@ -322,7 +329,7 @@ class AsyncCheckpointManager:
         buffers: list[Any],
         step: int,
         epoch: int,
-        rank: int,
+        slot: _ShardSlot,
         cursors: list[DataCursor],
     ) -> None:
         try:
@@ -330,14 +337,14 @@ class AsyncCheckpointManager:
         finally:
             del state
             self._staging.give_back(buffers)
-        await self._persist(data, step, epoch, rank, cursors)
+        await self._persist(data, step, epoch, slot, cursors)
 
     async def _persist(
-        self, data: bytes, step: int, epoch: int, rank: int, cursors: list[DataCursor]
+        self, data: bytes, step: int, epoch: int, slot: _ShardSlot, cursors: list[DataCursor]
     ) -> None:
         worker = self._worker
         started = time.perf_counter()
-        key = shard_key(worker.job, step, rank)
+        rank, key = slot
         written = await self._storage.write(key, data)
         ack = CheckpointShardSaved(
             job=worker.job,

@@ -68,6 +68,8 @@ class OpenCheckpoint:
     """Rank -> its ack."""
     intents: dict[int, Intent] = field(default_factory=dict)
     """Rank -> the writer that declared itself for it (the first one)."""
+    attempt: int = 0
+    """0, or how many times the step was opened before and aborted."""
 
     def required_ranks(self) -> set[int]:
         if self.world_size is None:
@@ -92,6 +94,7 @@ class CommittedCheckpoint:
     keep_count: int
     participants: dict[str, int]
     manifest: Manifest
+    attempt: int = 0
 
 
 @dataclass
@@ -180,6 +183,7 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
                 keep_count=opened.keep_count,
                 participants=dict(opened.participants),
                 manifest=manifest(opened, event.job, event.ts),
+                attempt=opened.attempt,
             )
     elif isinstance(event, CheckpointAborted):
         job = state.job(event.job)
@@ -204,6 +208,7 @@ def _opened(event: CheckpointStarted) -> OpenCheckpoint:
         participants={p.worker_id: p.rank for p in event.participants},
         world_size=event.world_size,
         membership_epoch=event.membership_epoch,
+        attempt=event.attempt,
     )
 
 
@@ -216,7 +221,7 @@ def ack_problem(opened: OpenCheckpoint, ack: CheckpointShardSaved) -> str | None
         return f"{ack.worker_id!r} has rank {rank} in step {ack.step}, not {ack.rank}"
     if ack.epoch != opened.epoch:
         return f"step {ack.step} is of epoch {opened.epoch}, not {ack.epoch}"
-    expected_key = shard_key(ack.job, ack.step, ack.rank)
+    expected_key = shard_key(ack.job, ack.step, ack.rank, opened.attempt)
     if ack.key != expected_key or ack.uri != f"{opened.root_uri.rstrip('/')}/{expected_key}":
         return (
             f"the shard of rank {ack.rank} must be stored as {expected_key} under "
@@ -263,10 +268,14 @@ def declared_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> tupl
 def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) -> Decision:
     """A worker declares its shard of `request.step`: open the step, record the intent, or refuse.
 
-    Refused (ConflictError): a committed (or pruned) step, an aborted one, a second save of a rank
-    that already has a writer, a save that disagrees with the open step on its world, epoch or
-    storage root, a save from a process whose worker id a newer process took (WorkerSuperseded).
-    A step whose world has a rank with no live worker is recorded as aborted at once.
+    Refused (ConflictError): a committed (or pruned) step, a save that belonged to an aborted
+    attempt of the step, a second save of a rank that already has a writer, a save that disagrees
+    with the open step on its world, epoch or storage root, a save from a process whose worker id
+    a newer process took (WorkerSuperseded). A step whose world has a rank with no live worker is
+    recorded as aborted at once.
+
+    A new save of an aborted step opens it again, as its next attempt: a job that restarts from
+    the checkpoint before it reaches the same step numbers again.
     """
     job = state.job(request.job)
     step = request.step
@@ -277,13 +286,12 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
                 "overwritten: save under a later step"
             )
         )
+    attempt = 0
     if step in job.aborted:
-        return Decision(
-            error=ConflictError(
-                f"checkpoint of step {step} was aborted ({job.aborted[step][1]}); "
-                "save under a later step"
-            )
-        )
+        dropped, reason = job.aborted[step]
+        if _intent(request) in dropped.intents.values():
+            return Decision(error=_aborted_at_open(step, reason))  # a retry of an aborted save
+        attempt = dropped.attempt + 1
     if request.worker_id not in job.live:
         return Decision(
             error=NotFound(
@@ -302,11 +310,13 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
         )
     opened = job.open.get(step)
     if opened is None:
-        return _open(job, request, now_ns)
+        return _open(job, request, now_ns, attempt)
     return _declare(job, opened, request, now_ns)
 
 
-def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> Decision:
+def _open(
+    job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int, attempt: int
+) -> Decision:
     world_size, membership_epoch = declared_world(job, request)
     holders = {rank: worker for worker, rank in job.live.items()}
     participants = {holders[r]: r for r in range(world_size) if r in holders}
@@ -316,10 +326,11 @@ def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> 
         doomed = f"rank {unheld[0]} of the world of {world_size} has no live worker"
         if len(unheld) > 1:
             doomed += f" (nor {_ranks(unheld[1:])})"
-        if not participants:
-            return Decision(error=_aborted_at_open(request.step, doomed))  # nothing to record
+        if not participants or attempt:
+            # Nothing to record: no participant, or a step already recorded as aborted.
+            return Decision(error=_aborted_at_open(request.step, doomed))
     started = CheckpointStarted(
-        id=event_id("ckpt-started", request.job, request.step),
+        id=event_id("ckpt-started", request.job, request.step, *([attempt] if attempt else [])),
         job=request.job,
         source=SOURCE,
         ts=now_ns,
@@ -331,6 +342,7 @@ def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> 
         timeout_s=request.timeout_s,
         world_size=world_size,
         membership_epoch=membership_epoch,
+        attempt=attempt,
     )
     opened = _opened(started)
     if doomed is not None:
@@ -339,12 +351,13 @@ def _open(job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int) -> 
     rank = participants.get(request.worker_id)
     if rank is None:
         return Decision([started], _not_a_participant(opened, request))
-    return Decision([started, _shard_started(request, rank, now_ns)])
+    return Decision([started, _shard_started(request, rank, attempt, now_ns)])
 
 
 def _aborted_at_open(step: int, reason: str) -> ConflictError:
     return ConflictError(
-        f"checkpoint of step {step} was aborted ({reason}); save under a later step"
+        f"checkpoint of step {step} was aborted ({reason}); save under a later step, or save "
+        "this step again (a new attempt) once every rank of its world is live"
     )
 
 
@@ -381,7 +394,7 @@ def _declare(
                 f"step {step} was already saved by rank {rank}; save under a later step"
             )
         )
-    return Decision([_shard_started(request, rank, now_ns)])
+    return Decision([_shard_started(request, rank, opened.attempt, now_ns)])
 
 
 def _disagreement(opened: OpenCheckpoint, request: BeginCheckpointRequest) -> str | None:
@@ -422,10 +435,12 @@ def _intent(request: BeginCheckpointRequest) -> Intent:
     )
 
 
-def _shard_started(request: BeginCheckpointRequest, rank: int, now_ns: int) -> Event:
+def _shard_started(request: BeginCheckpointRequest, rank: int, attempt: int, now_ns: int) -> Event:
     intent = _intent(request)
     return CheckpointShardStarted(
-        id=event_id("ckpt-shard-started", request.job, request.step, rank),
+        id=event_id(
+            "ckpt-shard-started", request.job, request.step, rank, *([attempt] if attempt else [])
+        ),
         job=request.job,
         source=SOURCE,
         ts=now_ns,
@@ -458,6 +473,7 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             acked_ranks=sorted(opened.acks),
             world_size=opened.world_size,
             membership_epoch=opened.membership_epoch,
+            attempt=opened.attempt,
         )
     done = job.committed.get(step)
     if done is not None:
@@ -473,6 +489,7 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             total_bytes=done.total_bytes,
             world_size=done.manifest.world_size,
             membership_epoch=done.manifest.membership_epoch,
+            attempt=done.attempt,
         )
     if step in job.aborted:
         dropped, reason = job.aborted[step]
@@ -487,6 +504,7 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             reason=reason,
             world_size=dropped.world_size,
             membership_epoch=dropped.membership_epoch,
+            attempt=dropped.attempt,
         )
     raise NotFound(f"job {job_id!r} has no checkpoint of step {step}")
 

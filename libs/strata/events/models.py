@@ -337,6 +337,12 @@ class CheckpointStarted(Event):
     membership_epoch: MembershipEpoch | None = Field(
         default=None, description="The membership epoch at which that world was seen."
     )
+    attempt: Annotated[int, Field(ge=0, le=MAX_STEP)] = Field(
+        default=0,
+        description="How many times the step was opened before and aborted: a job that restarts "
+        "from an earlier checkpoint saves the same step numbers again, as a new attempt whose "
+        "shards are stored under keys of their own.",
+    )
 
 
 class CheckpointShardStarted(Event):

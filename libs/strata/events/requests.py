@@ -426,6 +426,9 @@ class CheckpointInfo(StrictModel):
     reason: Text = ""
     world_size: WorldSize | None = None
     membership_epoch: MembershipEpoch | None = None
+    attempt: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="The attempt of the step (0 unless an earlier one was aborted)."
+    )
 
 
 class CheckpointQuery(StrictModel):

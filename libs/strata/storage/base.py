@@ -32,8 +32,11 @@ def check_key(key: str) -> str:
     return key
 
 
-def shard_key(job: str, step: int, rank: int) -> str:
-    return check_key(f"{job}/step-{step:012d}/rank-{rank:05d}.bin")
+def shard_key(job: str, step: int, rank: int, attempt: int = 0) -> str:
+    """Where rank `rank` stores its shard of `step`; a step opened again after an abort (attempt
+    1, 2, ...) writes other keys, so a late writer of an aborted attempt never overwrites one."""
+    suffix = f".a{attempt}" if attempt else ""
+    return check_key(f"{job}/step-{step:012d}/rank-{rank:05d}{suffix}.bin")
 
 
 def manifest_key(job: str, step: int) -> str:

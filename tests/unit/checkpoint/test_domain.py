@@ -25,6 +25,7 @@ from strata.events import (
 from strata.events.requests import BeginCheckpointRequest
 from strata.services.checkpoint import domain
 from strata.services.checkpoint.domain import CheckpointState
+from strata.storage.base import shard_key
 
 JOB = "job-c"
 ROOT = "/tmp/ckpt"
@@ -511,3 +512,49 @@ def test_the_latest_is_the_newest_complete_unless_asked_for_any() -> None:
     anything = job.latest(include_incomplete=True)
     assert anything is not None
     assert anything.step == 2
+
+
+def attempt_ack(step: int, rank: int, attempt: int) -> CheckpointShardSaved:
+    key = shard_key(JOB, step, rank, attempt)
+    return ack(step, rank).model_copy(update={"key": key, "uri": f"{ROOT}/{key}"})
+
+
+def test_an_aborted_step_is_opened_again_by_a_new_save_as_its_next_attempt() -> None:
+    """A job restarting from the checkpoint before reaches the same step numbers again."""
+    state = with_workers(3)
+    first = domain.begin(state, request(3, "w0"), 3 * SECOND)
+    fold(state, first.events)
+    fold(state, [attempt_ack(3, 0, 0)])
+    fold(state, domain.member_gone(state, JOB, "w1", "failed", 4 * SECOND))
+    fold(state, [failed(1, 4), registered(1, 5, instance="proc-w1-restarted")])
+
+    restarted = request(3, "w1", save_id="after-restart", instance="proc-w1-restarted")
+    again = domain.begin(state, restarted, 6 * SECOND)
+
+    assert again.error is None, again.error
+    started = again.events[0]
+    assert isinstance(started, CheckpointStarted)
+    assert started.attempt == 1
+    assert started.id != first.events[0].id, "the stream would drop it as a duplicate"
+    fold(state, again.events)
+    assert domain.info(state, JOB, 3).attempt == 1
+    opened = state.job(JOB).open[3]
+    # The aborted attempt's ack is fenced off by its key; this attempt's count.
+    assert domain.ack_problem(opened, attempt_ack(3, 0, 0)) is not None
+    for rank in range(3):
+        assert domain.ack_problem(opened, attempt_ack(3, rank, 1)) is None
+        fold(state, [attempt_ack(3, rank, 1)])
+    commit(state, 3)
+    assert state.job(JOB).latest() is not None
+    retried = domain.begin(state, request(3, "w0"), 7 * SECOND)
+    assert isinstance(retried.error, ConflictError), "a committed step is never reopened"
+
+
+def test_a_retry_of_a_save_that_belonged_to_the_aborted_attempt_stays_refused() -> None:
+    state = with_workers(2)
+    fold(state, domain.begin(state, request(3, "w0"), 3 * SECOND).events)
+    fold(state, domain.member_gone(state, JOB, "w1", "failed", 4 * SECOND))
+    retry = domain.begin(state, request(3, "w0"), 5 * SECOND)  # the same save id
+    assert isinstance(retry.error, ConflictError)
+    assert "aborted" in retry.error.message
+    assert retry.events == []
