@@ -30,6 +30,7 @@ class Env:
     LOG_LEVEL: Final = "STRATA_LOG_LEVEL"
     HEALTH_PORT: Final = "STRATA_HEALTH_PORT"
     HTTP_PORT: Final = "STRATA_HTTP_PORT"
+    LISTEN_HOST: Final = "STRATA_LISTEN_HOST"
     NATS_USER: Final = "STRATA_NATS_USER"
     NATS_PASSWORD: Final = "STRATA_NATS_PASSWORD"
     STORAGE_BACKEND: Final = "STORAGE_BACKEND"
@@ -63,6 +64,9 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     health_port: int = Field(default=0, ge=0, le=65535)
     http_port: int = Field(default=8080, ge=0, le=65535)
+    listen_host: str = "0.0.0.0"
+    """The address the HTTP ports (gateway, health and metrics) bind: all interfaces in a
+    container, the `--host` of `strata up` on a workstation."""
 
     storage_backend: Literal["local", "s3"] = Field(
         default="local", validation_alias=AliasChoices(Env.STORAGE_BACKEND, "storage_backend")

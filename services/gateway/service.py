@@ -24,8 +24,9 @@ class Gateway:
     name = "gateway"
     provisions_streams = False
 
-    def __init__(self, host: str = "0.0.0.0", api_token: str | None = None) -> None:
+    def __init__(self, host: str | None = None, api_token: str | None = None) -> None:
         self._host = host
+        """None: the settings' `listen_host`."""
         self._api_token = api_token
         self.state = GatewayState()
         self.live: LiveModel | None = None
@@ -48,7 +49,7 @@ class Gateway:
         token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)
         config = uvicorn.Config(
             create_app(self.state, api_token=token or None),
-            host=self._host,
+            host=self._host if self._host is not None else settings.listen_host,
             port=settings.http_port,
             log_level="warning",
             access_log=False,
