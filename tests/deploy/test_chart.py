@@ -661,6 +661,17 @@ def test_nats_routes_need_the_route_password_from_the_chart_secret(render: Rende
         assert all(ref["secretKeyRef"]["name"] != _name("nats-routes") for ref in refs)
 
 
+def test_a_route_secret_made_outside_the_chart_replaces_the_generated_one(render: Render) -> None:
+    rendered = render("nats.routeAuth.existingSecret=nats-routes-from-vault")
+    assert _name("nats-routes") not in {s["metadata"]["name"] for s in rendered.of_kind("Secret")}
+    nats = rendered.get("StatefulSet", _name("nats"))
+    (server,) = _containers(nats)
+    assert _env(server)["STRATA_ROUTE_PASSWORD"]["secretKeyRef"]["name"] == "nats-routes-from-vault"
+    (config,) = [v for v in nats["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    names = [src["secret"]["name"] for src in config["projected"]["sources"] if "secret" in src]
+    assert names == ["nats-routes-from-vault"]
+
+
 def test_route_authentication_can_be_turned_off_and_a_single_node_has_no_routes(
     render: Render,
 ) -> None:

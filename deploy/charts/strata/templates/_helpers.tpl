@@ -262,7 +262,7 @@ cluster of its own and nats.routeAuth.enabled.
 {{- end }}
 
 {{- define "strata.nats.routesSecret" -}}
-{{- printf "%s-nats-routes" (include "strata.fullname" .) }}
+{{- default (printf "%s-nats-routes" (include "strata.fullname" .)) .Values.nats.routeAuth.existingSecret }}
 {{- end }}
 
 {{/* The user NATS replicas present to each other on their routes. */}}
