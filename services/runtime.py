@@ -63,7 +63,9 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
             return False, "not connected to NATS"
         return service.ready()
 
-    health = await HealthServer(service.name, ready, port=settings.health_port).start()
+    health = await HealthServer(
+        service.name, ready, host=settings.listen_host, port=settings.health_port
+    ).start()
     log.info("service_starting", service=service.name, health_port=health.port)
     try:
         bus = await Bus.connect(settings=settings, name=f"strata-{service.name}")

@@ -299,6 +299,35 @@ export interface Replay {
 
 const REPLAY_DEBOUNCE_MS = 80;
 const REPLAY_CACHE = 64;
+/** A slider dragged fast starts replays faster than the gateway runs them (it runs a few at
+ * once and answers 429 past that): ask again after a pause this long at most. */
+const REPLAY_BUSY_RETRY_MAX_MS = 1000;
+
+function pause(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    const timer = window.setTimeout(resolve, ms);
+    signal.addEventListener("abort", () => {
+      window.clearTimeout(timer);
+      resolve();
+    });
+  });
+}
+
+async function replayWhenFree(
+  job: string,
+  seq: number,
+  signal: AbortSignal,
+): Promise<DashboardState> {
+  for (;;) {
+    try {
+      return await api.replay(job, seq, signal);
+    } catch (error) {
+      if (!(error instanceof ApiError) || error.status !== 429 || signal.aborted) throw error;
+      await pause(Math.min((error.retryAfterS ?? 1) * 1000, REPLAY_BUSY_RETRY_MAX_MS), signal);
+      if (signal.aborted) throw error;
+    }
+  }
+}
 
 /** The job as it was at stream sequence `seq` (`GET /api/replay`); null seq means no replay. */
 export function useReplay(
@@ -326,7 +355,7 @@ export function useReplay(
     const timer = window.setTimeout(() => {
       void (async () => {
         try {
-          const state = await api.replay(job, seq, controller.signal);
+          const state = await replayWhenFree(job, seq, controller.signal);
           cache.current.set(key, state);
           if (cache.current.size > REPLAY_CACHE) {
             const oldest = cache.current.keys().next().value;

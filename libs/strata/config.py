@@ -30,6 +30,7 @@ class Env:
     LOG_LEVEL: Final = "STRATA_LOG_LEVEL"
     HEALTH_PORT: Final = "STRATA_HEALTH_PORT"
     HTTP_PORT: Final = "STRATA_HTTP_PORT"
+    LISTEN_HOST: Final = "STRATA_LISTEN_HOST"
     NATS_USER: Final = "STRATA_NATS_USER"
     NATS_PASSWORD: Final = "STRATA_NATS_PASSWORD"
     STORAGE_BACKEND: Final = "STORAGE_BACKEND"
@@ -38,6 +39,9 @@ class Env:
     S3_ENDPOINT_URL: Final = "STRATA_S3_ENDPOINT_URL"
     TEST_NATS_URL: Final = "STRATA_TEST_NATS_URL"
     API_TOKEN: Final = "STRATA_API_TOKEN"
+    REPLAY_MAX_EVENTS: Final = "STRATA_REPLAY_MAX_EVENTS"
+    REPLAY_TIMEOUT: Final = "STRATA_REPLAY_TIMEOUT"
+    REPLAY_CONCURRENCY: Final = "STRATA_REPLAY_CONCURRENCY"
     ACK_JOURNAL: Final = "STRATA_ACK_JOURNAL"
 
 
@@ -63,6 +67,16 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     health_port: int = Field(default=0, ge=0, le=65535)
     http_port: int = Field(default=8080, ge=0, le=65535)
+    listen_host: str = "0.0.0.0"
+    """The address the HTTP ports (gateway, health and metrics) bind: all interfaces in a
+    container, the `--host` of `strata up` on a workstation."""
+
+    replay_max_events: int = Field(default=250_000, ge=1)
+    """The most messages (events, plus heartbeats when asked for) one replay folds."""
+    replay_timeout: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds one replay may take, reading included."""
+    replay_concurrency: int = Field(default=2, ge=1, le=64)
+    """Replays a gateway runs at once; more are refused until one ends."""
 
     storage_backend: Literal["local", "s3"] = Field(
         default="local", validation_alias=AliasChoices(Env.STORAGE_BACKEND, "storage_backend")

@@ -11,7 +11,8 @@ turns a reply back into the matching subclass with `error_from_code`.
     │   └── InvalidRequest     an RPC request that breaks it           invalid_request
     ├── NotFound               the thing asked for does not exist      not_found
     ├── ConflictError          contradicts what is already recorded    conflict
-    │   └── WorkerSuperseded   a newer process holds this worker id    superseded
+    │   ├── WorkerSuperseded   a newer process holds this worker id    superseded
+    │   └── EpochOutOfRange    an epoch no longer or not yet planned   epoch_out_of_range
     ├── BusError               NATS trouble                            bus_error
     │   ├── PublishTimeout     no ack before the deadline              publish_timeout
     │   ├── ServiceUnavailable nobody answers a subject                unavailable
@@ -21,7 +22,11 @@ turns a reply back into the matching subclass with `error_from_code`.
     ├── BarrierTimeout         a barrier was not complete in time      barrier_timeout
     ├── ChecksumMismatch       stored bytes differ from their record   checksum_mismatch
     ├── MissingShard           a checkpoint has no shard of a rank     missing_shard
-    └── StorageError           the checkpoint store failed             storage_error
+    ├── StorageError           the checkpoint store failed             storage_error
+    ├── LimitExceeded          a configured bound was reached          limit_exceeded
+    │   ├── TooLarge           a request would take in too much        too_large
+    │   └── Busy               too many such requests at once          busy
+    └── DeadlineExceeded       work not finished by its deadline       deadline_exceeded
 """
 
 from __future__ import annotations
@@ -86,6 +91,12 @@ class WorkerSuperseded(ConflictError):
     code = "superseded"
 
 
+class EpochOutOfRange(ConflictError):
+    """An epoch whose plan was dropped (too old) or that is too far past the latest planned."""
+
+    code = "epoch_out_of_range"
+
+
 class BusError(StrataError):
     code = "bus_error"
 
@@ -132,6 +143,26 @@ class StorageError(StrataError):
     code = "storage_error"
 
 
+class LimitExceeded(StrataError):
+    """A bound set to keep one caller from exhausting a shared service was reached."""
+
+    code = "limit_exceeded"
+
+
+class TooLarge(LimitExceeded):
+    code = "too_large"
+
+
+class Busy(LimitExceeded):
+    """Retry later: the bound is on work in progress, not on the request itself."""
+
+    code = "busy"
+
+
+class DeadlineExceeded(StrataError):
+    code = "deadline_exceeded"
+
+
 _BY_CODE: dict[str, type[StrataError]] = {
     cls.code: cls
     for cls in (
@@ -142,6 +173,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         NotFound,
         ConflictError,
         WorkerSuperseded,
+        EpochOutOfRange,
         BusError,
         PublishTimeout,
         ServiceUnavailable,
@@ -152,6 +184,10 @@ _BY_CODE: dict[str, type[StrataError]] = {
         ChecksumMismatch,
         MissingShard,
         StorageError,
+        LimitExceeded,
+        TooLarge,
+        Busy,
+        DeadlineExceeded,
     )
 }
 

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from strata.errors import CodecError, StrataError
+from strata.errors import CodecError, DeadlineExceeded, StrataError, TooLarge
 from strata.events import (
     AnyEvent,
     BarrierArrived,
@@ -787,6 +787,50 @@ async def job_history(
         while head is not None:
             yield head
             head = await anext(events, None)
+
+
+@dataclass(frozen=True)
+class ReplayLimits:
+    """How much one replay from NATS may take: a replay reads a job's whole history up to the
+    point asked for, so without bounds one request could hold a reader for as long as the
+    history is long. Defaults as in `strata.config.Settings`."""
+
+    max_records: int = 250_000
+    """Events, plus heartbeats when they are asked for."""
+    timeout_s: float = 30.0
+
+
+async def fold_history(
+    history: AsyncGenerator[Record, None],
+    state: JobState,
+    limits: ReplayLimits,
+    narrow: str,
+) -> JobState:
+    """Fold `history` into `state` within `limits`, closing it in every case.
+
+    Raises `TooLarge` on the first record past `limits.max_records` and `DeadlineExceeded` once
+    `limits.timeout_s` have passed; `narrow` ends both messages, saying how to ask for less.
+    """
+    folded = 0
+    try:
+        async with contextlib.aclosing(history), asyncio.timeout(limits.timeout_s):
+            async for record in history:
+                if folded == limits.max_records:
+                    raise TooLarge(
+                        f"replaying job {state.job!r} to that point folds more than "
+                        f"{limits.max_records:,} events and heartbeats, the most one replay "
+                        f"may fold; {narrow}",
+                        limit=limits.max_records,
+                    )
+                state.apply(record)
+                folded += 1
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"replaying job {state.job!r} took more than {limits.timeout_s:g}s "
+            f"({folded:,} events and heartbeats folded by then); {narrow}",
+            folded=folded,
+        ) from None
+    return state
 
 
 def dumps(document: Any) -> str:

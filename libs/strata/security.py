@@ -4,19 +4,20 @@ Three roles. `services` may do anything. A `worker` may publish only its own hea
 acks and RPC requests, and subscribe only to what the SDK listens to; its NATS user name is its
 worker id, which is how "its own" heartbeats are told apart. The `gateway` reads: it may use the
 JetStream API to create and read consumers but publish nothing on `strata.>`. `strata up --secure`
-and the Helm chart both render these rules.
+and the Helm chart both render these rules. The files that hold passwords or the gateway's API
+token are written readable by their owner only.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from strata._files import write_private
 from strata.errors import ConfigError
 from strata.events import subjects
 
@@ -120,10 +121,7 @@ def generate_credentials(workers: list[str]) -> list[Credential]:
 
 def save_credentials(path: Path, credentials: list[Credential]) -> None:
     """Write them readable by the owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as out:
-        json.dump([asdict(c) for c in credentials], out, indent=2)
+    write_private(path, json.dumps([asdict(c) for c in credentials], indent=2))
 
 
 def load_credentials(path: Path) -> list[Credential]:
@@ -136,3 +134,18 @@ def load_credentials(path: Path) -> list[Credential]:
 
 def by_role(credentials: list[Credential], role: Role) -> list[Credential]:
     return [c for c in credentials if c.role == role]
+
+
+def api_token(path: Path) -> str:
+    """The gateway's API token kept in `path`, made (and written readable by the owner only) if
+    there is none yet, so a restarted stack keeps the token its users already hold."""
+    if path.exists():
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API token from {path}: {exc}") from None
+        if token:
+            return token
+    token = secrets.token_urlsafe(32)
+    write_private(path, token + "\n")
+    return token

@@ -2,7 +2,10 @@
 
 State comes from the live read model (`LiveModel`); history (`/api/jobs/{job}/events`,
 `/api/replay`) is read from JetStream on demand through the `Bus` it is given, so tests can build
-the app against any server. With an API token set, every `/api` path asks for it; probes never do.
+the app against any server. With an API token set, every `/api` path asks for it in the
+`Authorization` header (never in the URL, where proxies and browser history would keep it); probes
+never do. A replay is bounded in what it folds, in time and in how many run at once, so no caller
+can tie the gateway up. Every error answer is `{"detail": message, "code": code}`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, get_args
 
@@ -19,21 +22,34 @@ import pydantic
 import strata
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from strata.bus import Bus
 from strata.config import Env
-from strata.errors import StrataError
+from strata.errors import (
+    BusError,
+    Busy,
+    DeadlineExceeded,
+    LimitExceeded,
+    NotFound,
+    StrataError,
+    ValidationError,
+)
 from strata.events import EVENT_TYPES, ID_PATTERN, WorkerState, subjects
 from strata.events.codec import unpack
 from strata.events.rpc import RPC_SERVICES, STATUS_INTERVAL_S, PingResult
 from strata.replay import (
     JobState,
     LiveRates,
+    ReplayLimits,
     dumps,
+    fold_history,
     job_history,
     render_dashboard,
     stream_records,
@@ -46,6 +62,7 @@ DASHBOARD_DIST = Path(__file__).resolve().parents[2] / "dashboard" / "dist"
 
 API_TOKEN_ENV: Final = Env.API_TOKEN
 """When set, `/api/*` answers only requests with `Authorization: Bearer <token>`."""
+REPLAY_RETRY_AFTER_S: Final = 1
 
 PUSH_INTERVAL_S: Final = 0.25
 """At most four pushes a second per stream: changes in between are coalesced into the next."""
@@ -89,6 +106,34 @@ class GatewayState:
 
 _BEARER = HTTPBearer(auto_error=False, description=f"The token in ${API_TOKEN_ENV}")
 
+_STATUS_CODES: Final = {
+    401: "unauthorized",
+    404: NotFound.code,
+    422: ValidationError.code,
+    503: "unavailable",
+}
+"""The `code` of an error answer raised as a plain HTTP status."""
+
+
+def _status_of(error: StrataError) -> int:
+    if isinstance(error, NotFound):
+        return 404
+    if isinstance(error, Busy):
+        return 429
+    if isinstance(error, LimitExceeded | ValidationError):
+        return 422
+    if isinstance(error, DeadlineExceeded):
+        return 504
+    if isinstance(error, BusError):
+        return 503
+    return 500
+
+
+def _error(
+    status: int, code: str, detail: Any, headers: Mapping[str, str] | None = None
+) -> Response:
+    return JSONResponse({"detail": detail, "code": code}, status_code=status, headers=headers)
+
 
 async def _authorize(
     request: Request,
@@ -98,16 +143,44 @@ async def _authorize(
     if token is None:
         return
     given = credentials.credentials if credentials is not None else ""
-    # EventSource in a browser cannot send headers, so the push stream takes a query token.
-    if not given and request.url.path == "/api/stream":
-        given = request.query_params.get("access_token", "")
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        raise HTTPException(
-            401,
-            detail="missing or wrong API token: send 'Authorization: Bearer <token>' "
-            f"(the gateway's ${API_TOKEN_ENV})",
-            headers={"WWW-Authenticate": "Bearer"},
+    if hmac.compare_digest(given.encode(), token.encode()):
+        return
+    if not given and "access_token" in request.query_params:
+        # Tokens in URLs end up in proxy logs and browser history; the dashboard reads the push
+        # stream with fetch, which sends the header.
+        detail = (
+            "a token in the URL (access_token) is not accepted: send it in the header "
+            "'Authorization: Bearer <token>'"
         )
+    else:
+        detail = (
+            "missing or wrong API token: send 'Authorization: Bearer <token>' "
+            f"(the gateway's ${API_TOKEN_ENV})"
+        )
+    raise HTTPException(401, detail=detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ReplaySlots:
+    """At most `size` replays at once: each holds a JetStream consumer and folds on the event
+    loop that also serves the dashboard, so more are refused rather than queued."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.running = 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.running >= self.size:
+            raise Busy(
+                f"{self.running} replays are running, the most this gateway runs at once "
+                f"(${Env.REPLAY_CONCURRENCY}); retry in a second",
+                retry_after_s=REPLAY_RETRY_AFTER_S,
+            )
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
 
 
 def _json(document: Any, status_code: int = 200) -> Response:
@@ -130,6 +203,8 @@ def create_app(
     state: GatewayState,
     dashboard_dir: Path | None = DASHBOARD_DIST,
     api_token: str | None = None,
+    replay_limits: ReplayLimits | None = None,
+    replay_concurrency: int = 2,
 ) -> FastAPI:
     app = FastAPI(
         title="Strata gateway",
@@ -138,7 +213,25 @@ def create_app(
         "figure is folded from the jobs' events with the services' own code.",
     )
     app.state.api_token = api_token
+    limits = replay_limits if replay_limits is not None else ReplayLimits()
+    replays = ReplaySlots(replay_concurrency)
+    app.state.replays = replays
     api = APIRouter(prefix="/api", dependencies=[Depends(_authorize)])
+
+    @app.exception_handler(StrataError)
+    async def strata_error(request: Request, exc: StrataError) -> Response:
+        retry_after = exc.details.get("retry_after_s")
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+        return _error(_status_of(exc), exc.code, exc.message, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = _STATUS_CODES.get(exc.status_code, "error")
+        return _error(exc.status_code, code, exc.detail, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        return _error(422, ValidationError.code, jsonable_encoder(exc.errors()))
 
     def live() -> LiveModel:
         if state.live is None:
@@ -262,18 +355,21 @@ def create_app(
         ] = None,
         telemetry: Annotated[
             bool, Query(description="Fold heartbeats too (last heartbeat, step, epoch)")
-        ] = True,
+        ] = False,
     ) -> Response:
-        """The dashboard of a job as it was at a point of its history; live rates are null."""
+        """The dashboard of a job as it was at a point of its history; live rates are null.
+        Bounded: too many events to fold is a 422 (`too_large`), too long a 504
+        (`deadline_exceeded`), too many replays at once a 429 (`busy`)."""
         if (seq is None) == (at is None):
             raise HTTPException(
                 422, detail="give exactly one of seq (a stream sequence) or at (ns)"
             )
-        rebuilt = JobState(job)
-        history = job_history(bus().js, job, until_seq=seq, until_ns=at, telemetry=telemetry)
-        async with contextlib.aclosing(history):
-            async for record in history:
-                rebuilt.apply(record)
+        narrow = "ask for an earlier point (a smaller seq or at)" + (
+            ", or leave heartbeats out (telemetry=false)" if telemetry else ""
+        )
+        with replays.hold():
+            history = job_history(bus().js, job, until_seq=seq, until_ns=at, telemetry=telemetry)
+            rebuilt = await fold_history(history, JobState(job), limits, narrow)
         if rebuilt.events == 0:
             raise HTTPException(404, detail=f"job {job!r} has no events at that point")
         return _json(render_dashboard(rebuilt))

@@ -7,8 +7,10 @@ import contextlib
 import os
 
 import uvicorn
+from fastapi import FastAPI
 from strata.bus import Bus
 from strata.config import Settings
+from strata.replay import ReplayLimits
 from strata.services.gateway.app import API_TOKEN_ENV, GatewayState, create_app
 from strata.services.gateway.live import LiveModel
 
@@ -24,11 +26,13 @@ class Gateway:
     name = "gateway"
     provisions_streams = False
 
-    def __init__(self, host: str = "0.0.0.0", api_token: str | None = None) -> None:
+    def __init__(self, host: str | None = None, api_token: str | None = None) -> None:
         self._host = host
+        """None: the settings' `listen_host`."""
         self._api_token = api_token
         self.state = GatewayState()
         self.live: LiveModel | None = None
+        self.app: FastAPI | None = None
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -46,9 +50,15 @@ class Gateway:
         self.live = await LiveModel().start(bus)
         self.state.live = self.live
         token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)
+        self.app = create_app(
+            self.state,
+            api_token=token or None,
+            replay_limits=ReplayLimits(settings.replay_max_events, settings.replay_timeout),
+            replay_concurrency=settings.replay_concurrency,
+        )
         config = uvicorn.Config(
-            create_app(self.state, api_token=token or None),
-            host=self._host,
+            self.app,
+            host=self._host if self._host is not None else settings.listen_host,
             port=settings.http_port,
             log_level="warning",
             access_log=False,

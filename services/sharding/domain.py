@@ -3,14 +3,27 @@
 Plans are never stored as assignments: `shard.plan_changed` records the members an epoch is planned
 over, and `evolve` recomputes the plan with the pure planner (`strata.sharding`), so every replica
 and every replay agrees. Membership comes from the registry's worker events. No I/O, no clock reads.
+
+What a worker can make the service keep is bounded: a job registers at most `MAX_DATASETS`
+datasets, and each keeps the plans of its `EPOCHS_KEPT` newest epochs only. A request may plan an
+epoch from the oldest kept to one past the latest, so epochs are planned in order; going back
+further, or jumping ahead, is a restore (`restore_progress`), which replaces the later plans.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Final
 
-from strata.errors import ConflictError, NotFound, StrataError, ValidationError
+from strata.errors import (
+    ConflictError,
+    EpochOutOfRange,
+    LimitExceeded,
+    NotFound,
+    StrataError,
+    ValidationError,
+)
 from strata.events import (
     DatasetRegistered,
     Event,
@@ -37,6 +50,15 @@ from strata.services.registry.domain import event_id
 from strata.sharding import DatasetSpec, Plan, initial_plan, replan
 
 SOURCE = "sharding"
+
+EPOCHS_KEPT: Final = 4
+"""Plans kept per dataset: the newest epoch's and the three before it (ranks finishing an epoch
+while others start the next, a late progress report, a look at the previous epoch)."""
+VERSIONS_REMEMBERED: Final = 64
+"""Epochs on either side of the newest plan whose dropped plan's version is remembered, so a plan
+made again goes on with newer versions (and new event ids); further ones are forgotten."""
+MAX_DATASETS: Final = 256
+"""Datasets one job may register."""
 
 
 @dataclass
@@ -67,6 +89,26 @@ class JobSharding:
     def latest_epoch(self, dataset_id: str) -> int | None:
         epochs = [epoch for (ds, epoch) in self.plans if ds == dataset_id]
         return max(epochs) if epochs else None
+
+    def epoch_window(self, dataset_id: str) -> tuple[int, int] | None:
+        """The epochs a request may plan or read (both ends included); None before the first
+        plan, when any epoch may be the first."""
+        latest = self.latest_epoch(dataset_id)
+        if latest is None:
+            return None
+        return max(0, latest - EPOCHS_KEPT + 1), latest + 1
+
+    def drop_plans_before(self, dataset_id: str, epoch: int) -> None:
+        """Keep the plans of `EPOCHS_KEPT` epochs up to `epoch`, newly planned; remember the
+        versions of those dropped, and forget versions of epochs far from it."""
+        for key in [k for k in self.plans if k[0] == dataset_id and k[1] <= epoch - EPOCHS_KEPT]:
+            self.retired[key] = self.plans.pop(key).plan.version
+        for key in [
+            k
+            for k in self.retired
+            if k[0] == dataset_id and abs(k[1] - epoch) > VERSIONS_REMEMBERED
+        ]:
+            del self.retired[key]
 
 
 @dataclass
@@ -112,6 +154,7 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
             plan = initial_plan(spec, event.epoch, event.members)
             plan.version = event.plan_version
             job.plans[key] = EpochPlan(plan)
+            job.drop_plans_before(event.dataset_id, event.epoch)
         else:
             current.plan, _ = replan(current.plan, event.members)
             current.plan.version = event.plan_version
@@ -159,9 +202,15 @@ class Decision:
 
 def register_dataset(state: ShardingState, request: RegisterDatasetRequest, now: float) -> Decision:
     wanted = _spec(request)
-    existing = state.jobs.get(request.job, JobSharding(request.job)).datasets.get(
-        request.dataset_id
-    )
+    datasets = state.jobs.get(request.job, JobSharding(request.job)).datasets
+    existing = datasets.get(request.dataset_id)
+    if existing is None and len(datasets) >= MAX_DATASETS:
+        return Decision(
+            error=LimitExceeded(
+                f"job {request.job!r} has registered {len(datasets)} datasets, the most one job "
+                "may; reuse one of them (the same id and parameters), or run another job"
+            )
+        )
     if existing is not None:
         if existing == wanted:
             return Decision()
@@ -244,11 +293,36 @@ def _known(state: ShardingState, job_id: str, dataset_id: str) -> JobSharding | 
     return job
 
 
+def _out_of_window(job: JobSharding, dataset_id: str, epoch: int) -> EpochOutOfRange | None:
+    """Why `epoch` may not be planned or read now, if it may not."""
+    window = job.epoch_window(dataset_id)
+    if window is None:
+        return None
+    low, high = window
+    if epoch < low:
+        return EpochOutOfRange(
+            f"epoch {epoch} of {dataset_id!r} in job {job.job!r} is no longer planned: the "
+            f"plans of the {EPOCHS_KEPT} latest epochs are kept ({low}..{high - 1}); to go back "
+            "to an earlier epoch, restore a checkpoint taken in it (restore_progress)"
+        )
+    if epoch > high:
+        return EpochOutOfRange(
+            f"epoch {epoch} of {dataset_id!r} in job {job.job!r} is more than one past the "
+            f"latest planned epoch, {high - 1}: ask for epochs in order (the next is {high}), "
+            "or restore a checkpoint to resume at its epoch (restore_progress)"
+        )
+    return None
+
+
 def get_shards(state: ShardingState, request: GetShardsRequest, now: float) -> Decision:
-    """Plan the epoch on its first request, or catch it up with the membership."""
+    """Plan the epoch on its first request, or catch it up with the membership. Only epochs
+    within the window (`JobSharding.epoch_window`) may be planned."""
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
         return Decision(error=job)
+    refused = _out_of_window(job, request.dataset_id, request.epoch)
+    if refused is not None:
+        return Decision(error=refused)
     if request.worker_id not in job.live:
         return Decision(
             error=NotFound(
@@ -316,8 +390,10 @@ def report_progress(state: ShardingState, request: ReportProgressRequest, now: f
         return Decision(error=job)
     epoch_plan = job.plans.get((request.dataset_id, request.epoch))
     if epoch_plan is None:
+        refused = _out_of_window(job, request.dataset_id, request.epoch)
         return Decision(
-            error=NotFound(
+            error=refused
+            or NotFound(
                 f"epoch {request.epoch} of {request.dataset_id!r} has no plan yet: get_shards first"
             )
         )
@@ -453,7 +529,8 @@ def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int)
     job = state.jobs.get(job_id)
     epoch_plan = job.plans.get((dataset_id, epoch)) if job else None
     if epoch_plan is None:
-        raise NotFound(f"no plan for epoch {epoch} of {dataset_id!r} in job {job_id!r}")
+        refused = _out_of_window(job, dataset_id, epoch) if job else None
+        raise refused or NotFound(f"no plan for epoch {epoch} of {dataset_id!r} in job {job_id!r}")
     plan = epoch_plan.plan
     return PlanSummary(
         job=job_id,

@@ -33,9 +33,10 @@ from strata.sharding import DatasetSpec, Plan, shard_order
 
 log = structlog.get_logger("strata.sharding")
 
-SNAPSHOT_VERSION = 2
-"""2: restore counts and retired plan versions (a version 1 snapshot is ignored: the stream is
-replayed instead)."""
+SNAPSHOT_VERSION = 3
+"""2: restore counts and retired plan versions. 3: only the plans of each dataset's newest epochs
+(`domain.EPOCHS_KEPT`), with the versions of those dropped. An older snapshot is ignored: the
+stream is replayed instead, which drops the old plans exactly as evolve does."""
 
 
 class Sharding(Projection[ShardingState]):

@@ -8,8 +8,10 @@ its objects are read back to check what the schemas cannot: probes, limits, moun
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -77,6 +79,15 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
         "workers.autoscaling.maxReplicas=100",
         "workers.autoscaling.targetCPUUtilizationPercentage=80",
     ),
+    "prometheus-and-outside-training": (
+        r"networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=monitoring",
+        r"networkPolicy.metricsFrom[0].podSelector.matchLabels.app\.kubernetes\.io/name=prometheus",
+        "networkPolicy.extraClients[0].podSelector.matchLabels.app=llm-pretrain",
+        "nats.auth.extraWorkerJobs={llm-pretrain}",
+        "coordinator.apiToken.existingSecret=strata-api-token-from-vault",
+        "coordinator.replay.maxEvents=1000000",
+        "coordinator.replay.timeoutSeconds=45",
+    ),
     "single-node-dev": (
         "nats.replicas=1",
         "nats.auth.enabled=false",
@@ -108,6 +119,10 @@ def _strata_containers(rendered: Rendered) -> list[dict[str, Any]]:
         if w["metadata"]["labels"]["app.kubernetes.io/component"] != "nats"
         for c in _containers(w)
     ]
+
+
+def _secret_text(rendered: Rendered, name: str, key: str) -> str:
+    return base64.b64decode(rendered.get("Secret", name)["data"][key]).decode()
 
 
 def _nats_auth(rendered: Rendered) -> dict[str, tuple[str, natsconf.Permissions]]:
@@ -420,8 +435,9 @@ def test_nats_is_a_three_node_jetstream_cluster_by_default(render: Render) -> No
 
     config = natsconf.parse(rendered.get("ConfigMap", _name("nats-config"))["data"]["nats.conf"])
     assert config["jetstream"]["store_dir"] == "/data/jetstream"
-    routes = config["cluster"]["routes"]
-    assert routes == [
+    assert config["cluster"]["include"] == ["routes.conf"]
+    routes = natsconf.parse(_secret_text(rendered, _name("nats-routes"), "routes.conf"))["routes"]
+    assert [re.sub(r"//[^@]+@", "//", route) for route in routes] == [
         f"nats://{_name('nats')}-{i}.{_name('nats-headless')}.{NAMESPACE}.svc.cluster.local:6222"
         for i in range(3)
     ]
@@ -448,7 +464,9 @@ def test_external_nats_replaces_the_statefulset(render: Render) -> None:
     assert not rendered.of_kind("StatefulSet")
     assert not rendered.of_kind("PodDisruptionBudget")
     assert not rendered.of_kind("ConfigMap")
-    assert not rendered.of_kind("Secret")  # the credentials are the existing Secret's
+    # The NATS credentials are the existing Secret's; the chart makes only the API token.
+    assert [s["metadata"]["name"] for s in rendered.of_kind("Secret")] == [_name("api-token")]
+    assert not rendered.of_kind("NetworkPolicy")  # nothing of the chart's to guard
     assert all("nats" not in s["metadata"]["name"] for s in rendered.of_kind("Service"))
     for container in _strata_containers(rendered):
         env = _env(container)
@@ -594,6 +612,9 @@ def test_the_nats_configuration_is_accepted_by_nats_server(render: Render, tmp_p
     rendered = render()
     for key, text in rendered.get("ConfigMap", _name("nats-config"))["data"].items():
         (tmp_path / key).write_text(text)
+    # The route Secret is projected into the same directory.
+    routes = _secret_text(rendered, _name("nats-routes"), "routes.conf")
+    (tmp_path / "routes.conf").write_text(routes)
     (server,) = _containers(rendered.get("StatefulSet", _name("nats")))
     env = {"PATH": "/usr/bin:/bin", "POD_NAME": f"{_name('nats')}-0"}
     env |= {name: "secret" for name in _env(server) if name.endswith("_PASSWORD")}
@@ -606,6 +627,170 @@ def test_the_nats_configuration_is_accepted_by_nats_server(render: Render, tmp_p
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_nats_routes_need_the_route_password_from_the_chart_secret(render: Render) -> None:
+    rendered = render()
+    config = natsconf.parse(rendered.get("ConfigMap", _name("nats-config"))["data"]["nats.conf"])
+    authorization = config["cluster"]["authorization"]
+    assert authorization["user"] == "strata-route"
+    assert authorization["password"] == "$STRATA_ROUTE_PASSWORD"
+    password = _secret_text(rendered, _name("nats-routes"), "route-password")
+    assert len(password) >= 32
+    routes = natsconf.parse(_secret_text(rendered, _name("nats-routes"), "routes.conf"))["routes"]
+    assert len(routes) == 3
+    assert all(route.startswith(f"nats://strata-route:{password}@") for route in routes)
+
+    nats = rendered.get("StatefulSet", _name("nats"))
+    (server,) = _containers(nats)
+    assert _env(server)["STRATA_ROUTE_PASSWORD"]["secretKeyRef"] == {
+        "name": _name("nats-routes"),
+        "key": "route-password",
+    }
+    volumes = {v["name"]: v for v in nats["spec"]["template"]["spec"]["volumes"]}
+    config_mount = next(m for m in server["volumeMounts"] if m["mountPath"] == "/etc/nats")
+    sources = volumes[config_mount["name"]]["projected"]["sources"]
+    assert {"configMap": {"name": _name("nats-config")}} in sources
+    (secret,) = [source["secret"] for source in sources if "secret" in source]
+    assert secret["name"] == _name("nats-routes")
+    assert secret["items"] == [{"key": "routes.conf", "path": "routes.conf"}]
+    assert volumes[config_mount["name"]]["projected"]["defaultMode"] == 0o440
+    # The Strata pods never see the route password.
+    for container in _strata_containers(rendered):
+        refs = [v for v in _env(container).values() if isinstance(v, dict)]
+        assert all(ref["secretKeyRef"]["name"] != _name("nats-routes") for ref in refs)
+
+
+def test_a_route_secret_made_outside_the_chart_replaces_the_generated_one(render: Render) -> None:
+    rendered = render("nats.routeAuth.existingSecret=nats-routes-from-vault")
+    assert _name("nats-routes") not in {s["metadata"]["name"] for s in rendered.of_kind("Secret")}
+    nats = rendered.get("StatefulSet", _name("nats"))
+    (server,) = _containers(nats)
+    assert _env(server)["STRATA_ROUTE_PASSWORD"]["secretKeyRef"]["name"] == "nats-routes-from-vault"
+    (config,) = [v for v in nats["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    names = [src["secret"]["name"] for src in config["projected"]["sources"] if "secret" in src]
+    assert names == ["nats-routes-from-vault"]
+
+
+def test_route_authentication_can_be_turned_off_and_a_single_node_has_no_routes(
+    render: Render,
+) -> None:
+    plain = render("nats.routeAuth.enabled=false")
+    config = natsconf.parse(plain.get("ConfigMap", _name("nats-config"))["data"]["nats.conf"])
+    assert "authorization" not in config["cluster"]
+    assert len(config["cluster"]["routes"]) == 3
+    assert _name("nats-routes") not in {s["metadata"]["name"] for s in plain.of_kind("Secret")}
+    single = render(*SCENARIOS["single-node-dev"])
+    assert _name("nats-routes") not in {s["metadata"]["name"] for s in single.of_kind("Secret")}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) applied to `labels`."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values")
+        present = key in labels
+        if operator == "In" and not (present and labels[key] in values):
+            return False
+        if operator == "NotIn" and present and labels[key] in values:
+            return False
+        if operator == "Exists" and not present:
+            return False
+        if operator == "DoesNotExist" and present:
+            return False
+    return True
+
+
+def _pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_a_network_policy_lets_only_strata_pods_reach_nats(render: Render) -> None:
+    rendered = render()
+    (policy,) = rendered.of_kind("NetworkPolicy")
+    nats = rendered.get("StatefulSet", _name("nats"))
+    assert _selects(policy["spec"]["podSelector"], _pod_labels(nats))
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+    (server,) = _containers(nats)
+    assert set(rules) <= {port["name"] for port in server["ports"]}
+    # Monitoring is closed unless someone is named to scrape it (probes come from the node).
+    assert set(rules) == {"client", "cluster"}
+
+    def allowed(rule: dict[str, Any], labels: dict[str, str]) -> bool:
+        return any(_selects(peer["podSelector"], labels) for peer in rule["from"])
+
+    strata_pods = [w for w in rendered.workloads() if w is not nats]
+    assert {w["metadata"]["labels"]["app.kubernetes.io/component"] for w in strata_pods} == {
+        *STRATA_SERVICES,
+        "worker",
+    }
+    for workload in strata_pods:
+        assert allowed(rules["client"], _pod_labels(workload)), workload["metadata"]["name"]
+        assert not allowed(rules["cluster"], _pod_labels(workload)), workload["metadata"]["name"]
+    assert allowed(rules["cluster"], _pod_labels(nats))
+    assert not allowed(rules["client"], _pod_labels(nats))
+    # Peers carry no namespaceSelector: only pods of the release's own namespace.
+    assert all("namespaceSelector" not in peer for rule in rules.values() for peer in rule["from"])
+    # Another release's pods, or anything else in the namespace, are not Strata's.
+    stranger = {**_pod_labels(strata_pods[0]), "app.kubernetes.io/instance": "other"}
+    assert not allowed(rules["client"], stranger)
+    assert not allowed(rules["client"], {"app": "debug-shell"})
+
+
+def test_prometheus_and_outside_training_are_let_in_when_named(render: Render) -> None:
+    rendered = render(*SCENARIOS["prometheus-and-outside-training"])
+    (policy,) = rendered.of_kind("NetworkPolicy")
+    rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+    assert rules["monitor"]["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+    assert {"podSelector": {"matchLabels": {"app": "llm-pretrain"}}} in rules["client"]["from"]
+
+
+def test_the_network_policy_can_be_turned_off(render: Render) -> None:
+    assert not render("networkPolicy.enabled=false").of_kind("NetworkPolicy")
+
+
+def test_the_gateway_asks_for_an_api_token_from_a_secret(render: Render) -> None:
+    rendered = render()
+    (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
+    reference = _env(gateway)["STRATA_API_TOKEN"]["secretKeyRef"]
+    assert reference == {"name": _name("api-token"), "key": "api-token"}
+    assert len(_secret_text(rendered, reference["name"], reference["key"])) >= 32
+    for name in ("registry", "sharding", "barrier", "checkpoint", "worker"):
+        (container,) = _containers(rendered.get("Deployment", _name(name)))
+        assert "STRATA_API_TOKEN" not in _env(container), name
+
+    existing = render(*SCENARIOS["prometheus-and-outside-training"])
+    (gateway,) = _containers(existing.get("Deployment", _name("gateway")))
+    assert (
+        _env(gateway)["STRATA_API_TOKEN"]["secretKeyRef"]["name"] == "strata-api-token-from-vault"
+    )
+    assert _name("api-token") not in {s["metadata"]["name"] for s in existing.of_kind("Secret")}
+
+    open_gateway = render("coordinator.apiToken.enabled=false")
+    (gateway,) = _containers(open_gateway.get("Deployment", _name("gateway")))
+    assert "STRATA_API_TOKEN" not in _env(gateway)
+
+
+def test_the_gateway_gets_the_replay_bounds(render: Render) -> None:
+    (gateway,) = _containers(render().get("Deployment", _name("gateway")))
+    env = _env(gateway)
+    assert (
+        env["STRATA_REPLAY_MAX_EVENTS"],
+        env["STRATA_REPLAY_TIMEOUT"],
+        env["STRATA_REPLAY_CONCURRENCY"],
+    ) == ("250000", "30", "2")
+    rendered = render(*SCENARIOS["prometheus-and-outside-training"])
+    (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
+    assert _env(gateway)["STRATA_REPLAY_MAX_EVENTS"] == "1000000"  # an integer, not 1e+06
+    assert _env(gateway)["STRATA_REPLAY_TIMEOUT"] == "45"
 
 
 # -- values.schema.json and other refusals --------------------------------------------------------
@@ -625,6 +810,9 @@ def test_the_nats_configuration_is_accepted_by_nats_server(render: Render, tmp_p
         (("externalNats.url=nats://nats:4222",), "existingSecret"),
         (("storage.backed=s3",), "storage"),
         (("workers.job=has.dots",), "workers.job"),
+        (("coordinator.replay.concurrency=0",), "coordinator.replay.concurrency"),
+        (("networkPolicy.metricsFrom[0].pods=all",), "networkPolicy.metricsFrom"),
+        (("nats.routeAuth.enabled=maybe",), "nats.routeAuth.enabled"),
     ],
 )
 def test_schema_rejects_wrong_values(helm: Path, settings: tuple[str, ...], complaint: str) -> None:

@@ -1,4 +1,8 @@
-"""`strata up` runs the stack, answers its probes, and leaves no process behind when stopped."""
+"""`strata up` runs the stack, answers its probes, and leaves no process behind when stopped.
+
+It also keeps to what it was told: every port of every child binds `--host` alone, and with
+`--secure` the gateway wants an API token and every file holding a secret is the owner's alone.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ class Stack:
     data_dir: Path
     log: Path
 
-    def get(self, path: str) -> tuple[int, dict[str, object]]:
-        url = f"http://127.0.0.1:{self.http_port}{path}"
+    def get(self, path: str, token: str | None = None) -> tuple[int, dict[str, object]]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}")
+        if token is not None:
+            request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as answer:
+            with urllib.request.urlopen(request, timeout=2) as answer:
                 return answer.status, json.loads(answer.read())
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read())
@@ -66,6 +72,42 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets `pid` holds open, from its file descriptors."""
+    found: set[str] = set()
+    try:
+        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return found
+    for descriptor in descriptors:
+        try:
+            target = os.readlink(descriptor)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target[len("socket:[") : -1])
+    return found
+
+
+def _tcp_listeners() -> dict[str, str]:
+    """inode -> local address of every listening TCP socket, from /proc/net/tcp and tcp6."""
+    listening: dict[str, str] = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A":  # TCP_LISTEN
+                continue
+            address, port = local.split(":")
+            assert len(address) == width
+            if width == 8:
+                host = ".".join(str(b) for b in reversed(bytes.fromhex(address)))
+            else:
+                host = address  # kernel byte order: compared with the wildcard only
+            listening[inode] = f"{host}:{int(port, 16)}"
+    return listening
 
 
 def _wait_until(condition: object, timeout: float, what: str) -> None:
@@ -128,6 +170,21 @@ def test_up_serves_probes_and_stops_cleanly_on_sigterm(stack: Stack) -> None:
     assert len(children) >= 2, "expected nats-server and the gateway as children"
     assert (stack.data_dir / "nats" / "jetstream").is_dir()
 
+    # --host 127.0.0.1 (the default): NATS, its monitoring port, the gateway and every
+    # service's probe port listen there and nowhere else.
+    listening = _tcp_listeners()
+    ours = {
+        inode: listening[inode]
+        for pid in {stack.proc.pid, *children}
+        for inode in _socket_inodes(pid)
+        if inode in listening
+    }
+    # NATS client and monitor, the gateway, and a probe port per service at least.
+    assert len(ours) >= 2 + 1 + 4, ours
+    assert all(address.startswith("127.0.0.1:") for address in ours.values()), ours
+    ports = {int(address.rsplit(":", 1)[1]) for address in ours.values()}
+    assert {stack.http_port, stack.nats_port} <= ports
+
     status_cli = subprocess.run(
         [
             sys.executable,
@@ -152,19 +209,43 @@ def test_up_serves_probes_and_stops_cleanly_on_sigterm(stack: Stack) -> None:
 def test_secure_up_reports_every_service_up_though_the_gateway_may_not_send(
     stack: Stack,
 ) -> None:
+    token = (stack.data_dir / "api-token").read_text().strip()
+    assert stack.get("/api/services")[0] == 401
+    assert stack.get("/api/services", token="not-the-token")[0] == 401
+
     def all_up() -> bool:
-        services = stack.get("/api/services")[1]["services"]
+        services = stack.get("/api/services", token)[1]["services"]
         assert isinstance(services, dict)
         return all(answer["up"] for answer in services.values())
 
     _wait_until(all_up, 30, "every service to be reported up")
-    services = stack.get("/api/services")[1]["services"]
+    services = stack.get("/api/services", token)[1]["services"]
     assert isinstance(services, dict)
     assert set(services) == {"registry", "sharding", "barrier", "checkpoint"}
     for name, answer in services.items():
         assert answer["service"] == name
         assert 0 <= answer["heard_s_ago"] <= 6.0  # from its announcement: a ping is not allowed
     assert (stack.data_dir / "credentials.json").is_file()
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True, ids=["secure"])
+def test_secure_up_keeps_every_secret_in_files_only_their_owner_reads(stack: Stack) -> None:
+    token = (stack.data_dir / "api-token").read_text().strip()
+    credentials = json.loads((stack.data_dir / "credentials.json").read_text())
+    secrets = [token.encode(), *(c["password"].encode() for c in credentials)]
+    # The token is shown once, on the terminal that started the stack, with the summary printed
+    # once every service is ready.
+    _wait_until(lambda: "Ctrl-C stops everything" in stack.output(), 30, "the summary")
+    assert stack.output().count(token) == 1
+    holding = []
+    for path in stack.data_dir.rglob("*"):
+        if not path.is_file() or path.stat().st_size > 16 * 1024 * 1024:
+            continue
+        content = path.read_bytes()
+        if any(secret in content for secret in secrets):
+            holding.append(path.relative_to(stack.data_dir))
+            assert path.stat().st_mode & 0o777 == 0o600, path
+    assert sorted(map(str, holding)) == ["api-token", "credentials.json", "nats/nats-server.conf"]
 
 
 def test_no_child_outlives_a_sigkilled_up(stack: Stack) -> None:

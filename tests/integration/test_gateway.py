@@ -10,6 +10,7 @@ gateway's live dashboard, live rates aside.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -314,7 +315,7 @@ async def test_a_failed_worker_shows_as_failed_and_a_replay_before_shows_it_aliv
     failed = next(e for e in doc["recent_events"] if e["type"] == "worker.failed")
     assert "w02" in failed["summary"]
 
-    before = await get(http, "/api/replay", job=job, seq=failed["seq"] - 1)
+    before = await get(http, "/api/replay", job=job, seq=failed["seq"] - 1, telemetry="true")
     Dashboard.model_validate(before)
     assert by_id(before)["w02"]["status"] == "training"
     assert by_id(before)["w02"]["last_heartbeat"] is not None
@@ -330,7 +331,13 @@ async def test_a_failed_worker_shows_as_failed_and_a_replay_before_shows_it_aliv
     both: dict[str, str | int] = {"job": job, "seq": 1, "at": 1}
     assert (await http.get("/api/replay", params=both)).status_code == 422
     nothing: dict[str, str | int] = {"job": "no-such-job", "seq": 5}
-    assert (await http.get("/api/replay", params=nothing)).status_code == 404
+    missing = await http.get("/api/replay", params=nothing)
+    assert missing.status_code == 404
+    assert missing.json()["code"] == "not_found"
+    # Heartbeats only when asked for: the statuses come from events alone.
+    lean = await get(http, "/api/replay", job=job, seq=failed["seq"] - 1)
+    assert by_id(lean)["w02"]["status"] == "training"
+    assert all(w["last_heartbeat"] is None for w in lean["workers"])
 
 
 async def test_replaying_the_whole_stream_gives_exactly_the_live_dashboard(
@@ -384,7 +391,7 @@ async def test_replaying_the_whole_stream_gives_exactly_the_live_dashboard(
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), Env.NATS_URL: "nats://127.0.0.1:1"},
     )
     assert json.loads(offline.stdout) == without_live_rates(live)
-    replayed = await get(http, "/api/replay", job=job, seq=live["seq"])
+    replayed = await get(http, "/api/replay", job=job, seq=live["seq"], telemetry="true")
     assert replayed == without_live_rates(live)
 
     # And straight from NATS: the state, and the timeline of one kind of event.
@@ -399,7 +406,7 @@ async def test_replaying_the_whole_stream_gives_exactly_the_live_dashboard(
         )
         return done.stdout
 
-    assert json.loads(await strata("--state")) == without_live_rates(live)
+    assert json.loads(await strata("--state", "--heartbeats")) == without_live_rates(live)
     (line,) = (await strata("--type", "worker.failed")).splitlines()
     assert "worker.failed" in line
     assert "no heartbeat for" in line
@@ -408,34 +415,156 @@ async def test_replaying_the_whole_stream_gives_exactly_the_live_dashboard(
 # -- token, probes, documentation -----------------------------------------------------------------
 
 
-async def test_an_api_token_guards_the_api_but_not_the_probes(stack: Stack) -> None:
-    bus = await Bus.connect(stack.nats_url, name="gateway-token-test")
-    gateway = Gateway(host="127.0.0.1", api_token="s3cret")
-    await gateway.start(bus, load_settings(nats_url=stack.nats_url, http_port=0))
+@contextlib.asynccontextmanager
+async def own_gateway(
+    stack: Stack, api_token: str | None = None, **settings: Any
+) -> AsyncIterator[Gateway]:
+    """A gateway of the test's own, in this process, with its own settings."""
+    bus = await Bus.connect(stack.nats_url, name="gateway-own-test")
+    gateway = Gateway(host="127.0.0.1", api_token=api_token)
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http:
-            for probe in ("/healthz", "/metrics"):
-                assert (await http.get(probe)).status_code == 200
-            refused = await http.get("/api/jobs")
-            assert refused.status_code == 401
-            assert refused.headers["www-authenticate"] == "Bearer"
-            assert API_TOKEN_ENV in refused.json()["detail"]
-            wrong = {"Authorization": "Bearer nope"}
-            assert (await http.get("/api/jobs", headers=wrong)).status_code == 401
-            right = {"Authorization": "Bearer s3cret"}
-            assert (await http.get("/api/jobs", headers=right)).status_code == 200
-            # A query token is only for EventSource, which cannot send headers.
-            query = {"access_token": "s3cret"}
-            assert (await http.get("/api/jobs", params=query)).status_code == 401
-            stream_params = {"job": "any-job", "access_token": "s3cret"}
-            async with http.stream("GET", "/api/stream", params=stream_params) as response:
-                assert response.status_code == 200
-                assert await anext(response.aiter_lines()) == ": connected"
-            bad = {"job": "any-job", "access_token": "nope"}
-            assert (await http.get("/api/stream", params=bad)).status_code == 401
+        await gateway.start(bus, load_settings(nats_url=stack.nats_url, http_port=0, **settings))
+        yield gateway
     finally:
         await gateway.stop()
         await bus.close()
+
+
+async def test_an_api_token_guards_the_api_but_not_the_probes(stack: Stack) -> None:
+    async with (
+        own_gateway(stack, api_token="s3cret") as gateway,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http,
+    ):
+        for probe in ("/healthz", "/metrics"):
+            assert (await http.get(probe)).status_code == 200
+        refused = await http.get("/api/jobs")
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json()["code"] == "unauthorized"
+        assert API_TOKEN_ENV in refused.json()["detail"]
+        wrong = {"Authorization": "Bearer nope"}
+        assert (await http.get("/api/jobs", headers=wrong)).status_code == 401
+        right = {"Authorization": "Bearer s3cret"}
+        assert (await http.get("/api/jobs", headers=right)).status_code == 200
+        # The push stream takes the header too (the dashboard reads it with fetch) ...
+        stream = {"job": "any-job"}
+        async with http.stream("GET", "/api/stream", params=stream, headers=right) as response:
+            assert response.status_code == 200
+            assert await anext(response.aiter_lines()) == ": connected"
+        # ... and never a token in the URL, where logs and browser history would keep it.
+        for path, params in (("/api/jobs", {}), ("/api/stream", stream)):
+            in_url = await http.get(path, params={**params, "access_token": "s3cret"})
+            assert in_url.status_code == 401
+            assert "Authorization: Bearer" in in_url.json()["detail"]
+            assert "URL" in in_url.json()["detail"]
+
+
+# -- bounded replays -----------------------------------------------------------------------------
+
+
+async def _job_with_events(stack: Stack, workers: list[strata.aio.Worker]) -> tuple[str, int]:
+    """A job of three workers that changed state a few times; its id and its last event's seq."""
+    job = support.new_job("gw")
+    team = await start_workers(workers, job, stack.nats_url, 3)
+    for step, status in enumerate(("loading", "training", "checkpointing")):
+        await asyncio.gather(*(w.set_state(status, step=step) for w in team))
+    seqs: list[int] = []
+
+    async def stored() -> bool:
+        nonlocal seqs
+        async with await Bus.connect(stack.nats_url, name="gateway-test") as bus:
+            records = [r async for r in job_history(bus.js, job, telemetry=False)]
+        seqs = [r.seq for r in records]
+        return sum(r.event.type == "worker.state_changed" for r in records) >= 9
+
+    await support.async_wait_until(stored, 10, "the state changes to be stored")
+    return job, seqs[-1]
+
+
+async def test_a_replay_folding_too_much_is_refused_with_how_to_ask_for_less(
+    stack: Stack, workers: list[strata.aio.Worker]
+) -> None:
+    job, last_seq = await _job_with_events(stack, workers)
+    async with (
+        own_gateway(stack, replay_max_events=5) as gateway,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http,
+    ):
+        refused = await http.get("/api/replay", params={"job": job, "seq": last_seq})
+        assert refused.status_code == 422
+        body = refused.json()
+        assert body["code"] == "too_large"
+        assert "more than 5 events" in body["detail"]
+        assert "earlier point" in body["detail"]
+        with_beats = {"job": job, "seq": last_seq, "telemetry": "true"}
+        assert "telemetry=false" in (await http.get("/api/replay", params=with_beats)).text
+        # Within the bound, the same job replays.
+        async with await Bus.connect(stack.nats_url, name="gateway-test") as bus:
+            fifth = [r async for r in job_history(bus.js, job, telemetry=False)][4].seq
+        early = await http.get("/api/replay", params={"job": job, "seq": fifth})
+        assert early.status_code == 200, early.text
+        assert early.json()["seq"] == fifth
+
+
+async def test_a_replay_past_its_deadline_is_refused(
+    stack: Stack, workers: list[strata.aio.Worker]
+) -> None:
+    job, last_seq = await _job_with_events(stack, workers)
+    # A microsecond: over at the first read from JetStream.
+    async with (
+        own_gateway(stack, replay_timeout=1e-6) as gateway,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http,
+    ):
+        late = await http.get("/api/replay", params={"job": job, "seq": last_seq})
+        assert late.status_code == 504
+        assert late.json()["code"] == "deadline_exceeded"
+        assert "took more than" in late.json()["detail"]
+        # The slot is free again: a refused replay does not hold it.
+        assert gateway.app is not None
+        assert gateway.app.state.replays.running == 0
+
+
+async def test_replays_beyond_the_concurrency_bound_are_refused_until_one_ends(
+    stack: Stack, workers: list[strata.aio.Worker]
+) -> None:
+    job, last_seq = await _job_with_events(stack, workers)
+    params = {"job": job, "seq": last_seq}
+    async with (
+        own_gateway(stack, replay_concurrency=1) as gateway,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http,
+    ):
+        assert gateway.app is not None
+        slots = gateway.app.state.replays
+        # A replay in progress holds the only slot (held here: a real one ends too soon to race).
+        with slots.hold():
+            busy = await http.get("/api/replay", params=params)
+            assert busy.status_code == 429
+            assert busy.json()["code"] == "busy"
+            assert busy.headers["retry-after"] == "1"
+            assert "STRATA_REPLAY_CONCURRENCY" in busy.json()["detail"]
+        assert (await http.get("/api/replay", params=params)).status_code == 200
+        assert slots.running == 0
+
+
+async def test_strata_replay_from_nats_is_bounded_too(
+    stack: Stack, workers: list[strata.aio.Worker]
+) -> None:
+    job, _ = await _job_with_events(stack, workers)
+    command = [sys.executable, "-m", "strata", "replay", "--job", job, "--state"]
+    command += ["--nats-url", stack.nats_url]
+    done = await asyncio.to_thread(
+        subprocess.run, [*command, "--max-events", "5"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "too_large" in done.stderr
+    assert "--until-seq" in done.stderr
+    done = await asyncio.to_thread(
+        subprocess.run, [*command, "--timeout", "0.000001"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "deadline_exceeded" in done.stderr
+    whole = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    assert json.loads(whole.stdout)["job"] == job
 
 
 async def test_probes_metrics_and_the_openapi_document(

@@ -173,3 +173,8 @@ def test_credentials_file_is_private_and_round_trips(
     save_credentials(path, credentials)
     assert path.stat().st_mode & 0o777 == 0o600
     assert load_credentials(path) == credentials
+
+
+def test_the_configuration_holding_the_passwords_is_private(secured: NatsServer) -> None:
+    assert secured.config_file.stat().st_mode & 0o777 == 0o600
+    assert "password" in secured.config_file.read_text()

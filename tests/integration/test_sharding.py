@@ -22,8 +22,11 @@ import strata
 from nats.aio.msg import Msg
 from strata import procutil
 from strata.datasets import AsyncDatasetRegistry
+from strata.errors import EpochOutOfRange
 from strata.events import ShardPlanChanged, ShardProgress, decode_event, subjects
+from strata.events.models import MAX_EPOCH
 from strata.events.requests import ShardAssignment
+from strata.services.sharding.domain import EPOCHS_KEPT
 from strata.torch import ShardSampler, within_shard_order
 from torch.utils.data import DataLoader, Dataset
 
@@ -425,3 +428,41 @@ def test_a_sharding_service_restart_keeps_the_plan_and_the_progress(
     after = [reg.assignment("ds", epoch=2) for reg in regs]
     assert after == before
     assert regs[0].plan("ds", 2).done_shards == 12
+
+
+# -- what a worker can make the service keep ------------------------------------------------------
+
+
+def test_epochs_are_planned_in_order_and_only_the_newest_plans_are_kept(
+    services: Services, nats_url: str, workers: list[strata.Worker]
+) -> None:
+    job = support.new_job("shard")
+    worker = strata.Worker(job, nats_url, worker_id="w0").start()
+    workers.append(worker)
+    reg = strata.DatasetRegistry(worker)
+    reg.register_dataset("ds", total_samples=100, shard_size=10, seed=1)
+    for epoch in range(8):
+        reg.assignment("ds", epoch=epoch)
+    oldest = 8 - EPOCHS_KEPT
+
+    with pytest.raises(EpochOutOfRange, match="the next is 8") as far:
+        reg.assignment("ds", epoch=MAX_EPOCH)
+    assert far.value.code == "epoch_out_of_range"
+    with pytest.raises(EpochOutOfRange, match=rf"no longer planned.*\({oldest}\.\.7\)"):
+        reg.assignment("ds", epoch=0)
+    with pytest.raises(EpochOutOfRange):
+        reg.plan("ds", 0)
+    assert reg.plan("ds", oldest).total_shards == 10
+
+    # Going back to an epoch whose plan was dropped is a restore, and the job goes on from there.
+    reg.restore_progress("ds", 0, checkpoint_step=50, completed=[0, 1])
+    assert reg.plan("ds", 0).done_shards == 2
+    assert len(reg.assignment("ds", epoch=1).shards) == 10
+
+    # A restarted service rebuilds the same window.
+    services.sharding.kill()
+    services.sharding.start()
+    with pytest.raises(EpochOutOfRange, match="the next is 2"):
+        reg.assignment("ds", epoch=3)
+    assert reg.plan("ds", 0).done_shards == 2
+    assert len(reg.assignment("ds", epoch=2).shards) == 10

@@ -15,11 +15,14 @@ export class AuthRequired extends Error {
 
 export class ApiError extends Error {
   readonly status: number;
+  /** Seconds to wait before asking again, when the gateway said (a 429: too many replays). */
+  readonly retryAfterS: number | null;
 
-  constructor(status: number, message: string) {
+  constructor(status: number, message: string, retryAfterS: number | null = null) {
     super(message);
     this.name = "ApiError";
     this.status = status;
+    this.retryAfterS = retryAfterS;
   }
 }
 
@@ -57,10 +60,16 @@ async function request(path: string, init: RequestInit = {}): Promise<Response> 
     try {
       const body: unknown = await response.json();
       if (body && typeof body === "object" && "detail" in body) detail = String(body.detail);
+      if (body && typeof body === "object" && "code" in body) detail += ` (${String(body.code)})`;
     } catch {
       // Not JSON; the status text will do.
     }
-    throw new ApiError(response.status, `${path}: ${response.status} ${detail}`);
+    const retryAfter = Number(response.headers.get("Retry-After"));
+    throw new ApiError(
+      response.status,
+      `${path}: ${response.status} ${detail}`,
+      Number.isFinite(retryAfter) && retryAfter > 0 ? retryAfter : null,
+    );
   }
   return response;
 }

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from strata import procutil
+from strata._files import write_private
 from strata.errors import BusError, ConfigError
 
 NATS_SERVER_VERSION = "2.15.1"
@@ -176,7 +177,8 @@ class NatsServer:
             return
         binary = nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(self.config_text(), encoding="utf-8")
+        # The configuration may hold passwords (extra_config): readable by the owner only.
+        write_private(self.config_file, self.config_text())
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as log:
             self._proc = subprocess.Popen(

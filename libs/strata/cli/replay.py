@@ -29,7 +29,7 @@ from strata.logs import configure_logging
 
 if TYPE_CHECKING:
     from strata.bus import Bus
-    from strata.replay import JobState, Record
+    from strata.replay import JobState, Record, ReplayLimits
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNITS: Final = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
@@ -92,7 +92,24 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _add_bounds(replay)
     replay.add_argument("--state", action="store_true", help="print the rebuilt state as JSON")
     replay.add_argument("--type", metavar="PREFIX", help="timeline: only event types so prefixed")
-    replay.add_argument("--heartbeats", action="store_true", help="timeline: show heartbeats too")
+    replay.add_argument(
+        "--heartbeats",
+        action="store_true",
+        help="timeline: show heartbeats too; --state: fold them too (last heartbeat, step)",
+    )
+    replay.add_argument(
+        "--max-events",
+        type=int,
+        metavar="N",
+        help="--state from NATS: fold at most N events and heartbeats "
+        "(default: $STRATA_REPLAY_MAX_EVENTS, 250000)",
+    )
+    replay.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="--state from NATS: give up after S seconds (default: $STRATA_REPLAY_TIMEOUT, 30)",
+    )
 
     export = verbs.add_parser(
         "export",
@@ -289,8 +306,17 @@ def _file_job(path: Path, wanted: str | None) -> str:
     return jobs[0]
 
 
+def _replay_limits(args: argparse.Namespace) -> ReplayLimits:
+    from strata.replay import ReplayLimits
+
+    settings = load_settings(
+        nats_url=args.nats_url, replay_max_events=args.max_events, replay_timeout=args.timeout
+    )
+    return ReplayLimits(settings.replay_max_events, settings.replay_timeout)
+
+
 async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
-    from strata.replay import JobState, job_history
+    from strata.replay import JobState, fold_history, job_history
 
     async with await _connect(args.nats_url) as bus:
         history = job_history(
@@ -300,15 +326,17 @@ async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
             since_ns=bounds.since_ns,
             until_seq=bounds.until_seq,
             until_ns=bounds.until_ns,
-            telemetry=args.state or args.heartbeats,
+            telemetry=args.heartbeats,
         )
+        if args.state:
+            narrow = "stop earlier (--until-seq, --until)" + (
+                ", leave heartbeats out (no --heartbeats)" if args.heartbeats else ""
+            )
+            narrow += " or raise --max-events / --timeout"
+            state = await fold_history(history, JobState(args.job), _replay_limits(args), narrow)
+            _print_state(state)
+            return state.events
         async with contextlib.aclosing(history):
-            if args.state:
-                state = JobState(args.job)
-                async for record in history:
-                    state.apply(record)
-                _print_state(state)
-                return state.events
             timeline = _Timeline(args, show_job=False)
             async for record in history:
                 timeline.add(record)

@@ -3,7 +3,9 @@
 Starts an embedded nats-server (store under `--data-dir`), provisions the streams, then runs every
 available service as its own process (as in Kubernetes, so one can be killed alone), restarting
 any that dies. On Ctrl-C or SIGTERM it stops the services, then NATS; no child outlives it, even
-if `strata up` itself is SIGKILLed (children carry a parent-death signal).
+if `strata up` itself is SIGKILLed (children carry a parent-death signal). Every port it opens,
+the children's probe ports included, binds `--host` only; with `--secure` the gateway asks for an
+API token, kept beside the NATS credentials in files only their owner can read.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from strata.logs import configure_logging
 from strata.security import (
     Credential,
     Role,
+    api_token,
     authorization_config,
     by_role,
     generate_credentials,
@@ -48,6 +51,7 @@ console = Console(stderr=True)
 
 READY_TIMEOUT_S = 60.0
 CREDENTIALS_FILE = "credentials.json"
+API_TOKEN_FILE = "api-token"
 RESTART_DELAY_S = 1.0
 
 
@@ -57,6 +61,7 @@ class Child:
     health_port: int
     log_path: Path
     env: dict[str, str]
+    probe_host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -76,14 +81,29 @@ class Child:
             )
         self.started_at = time.monotonic()
 
+    @property
+    def probe_url(self) -> str:
+        return f"http://{_url_host(self.probe_host)}:{self.health_port}"
+
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{self.health_port}/readyz", timeout=1
-            ) as answer:
+            with urllib.request.urlopen(f"{self.probe_url}/readyz", timeout=1) as answer:
                 return bool(json.loads(answer.read()).get("ready"))
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+
+def _reachable(host: str) -> str:
+    """Where a client on this machine reaches a port bound to `host` (a wildcard: loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _check_port_free(host: str, port: int, what: str, flag: str) -> None:
@@ -136,6 +156,7 @@ class LocalStack:
         _check_port_free(host, nats_port, "NATS", "--nats-port")
         _check_port_free(host, self.http_port, "HTTP", "--http-port")
         self.credentials = _credentials(self.data_dir, worker_credentials) if secure else []
+        self.api_token = api_token(self.data_dir / API_TOKEN_FILE) if secure else None
         self.nats = NatsServer(
             store_dir=self.data_dir / "nats",
             host=host,
@@ -151,8 +172,7 @@ class LocalStack:
 
     @property
     def dashboard_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.http_port}/"
+        return f"http://{_url_host(_reachable(self.host))}:{self.http_port}/"
 
     def start(self, stop: threading.Event) -> None:
         from strata.services import catalog
@@ -168,14 +188,20 @@ class LocalStack:
             Env.NATS_URL: self.nats.url,
             Env.DATA_DIR: str(self.data_dir),
             Env.LOG_FORMAT: "json",
+            # Every child's HTTP ports (gateway, probes, metrics) bind where NATS does.
+            Env.LISTEN_HOST: self.host,
         }
+        probe_host = _reachable(self.host)
         for name in catalog.available():
             role_env = self.role_env("gateway") if name == "gateway" else service_env
+            if name == "gateway" and self.api_token is not None:
+                role_env = {**role_env, Env.API_TOKEN: self.api_token}
             child = Child(
                 name=name,
-                health_port=procutil.free_port(),
+                health_port=procutil.free_port(probe_host),
                 log_path=self.data_dir / "logs" / f"{name}.log",
                 env={**base_env, **role_env, Env.HTTP_PORT: str(self.http_port)},
+                probe_host=probe_host,
             )
             child.env[Env.HEALTH_PORT] = str(child.health_port)
             child.spawn()
@@ -272,9 +298,7 @@ def _print_summary(stack: LocalStack) -> None:
     table.add_row("NATS", stack.nats.url)
     for child in stack.children:
         assert child.proc is not None
-        table.add_row(
-            child.name, f"pid {child.proc.pid}, probes http://127.0.0.1:{child.health_port}"
-        )
+        table.add_row(child.name, f"pid {child.proc.pid}, probes {child.probe_url}")
     table.add_row("dashboard", stack.dashboard_url)
     table.add_row("data", str(stack.data_dir))
     if stack.secure:
@@ -282,6 +306,13 @@ def _print_summary(stack: LocalStack) -> None:
             "credentials",
             f"{stack.data_dir / CREDENTIALS_FILE} "
             "(workers: STRATA_NATS_USER=worker-N, their worker id)",
+        )
+    if stack.api_token is not None:
+        # Shown here, once per start, and nowhere else: the logs never carry it.
+        table.add_row(
+            "API token",
+            f"{stack.api_token} (also in {stack.data_dir / API_TOKEN_FILE}; the dashboard asks "
+            "for it, scripts send 'Authorization: Bearer <token>')",
         )
     Console().print(table)
     console.print("Ctrl-C stops everything.")

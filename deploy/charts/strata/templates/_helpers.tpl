@@ -252,3 +252,42 @@ Secret and the environment variable the NATS server reads it from.
 {{- end }}
 {{- toJson $users }}
 {{- end }}
+
+{{/*
+True (non-empty) when the NATS replicas authenticate each other's routes: the chart runs a
+cluster of its own and nats.routeAuth.enabled.
+*/}}
+{{- define "strata.nats.routeAuth" -}}
+{{- if and (include "strata.nats.internal" .) (gt (int .Values.nats.replicas) 1) .Values.nats.routeAuth.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "strata.nats.routesSecret" -}}
+{{- default (printf "%s-nats-routes" (include "strata.fullname" .)) .Values.nats.routeAuth.existingSecret }}
+{{- end }}
+
+{{/* The user NATS replicas present to each other on their routes. */}}
+{{- define "strata.nats.routeUser" -}}strata-route{{- end }}
+
+{{/* host:port of each replica's route listener, as JSON. */}}
+{{- define "strata.nats.routeHosts" -}}
+{{- $fullname := include "strata.fullname" . }}
+{{- $hosts := list }}
+{{- range $i := until (int .Values.nats.replicas) }}
+{{- $hosts = append $hosts (printf "%s-nats-%d.%s-nats-headless.%s.svc.%s:6222" $fullname $i $fullname $.Release.Namespace $.Values.nats.clusterDomain) }}
+{{- end }}
+{{- toJson $hosts }}
+{{- end }}
+
+{{/* True (non-empty) when the gateway asks for an API token. */}}
+{{- define "strata.apiToken" -}}
+{{- if .Values.coordinator.apiToken.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "strata.apiTokenSecret" -}}
+{{- default (printf "%s-api-token" (include "strata.fullname" .)) .Values.coordinator.apiToken.existingSecret }}
+{{- end }}
+
+{{/* The Strata pods' components: the NATS client port is theirs alone. */}}
+{{- define "strata.clientComponents" -}}
+{{- toJson (list "registry" "sharding" "barrier" "checkpoint" "gateway" "worker") }}
+{{- end }}
