@@ -28,7 +28,7 @@ from strata.errors import (
     ValidationError,
     WorkerSuperseded,
 )
-from strata.worker import Worker
+from strata.worker import Worker, default_worker
 
 __version__ = "0.1.0"
 
@@ -57,4 +57,5 @@ __all__ = [
     "WorkerSuperseded",
     "__version__",
     "aio",
+    "default_worker",
 ]

@@ -14,9 +14,10 @@ import socket
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Protocol, Self
 
 import pydantic
 import structlog
@@ -58,7 +59,7 @@ from strata.events.requests import (
     Registration,
     WorkerNotice,
 )
-from strata.logs import configure_logging
+from strata.logs import configure_library_logging
 
 __all__ = [
     "CheckpointManager",
@@ -76,12 +77,21 @@ LEAVE_RETRY_S: Final = 5.0
 MEMBERS_RETRY_S: Final = 30.0
 """How long members() keeps asking while no registry answers: long enough for a restart."""
 CLOSE_TIMEOUT_S: Final = 5.0
+SAVES_TIMEOUT_S: Final = 300.0
+"""How long stop() (the end of a `with` block) waits for pending checkpoint saves by default."""
 _MAX_CPU_PERCENT: Final = 100_000.0
 MEMBERSHIP_EVENTS: Final = ("worker.registered", "worker.failed", "worker.left")
 _NATS_SCHEMES: Final = ("nats://", "tls://", "ws://", "wss://")
 
 OnRejoin = Callable[[Registration], Awaitable[None] | None]
 """Called after the worker re-registered on its own, having been marked failed."""
+
+
+class _Saver(Protocol):
+    """What `stop()` needs of a checkpoint manager: wait until its saves are durable."""
+
+    async def wait(self) -> None: ...
+
 
 log = structlog.get_logger("strata.worker")
 
@@ -203,11 +213,20 @@ class Worker:
         settings: Settings | None = None,
         on_rejoin: OnRejoin | None = None,
         rank: int | None = None,
+        saves_timeout: float = SAVES_TIMEOUT_S,
     ) -> None:
         self._settings = settings if settings is not None else load_settings()
+        if not isinstance(saves_timeout, int | float) or not 0 <= saves_timeout <= 86_400:
+            raise ValidationError(
+                f"saves_timeout must be seconds in [0, 86400], got {saves_timeout!r}",
+                field="saves_timeout",
+            )
+        self._saves_timeout = float(saves_timeout)
+        self._savers: weakref.WeakSet[_Saver] = weakref.WeakSet()
         if not structlog.is_configured():
-            # structlog's default prints to stdout, which belongs to the training program.
-            configure_logging(self._settings.log_format, self._settings.log_level)
+            # structlog's default prints to stdout, which belongs to the training program: hand
+            # the lines to stdlib logging instead, whose set-up is the program's.
+            configure_library_logging(self._settings.log_format)
         self._job = check_id(
             "job",
             job if job is not None else self._settings.job,
@@ -303,6 +322,7 @@ class Worker:
 
     @property
     def job(self) -> str:
+        """The job this worker belongs to."""
         return self._job
 
     @property
@@ -330,10 +350,12 @@ class Worker:
 
     @property
     def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats, as the registry asked at registration."""
         return self._registered("heartbeat interval").heartbeat_interval
 
     @property
     def heartbeat_timeout(self) -> float:
+        """Seconds without a heartbeat after which the registry fails this worker."""
         return self._registered("heartbeat timeout").heartbeat_timeout
 
     @property
@@ -343,14 +365,17 @@ class Worker:
 
     @property
     def state(self) -> LiveState:
+        """What the worker last said it is doing (idle, loading, training, ...)."""
         return self._progress[0]
 
     @property
     def step(self) -> int:
+        """The step last recorded with `set_state`."""
         return self._progress[1]
 
     @property
     def epoch(self) -> int:
+        """The epoch last recorded with `set_state`."""
         return self._progress[2]
 
     @property
@@ -443,9 +468,36 @@ class Worker:
             )
             return self
 
+    def _track_saves(self, saver: _Saver) -> None:
+        """A checkpoint manager of this worker: `stop()` waits for its pending saves."""
+        self._savers.add(saver)
+
+    async def _pending_saves_failure(self) -> BaseException | None:
+        """Wait (up to `saves_timeout`) until this worker's checkpoint saves are durable."""
+        savers = list(self._savers)
+        if not savers or self._superseded is not None:
+            return None
+        try:
+            async with asyncio.timeout(self._saves_timeout):
+                for saver in savers:
+                    await saver.wait()
+        except TimeoutError:
+            return StrataError(
+                f"checkpoint saves of {self._worker_id!r} still pending after "
+                f"{self._saves_timeout:g}s; the worker left the job without them (their steps "
+                "abort). Call wait() before leaving, or give Worker(saves_timeout=...) more time",
+                code="pending_saves",
+            )
+        except Exception as exc:  # a failed save: raised here, as wait() would
+            return exc
+        return None
+
     async def stop(self) -> None:
-        """Stop heartbeating, leave the job and disconnect. Idempotent; never raises for a leave
-        the registry cannot take (it then marks the worker failed after the heartbeat timeout)."""
+        """Wait for this worker's pending checkpoint saves (up to `saves_timeout`), stop
+        heartbeating, leave the job and disconnect. Idempotent. Raises a save that failed or did
+        not finish in time, after leaving; never raises for a leave the registry cannot take (it
+        then marks the worker failed after the heartbeat timeout)."""
+        failure = await self._pending_saves_failure() if self._started else None
         async with self._lock():
             if not self._started:
                 return
@@ -461,6 +513,8 @@ class Worker:
                 await self._close_bus()
                 self._started = False
                 self._stopping = False
+        if failure is not None:
+            raise failure
 
     def leave_on_sigterm(self) -> None:
         """Leave the job gracefully on SIGTERM, then let SIGTERM do what it did before (by

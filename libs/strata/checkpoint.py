@@ -175,6 +175,7 @@ class AsyncCheckpointManager:
         if max_pending_bytes < 1:
             raise ValidationError("max_pending_bytes must be positive")
         self._worker = worker
+        worker._track_saves(self)
         self._storage: StorageBackend = open_storage(path, worker.settings)
         self.root_uri = self._storage.root_uri
         self.keep_count = keep_count
@@ -192,6 +193,7 @@ class AsyncCheckpointManager:
 
     @property
     def storage(self) -> StorageBackend:
+        """The storage backend checkpoints are written to."""
         return self._storage
 
     def _raise_failure(self) -> None:
@@ -462,6 +464,7 @@ class AsyncCheckpointManager:
         return await self._storage.read(shard.key, shard.checksum)
 
     async def load_state(self, step: int | None = None, rank: int | None = None) -> Any:
+        """`load()` read back with `torch.load` (weights only)."""
         import torch
 
         data = await self.load(step, rank)
@@ -500,6 +503,7 @@ class AsyncCheckpointManager:
         )
 
     async def close(self) -> None:
+        """Wait for pending saves, then release the storage client."""
         await self.wait()
         await self._storage.close()
 
@@ -520,11 +524,15 @@ def _state_bytes(state: Any) -> int:
 
 
 class CheckpointManager:
-    """Checkpoints for synchronous training loops: `strata.CheckpointManager(worker, path)`."""
+    """Checkpoints for synchronous training loops: `strata.CheckpointManager(worker, path)`.
+
+    Without a worker (`strata.CheckpointManager(path="s3://bucket/models", keep_count=5)`) it
+    uses the process's implicit worker (`strata.default_worker()`), built from the environment.
+    """
 
     def __init__(
         self,
-        worker: Worker,
+        worker: Worker | None = None,
         path: str | None = None,
         *,
         keep_count: int = 5,
@@ -532,6 +540,9 @@ class CheckpointManager:
         max_pending_bytes: int = DEFAULT_MAX_PENDING,
         keep_staging: bool = True,
     ) -> None:
+        from strata.worker import resolve_worker
+
+        worker = resolve_worker(worker, "CheckpointManager", "path")
         self._runner = worker.runner
         self._aio = self._runner.run(
             _make_async(worker.aio, path, keep_count, timeout, max_pending_bytes, keep_staging)
@@ -539,10 +550,12 @@ class CheckpointManager:
 
     @property
     def aio(self) -> AsyncCheckpointManager:
+        """The `strata.aio.CheckpointManager` this one drives on the worker's loop."""
         return self._aio
 
     @property
     def root_uri(self) -> str:
+        """Where this manager's checkpoints live (a file:// or s3:// URI)."""
         return self._aio.root_uri
 
     def save(
@@ -553,6 +566,7 @@ class CheckpointManager:
         *,
         cursors: list[DataCursor] | None = None,
     ) -> None:
+        """Declare this rank's shard of `step`, snapshot `data`, persist it in the background."""
         snapshot = data if isinstance(data, bytes) else bytes(data)  # copied on this thread
         self._runner.run(self._aio.save(snapshot, step, epoch, cursors=cursors))
 
@@ -564,31 +578,40 @@ class CheckpointManager:
         *,
         cursors: list[DataCursor] | None = None,
     ) -> None:
+        """Copy the tensors of `state` off the training state; serialise and persist later."""
         staged = self._aio._stage(state, step, epoch)  # the blocking part, on this thread
         self._runner.run(self._aio._save_staged(staged, cursors))
 
     def wait(self) -> None:
+        """Return once every save of this worker is durable; raise a background failure."""
         self._runner.run(self._aio.wait())
 
     def latest(self, *, include_incomplete: bool = False) -> Manifest | None:
+        """The latest complete checkpoint's manifest (from the service, else from storage)."""
         return self._runner.run(self._aio.latest(include_incomplete=include_incomplete))
 
     def latest_in_storage(self, *, include_incomplete: bool = False) -> Manifest | None:
+        """The newest complete manifest in storage, read directly (no service needed)."""
         return self._runner.run(self._aio.latest_in_storage(include_incomplete=include_incomplete))
 
     def manifests(self, *, include_incomplete: bool = False) -> list[Manifest]:
+        """Every committed checkpoint's manifest in storage, newest first (no service needed)."""
         return self._runner.run(self._aio.manifests(include_incomplete=include_incomplete))
 
     def load(self, step: int | None = None, rank: int | None = None) -> bytes:
+        """Rank `rank`'s bytes (default: this worker's) of the latest complete checkpoint."""
         return self._runner.run(self._aio.load(step, rank))
 
     def load_state(self, step: int | None = None, rank: int | None = None) -> Any:
+        """`load()` read back with `torch.load` (weights only)."""
         return self._runner.run(self._aio.load_state(step, rank))
 
     def wait_committed(self, step: int, timeout: float = 60.0) -> CheckpointInfo:
+        """Wait until `step` is committed (raise `ConflictError` if it was aborted)."""
         return self._runner.run(self._aio.wait_committed(step, timeout))
 
     def close(self) -> None:
+        """Wait for pending saves, then release the storage client."""
         self._runner.run(self._aio.close())
 
 

@@ -184,6 +184,7 @@ class AsyncDatasetRegistry:
 
     @property
     def worker(self) -> AsyncWorker:
+        """The worker whose job and identity the calls use."""
         return self._worker
 
     async def register_dataset(
@@ -415,15 +416,20 @@ class DatasetRegistry:
     [ShardRange(shard_id=87, start=870000, end=880000), ...]
 
     Each call runs the coroutine of `strata.aio.DatasetRegistry` on the worker's background loop.
+    Without a worker (`strata.DatasetRegistry()`) it uses the process's implicit worker
+    (`strata.default_worker()`), built from the environment.
     """
 
     def __init__(
         self,
-        worker: Worker,
+        worker: Worker | None = None,
         *,
         timeout: float = RPC_TIMEOUT_S,
         retry_for: float = RETRY_FOR_S,
     ) -> None:
+        from strata.worker import resolve_worker
+
+        worker = resolve_worker(worker, "DatasetRegistry")
         self._worker = worker
         self._aio = AsyncDatasetRegistry(worker.aio, timeout=timeout, retry_for=retry_for)
 
@@ -432,14 +438,17 @@ class DatasetRegistry:
 
     @property
     def aio(self) -> AsyncDatasetRegistry:
+        """The `strata.aio.DatasetRegistry` this one drives on the worker's loop."""
         return self._aio
 
     @property
     def worker(self) -> Worker:
+        """The worker whose job and identity the calls use."""
         return self._worker
 
     @property
     def worker_id(self) -> str:
+        """The id of that worker."""
         return self._worker.id
 
     def register_dataset(
@@ -509,5 +518,6 @@ class DatasetRegistry:
         return self._aio.plan_version_seen(dataset_id, epoch)
 
     def close(self) -> None:
+        """Stop following plan changes (the worker stays in the job)."""
         if self._worker.runner.running:
             self._worker.runner.run(self._aio.close())

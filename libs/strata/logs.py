@@ -66,6 +66,38 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, force=True)
 
 
+def configure_library_logging(fmt: LogFormat = "auto") -> None:
+    """For the SDK inside someone else's program, which owns the process's logging.
+
+    structlog hands each line, rendered as `event key=value ...`, to the stdlib logger named
+    after the module (`strata.checkpoint`, ...), so the program's own logging set-up decides
+    where it goes: its handlers and levels, a `train.log` included. Nothing is installed on the
+    root logger; with no logging set up at all, Python's last-resort handler shows warnings and
+    errors on stderr. Call it only while structlog is unconfigured: a program that configured
+    structlog itself keeps its configuration. `fmt="json"` (STRATA_LOG_FORMAT) renders each line
+    as a JSON object with its level and time, for log collectors.
+    """
+    renderer: list[Any] = (
+        [
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ]
+        if fmt == "json"
+        else [structlog.processors.KeyValueRenderer(key_order=["event"], repr_native_str=False)]
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            *renderer,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
 def bind(**context: Any) -> None:
     """Attach context (job, worker, rank, step, ...) to every later log line of this task."""
     structlog.contextvars.bind_contextvars(**{k: v for k, v in context.items() if v is not None})
@@ -75,4 +107,4 @@ def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
 
 
-__all__ = ["bind", "configure_logging", "get_logger"]
+__all__ = ["bind", "configure_library_logging", "configure_logging", "get_logger"]

@@ -12,6 +12,7 @@ import atexit
 import functools
 import inspect
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -21,14 +22,15 @@ import structlog
 
 from strata import _signals
 from strata._loop import LoopRunner
-from strata.aio import MEMBERS_RETRY_S, OnRejoin
+from strata.aio import MEMBERS_RETRY_S, SAVES_TIMEOUT_S, OnRejoin
 from strata.aio import Worker as AsyncWorker
 from strata.bus import Bus
-from strata.config import Settings
+from strata.config import Env, Settings
+from strata.errors import StrataError, ValidationError
 from strata.events import LiveState
 from strata.events.requests import MembersResult, Registration
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "default_worker"]
 
 EXIT_STOP_TIMEOUT_S: Final = 10.0
 
@@ -79,6 +81,7 @@ class Worker:
         settings: Settings | None = None,
         on_rejoin: OnRejoin | None = None,
         rank: int | None = None,
+        saves_timeout: float = SAVES_TIMEOUT_S,
     ) -> None:
         self._aio = AsyncWorker(
             job,
@@ -90,6 +93,7 @@ class Worker:
             settings=settings,
             on_rejoin=_off_the_loop(on_rejoin),
             rank=rank,
+            saves_timeout=saves_timeout,
         )
         self._runner = LoopRunner(name=f"strata-worker-{self._aio.id}")
         self._exit_hook: Callable[[], None] | None = None
@@ -113,7 +117,9 @@ class Worker:
         return self
 
     def stop(self, timeout: float | None = None) -> None:
-        """Leave the job, disconnect and end the background thread. Idempotent."""
+        """Wait for this worker's pending checkpoint saves (up to `saves_timeout`), leave the
+        job, disconnect and end the background thread. Idempotent. Raises a save that failed or
+        did not finish in time (`code="pending_saves"`), after leaving."""
         if self._exit_hook is not None:
             atexit.unregister(self._exit_hook)
             self._exit_hook = None
@@ -143,7 +149,13 @@ class Worker:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        if exc is None:
+            self.stop()  # a save that failed or is still pending is raised here
+            return
+        try:
+            self.stop()
+        except StrataError as failure:  # the block's own exception is the one to see
+            log.error("worker_stop_failed", worker=self.id, error=str(failure))
 
     # -- calls ------------------------------------------------------------------------------------
 
@@ -185,18 +197,22 @@ class Worker:
 
     @property
     def bus(self) -> Bus:
+        """The worker's NATS connection (for the SDK's own clients)."""
         return self._aio.bus
 
     @property
     def id(self) -> str:
+        """This worker's id: given, taken from the NATS user, or made up by the registry."""
         return self._aio.id
 
     @property
     def instance(self) -> str:
+        """Random per process: tells this process from another under the same worker id."""
         return self._aio.instance
 
     @property
     def job(self) -> str:
+        """The job this worker belongs to."""
         return self._aio.job
 
     @property
@@ -207,53 +223,112 @@ class Worker:
 
     @property
     def requested_rank(self) -> int | None:
+        """The rank asked for (`rank=` or STRATA_RANK), or None for the lowest free one."""
         return self._aio.requested_rank
 
     @property
     def world_size(self) -> int:
+        """Live workers of the job, as last heard (kept current as workers join and fail)."""
         return self._aio.world_size
 
     @property
     def membership_epoch(self) -> int:
+        """The job's membership epoch as last heard: it grows with every join and failure."""
         return self._aio.membership_epoch
 
     @property
     def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats, as the registry asked at registration."""
         return self._aio.heartbeat_interval
 
     @property
     def heartbeat_timeout(self) -> float:
+        """Seconds without a heartbeat after which the registry fails this worker."""
         return self._aio.heartbeat_timeout
 
     @property
     def registration(self) -> Registration:
+        """The registry's answer to this worker's latest registration."""
         return self._aio.registration
 
     @property
     def state(self) -> LiveState:
+        """What the worker last said it is doing (idle, loading, training, ...)."""
         return self._aio.state
 
     @property
     def step(self) -> int:
+        """The step last recorded with `set_state`."""
         return self._aio.step
 
     @property
     def epoch(self) -> int:
+        """The epoch last recorded with `set_state`."""
         return self._aio.epoch
 
     @property
     def started(self) -> bool:
+        """Whether the worker is registered and heartbeating."""
         return self._aio.started
 
     @property
     def rejoined(self) -> bool:
+        """Whether the latest registration followed a failure or superseded a live process."""
         return self._aio.rejoined
 
     @property
     def rejoin_count(self) -> int:
+        """How many times this worker registered again on its own after being failed."""
         return self._aio.rejoin_count
 
     @property
     def superseded(self) -> bool:
         """A newer process registered this worker id: this one no longer counts; stop it."""
         return self._aio.superseded
+
+
+# -- the implicit worker ---------------------------------------------------------------------------
+
+_implicit: Worker | None = None
+_implicit_lock = threading.Lock()
+
+
+def _launcher_identity() -> tuple[int | None, str | None]:
+    """Under torchrun (or any launcher that sets RANK and WORLD_SIZE), when STRATA_RANK is not
+    set: torch's rank as the rank, and `rank-N` as the worker id, so a process the launcher
+    restarts supersedes its dead predecessor instead of waiting for its heartbeat timeout."""
+    if os.environ.get(Env.RANK) or not os.environ.get("WORLD_SIZE"):
+        return None, None
+    raw = os.environ.get("RANK", "")
+    if not raw.isdigit():
+        return None, None
+    return int(raw), f"rank-{int(raw)}"
+
+
+def default_worker() -> Worker:
+    """This process's implicit worker: what `CheckpointManager(path=...)` and
+    `DatasetRegistry()` use when no worker is passed, like torch's default process group.
+
+    Built from the environment (STRATA_JOB, STRATA_NATS_URL, STRATA_RANK, credentials; under
+    torchrun, torch's RANK) and started on first use; it leaves the job when the process exits.
+    """
+    global _implicit
+    with _implicit_lock:
+        if _implicit is None or not _implicit.started:
+            rank, worker_id = _launcher_identity()
+            _implicit = Worker(worker_id=worker_id, rank=rank).start()
+        return _implicit
+
+
+def resolve_worker(worker: object, owner: str, first_keyword: str | None = None) -> Worker:
+    """`worker`, or the implicit worker when it is None; a clear error for anything else."""
+    if worker is None:
+        return default_worker()
+    if isinstance(worker, Worker):
+        return worker
+    hint = f"; pass {first_keyword}=... by name" if first_keyword else ""
+    raise ValidationError(
+        f"{owner}'s first argument is a strata.Worker (or nothing, for the process's implicit "
+        f"worker), got {type(worker).__name__} {worker!r}{hint}",
+        field="worker",
+    )

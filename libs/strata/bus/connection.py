@@ -118,12 +118,16 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
 
     errors_seen = 0
     last_seen: Exception | None = None
+    connected = False
 
     async def on_error(exc: Exception) -> None:
         nonlocal errors_seen, last_seen
         errors_seen += 1
         last_seen = exc
-        log.warning("nats_error", client=opts.name, error=f"{type(exc).__name__}: {exc}")
+        # Before the first connection every failed attempt ends in one BusError that says it
+        # all; a warning per retry would bury it.
+        report = log.warning if connected else log.debug
+        report("nats_error", client=opts.name, error=f"{type(exc).__name__}: {exc}")
 
     async def on_disconnect() -> None:
         if nc.is_closed:  # closed on purpose: nothing to tell
@@ -160,6 +164,7 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
                 ),
                 timeout=max(0.001, deadline - time.monotonic()),
             )
+            connected = True
             return nc
         except nats.errors.NoServersError as exc:
             last_error: Exception = exc

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from rich.table import Table
 import strata
 from strata.config import load_settings
 from strata.errors import StrataError
+from strata.logs import configure_logging
 
 console = Console(stderr=True)
 
@@ -123,6 +125,19 @@ async def _status(nats_url: str | None) -> int:
     return 0 if down == 0 else 3
 
 
+def _print_error(exc: StrataError) -> None:
+    """One line on stderr: a JSON object under STRATA_LOG_FORMAT=json, else readable text."""
+    try:
+        as_json = load_settings().log_format == "json"
+    except StrataError:
+        as_json = False  # the settings themselves are what is wrong
+    if as_json:
+        line = {"level": "error", "code": exc.code, "message": exc.message}
+        print(json.dumps(line), file=sys.stderr)
+    else:
+        console.print(f"[red]error[/] {escape(str(exc))}", soft_wrap=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -140,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "serve":
             return _serve(args)
         if args.verb == "status":
+            settings = load_settings(nats_url=args.nats_url)
+            configure_logging(settings.log_format, "warning")
             return asyncio.run(_status(args.nats_url))
         if args.verb in ("replay", "export"):
             from strata.cli import replay
@@ -148,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args, console)
         parser.error(f"unknown verb {args.verb!r}")
     except StrataError as exc:
-        console.print(f"[red]error[/] {escape(str(exc))}", soft_wrap=True)
+        _print_error(exc)
         return 1
     except KeyboardInterrupt:
         return 130

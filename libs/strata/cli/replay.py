@@ -15,9 +15,9 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Any, Final, TypeVar
 
 from rich.console import Console
 from rich.markup import escape
@@ -172,6 +172,9 @@ class _Bounds:
             yield record
 
 
+_T = TypeVar("_T")
+
+
 async def _connect(nats_url: str | None) -> Bus:
     from strata.bus import Bus
 
@@ -179,10 +182,44 @@ async def _connect(nats_url: str | None) -> Bus:
     return await Bus.connect(settings=settings, name="strata-cli", deadline=5.0)
 
 
+def _from_nats(reading: Coroutine[Any, Any, _T], nats_url: str | None) -> _T:
+    """Run a read of the streams; a server without them is a one-line error, not a traceback."""
+    import nats.js.errors
+
+    try:
+        return asyncio.run(reading)
+    except nats.js.errors.NotFoundError:
+        url = nats_url or load_settings().nats_url
+        raise NotFound(
+            f"NATS at {url} has no Strata streams: is it the stack's server (--nats-url, "
+            "STRATA_NATS_URL), and has the stack run there?"
+        ) from None
+
+
+@contextlib.contextmanager
+def _progress(console: Console, verb: str) -> Iterator[Callable[[], None]]:
+    """A count of the records read so far, on a terminal only (a pipe gets nothing)."""
+    if not console.is_terminal:
+        yield lambda: None
+        return
+    count = 0
+    with console.status(f"{verb} 0 records") as status:
+
+        def tick() -> None:
+            nonlocal count
+            count += 1
+            if count % 1000 == 0:
+                status.update(f"{verb} {count:,} records")
+
+        yield tick
+
+
 # -- export ---------------------------------------------------------------------------------------
 
 
-async def _export(args: argparse.Namespace, out: IO[str]) -> tuple[int, int, int, int]:
+async def _export(
+    args: argparse.Namespace, out: IO[str], console: Console
+) -> tuple[int, int, int, int]:
     from strata.replay import job_history
 
     bounds = _Bounds(args)
@@ -198,33 +235,36 @@ async def _export(args: argparse.Namespace, out: IO[str]) -> tuple[int, int, int
             telemetry=not args.no_heartbeats,
         )
         async with contextlib.aclosing(history):
-            async for record in history:
-                out.write(record.to_json())
-                out.write("\n")
-                if record.stream == "events":
-                    events += 1
-                    first, last = first or record.seq, record.seq
-                else:
-                    beats += 1
-    return events, beats, first, last
+            with _progress(console, "exported") as progress:
+                async for record in history:
+                    out.write(record.to_json())
+                    out.write("\n")
+                    progress()
+                    if record.stream == "events":
+                        events += 1
+                        first, last = first or record.seq, record.seq
+                    else:
+                        beats += 1
+        return events, beats, first, last
 
 
 def _quiet_logs() -> None:
     # Standard output carries the timeline, the state or the export: logs go to standard error,
     # and the connection's info lines not at all.
-    configure_logging(level="warning")
+    configure_logging(load_settings().log_format, level="warning")
 
 
 def export(args: argparse.Namespace, console: Console) -> int:
     _check_job(args.job)
     _quiet_logs()
     if args.output == "-":
-        counts = asyncio.run(_export(args, sys.stdout))
+        quiet = Console(stderr=True, force_terminal=False)  # the export itself is on stdout
+        counts = _from_nats(_export(args, sys.stdout, quiet), args.nats_url)
     else:
         target = Path(args.output)
         partial = target.with_name(target.name + ".partial")
         with partial.open("w", encoding="utf-8") as out:
-            counts = asyncio.run(_export(args, out))
+            counts = _from_nats(_export(args, out, console), args.nats_url)
         if counts[0] == 0:
             partial.unlink()
         else:
@@ -371,7 +411,8 @@ def replay(args: argparse.Namespace, console: Console) -> int:
                 timeline.add(record)
         shown = timeline.shown
     else:
-        shown = asyncio.run(_replay_nats(args, bounds))
+        shown = _from_nats(_replay_nats(args, bounds), args.nats_url)
     if not args.state and shown == 0:
-        console.print("[yellow]no events in that range[/]")
+        where = f"job {args.job!r}" if args.job else str(args.file)
+        raise NotFound(f"{where}: no events in that range (is the job id right?)")
     return 0

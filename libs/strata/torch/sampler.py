@@ -260,10 +260,12 @@ class ShardSampler(Sampler[int]):
 
     @property
     def dataset_id(self) -> str:
+        """The dataset this sampler reads."""
         return self._dataset_id
 
     @property
     def epoch(self) -> int:
+        """The epoch this sampler reads (change it with `set_epoch`)."""
         return self._epoch
 
     @property
