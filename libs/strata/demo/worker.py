@@ -29,8 +29,6 @@ from strata.events.requests import Manifest
 from strata.torch import ShardSampler
 
 DATASET = "synthetic"
-ROUNDS_PER_ATTEMPT = 1_000_000
-"""Checkpoint steps are attempt * this + round: a step aborted by a failure is never reused."""
 
 
 def emit(kind: str, **fields: Any) -> None:
@@ -120,9 +118,7 @@ class Trainer:
         self.registry.register_dataset(
             DATASET, args.samples, args.shard_size, shuffle=True, seed=args.seed
         )
-        self.checkpoints = strata.CheckpointManager(
-            self.worker, args.checkpoints, keep_count=args.keep_count
-        )
+        self.checkpoints = self.checkpoint_manager()
         self.data = synthetic_data(args.samples, args.seed)
         self.loss = math.nan
         self.record = Recorder(args.record)
@@ -141,10 +137,18 @@ class Trainer:
                 emit("restart", rank=self.worker.rank, reason=str(exc), restarts=restarts)
                 self.checkpoints.wait()
                 self.record_acks()
+                # The restarted job saves its rounds under the same step numbers again: a new
+                # manager's saves are new attempts of the steps the failure aborted.
+                self.checkpoints, self.recorded_acks = self.checkpoint_manager(), 0
         self.checkpoints.wait()
         self.record_acks()
         emit("done", rank=self.worker.rank, loss=self.loss, worker=self.worker.id)
         self.worker.stop()
+
+    def checkpoint_manager(self) -> strata.CheckpointManager:
+        return strata.CheckpointManager(
+            self.worker, self.args.checkpoints, keep_count=self.args.keep_count
+        )
 
     def record_acks(self) -> None:
         """Record the checkpoint events published and acknowledged since the last call."""
@@ -206,7 +210,7 @@ class Trainer:
         round_id, resumed_epoch, epoch_done = self.resume(model, optimiser)
         # Everyone, the replacement included, is back before anyone reads again. The generation
         # of this barrier counts the (re)starts of the job, the same for every worker.
-        attempt = self.barrier("world", expected=args.world_size)
+        self.barrier("world", expected=args.world_size)
         first_epoch = resumed_epoch + 1 if epoch_done else resumed_epoch
         for epoch in range(first_epoch, args.epochs):
             carried = self.carried if epoch == resumed_epoch else frozenset()
@@ -240,7 +244,7 @@ class Trainer:
                         "latest complete checkpoint"
                     )
                 worker.set_state("checkpointing", step=round_id, epoch=epoch)
-                step = attempt * ROUNDS_PER_ATTEMPT + round_id
+                step = round_id  # a round saved again after a restart is the step's next attempt
                 try:
                     self.checkpoints.save_state(
                         {
