@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import os
 import socket
@@ -40,16 +41,12 @@ from strata.errors import (
 from strata.events import (
     LIVE_STATES,
     LiveState,
-    WorkerFailed,
     WorkerHeartbeat,
-    WorkerLeft,
-    WorkerRegistered,
     decode_model,
-    decode_shared_event,
     subjects,
 )
 from strata.events.codec import validation_error
-from strata.events.models import MAX_EPOCH, MAX_RANK, MAX_STEP, SUPERSEDED_REASON
+from strata.events.models import MAX_EPOCH, MAX_RANK, MAX_STEP
 from strata.events.requests import (
     LeaveRequest,
     LeaveResult,
@@ -58,6 +55,7 @@ from strata.events.requests import (
     RegisterRequest,
     Registration,
     WorkerNotice,
+    WorldNotice,
 )
 from strata.logs import configure_library_logging
 
@@ -80,7 +78,6 @@ CLOSE_TIMEOUT_S: Final = 5.0
 SAVES_TIMEOUT_S: Final = 300.0
 """How long stop() (the end of a `with` block) waits for pending checkpoint saves by default."""
 _MAX_CPU_PERCENT: Final = 100_000.0
-MEMBERSHIP_EVENTS: Final = ("worker.registered", "worker.failed", "worker.left")
 _NATS_SCHEMES: Final = ("nats://", "tls://", "ws://", "wss://")
 
 OnRejoin = Callable[[Registration], Awaitable[None] | None]
@@ -273,11 +270,9 @@ class Worker:
 
         self._bus: Bus | None = None
         self._control: Subscription | None = None
-        self._membership_subs: list[Subscription] = []
+        self._world_sub: Subscription | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._rejoin_task: asyncio.Task[None] | None = None
-        self._refresh_task: asyncio.Task[None] | None = None
-        self._refresh_wanted = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._lifecycle_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._started = False
@@ -434,16 +429,12 @@ class Worker:
             )
             self._bus = bus
             try:
-                # Subscribed before registering, so no notice or membership change is missed.
-                # Not the whole worker area: state changes would reach every worker from every
-                # other one, N squared messages that say nothing about membership.
-                self._membership_subs = [
-                    await bus.nc.subscribe(
-                        subjects.event_subject(self._job, event_type),
-                        cb=self._on_membership_event,
-                    )
-                    for event_type in MEMBERSHIP_EVENTS
-                ]
+                # Subscribed before registering, so no notice is missed. The registry's compact
+                # world notices, not the membership events: those would reach every worker from
+                # every other one, N squared messages at a job's start.
+                self._world_sub = await bus.nc.subscribe(
+                    subjects.world_subject(self._job), cb=self._on_world_notice
+                )
                 await self._subscribe_control()
                 registration = await self._register()
                 if registration.worker_id != self._worker_id:
@@ -591,12 +582,12 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._heartbeat_task = self._rejoin_task = self._refresh_task = None
+        self._heartbeat_task = self._rejoin_task = None
         self._tasks.clear()
 
     async def _close_bus(self) -> None:
         bus, self._bus = self._bus, None
-        self._control, self._membership_subs = None, []
+        self._control, self._world_sub = None, None
         if bus is None:
             return
         with contextlib.suppress(Exception):
@@ -653,15 +644,10 @@ class Worker:
         self._heartbeats_suspended = suspended
 
     async def _heartbeat_loop(self) -> None:
-        reconnects = 0
         next_beat = time.monotonic()
         while True:
             await self._beat()
             interval = self._registered("heartbeat interval").heartbeat_interval
-            try:
-                reconnects = self._check_reconnects(reconnects)
-            except Exception:  # bookkeeping must never stop the heartbeats
-                self._log.exception("heartbeat_bookkeeping_failed")
             next_beat += interval
             delay = next_beat - time.monotonic()
             if delay < 0:
@@ -675,16 +661,6 @@ class Worker:
                 # Beat now and keep the cadence from here, rather than a burst to catch up.
                 next_beat, delay = time.monotonic(), 0.0
             await asyncio.sleep(delay)
-
-    def _check_reconnects(self, seen: int) -> int:
-        bus = self._bus
-        if bus is None:
-            return seen
-        reconnects = int(bus.nc.stats["reconnects"])
-        if reconnects != seen:
-            # Membership events published while disconnected are lost to core subscriptions.
-            self._schedule_refresh()
-        return reconnects
 
     async def _beat(self) -> None:
         """Publish one heartbeat; a failure is logged and the next beat tries again."""
@@ -828,51 +804,21 @@ class Worker:
         if membership_epoch >= self._membership_view[0]:
             self._membership_view = (membership_epoch, max(0, world_size))
 
-    async def _on_membership_event(self, msg: Msg) -> None:
+    async def _on_world_notice(self, msg: Msg) -> None:
+        """The registry's notice of the job's world: epoch and size, newest wins."""
         try:
-            event = decode_shared_event(msg.data)
+            notice = decode_world_notice(msg.data)
         except StrataError:
             return
-        if event.job != self._job:
-            return
-        if isinstance(event, WorkerRegistered):
-            if event.worker_id == self._worker_id and event.instance != self._instance:
-                self._supersede(
-                    f"worker id {event.worker_id!r} of job {event.job!r} was registered by "
-                    f"another process (on {event.hostname or 'an unknown host'}) after this one"
-                )
-            self._observe_membership(event.membership_epoch, event.world_size)
-        elif isinstance(event, WorkerFailed | WorkerLeft):
-            if (
-                isinstance(event, WorkerFailed)
-                and event.worker_id == self._worker_id
-                # The end of the process this one superseded, or of this one (then the newer
-                # process's registration follows and tells it).
-                and not event.reason.startswith(SUPERSEDED_REASON)
-            ):
-                self._log.warning("worker_marked_failed", reason=event.reason)
-            known_epoch, world_size = self._membership_view
-            if event.membership_epoch == known_epoch + 1:
-                self._observe_membership(event.membership_epoch, world_size - 1)
-            elif event.membership_epoch > known_epoch:
-                # A change in between was missed, so the size is no longer known: ask.
-                self._schedule_refresh()
+        if notice.job == self._job:
+            self._observe_membership(notice.membership_epoch, notice.world_size)
 
-    def _schedule_refresh(self) -> None:
-        self._refresh_wanted = True
-        if self._bus is None or self._stopping:
-            return
-        if self._refresh_task is None or self._refresh_task.done():
-            self._refresh_task = self._spawn(self._refresh_membership(), "strata-membership")
 
-    async def _refresh_membership(self) -> None:
-        while self._refresh_wanted and self._bus is not None:
-            self._refresh_wanted = False
-            try:
-                await self.members()
-            except StrataError as exc:
-                self._log.debug("membership_refresh_failed", error=str(exc))
-                return
+@functools.lru_cache(maxsize=64)
+def decode_world_notice(data: bytes) -> WorldNotice:
+    """A world notice; every in-process worker of the job receives the same bytes, decoded once.
+    Raises `strata.CodecError` for anything else."""
+    return decode_model(data, WorldNotice, "world notice")
 
 
 # The other asyncio SDK parts, under their public names (they import this module for types only).

@@ -68,6 +68,7 @@ def permissions(role: Role, user: str) -> Permissions:
             f"{subjects.EVENTS}.*.barrier.*",
             f"{subjects.EVENTS}.*.shard.plan_changed",
             f"{subjects.CONTROL}.*.{worker}",
+            f"{subjects.WORLD}.*",
             INBOX,
         ),
     )

@@ -33,6 +33,7 @@ from strata.events import (
     LIVE_STATES,
     WorkerFailed,
     WorkerHeartbeat,
+    WorkerLeft,
     WorkerRegistered,
     decode_event,
     pack,
@@ -47,6 +48,7 @@ from strata.events.requests import (
     RegisterRequest,
     Registration,
     WorkerNotice,
+    WorldNotice,
 )
 from strata.metrics import MESSAGES_REJECTED
 from strata.services.projection import Projection
@@ -59,6 +61,11 @@ HEARTBEATS = "registry.heartbeats"
 NoticeKind = Literal["reregister", "superseded"]
 NOTIFIED_KEPT = 65_536
 """Re-registration notices remembered (to send one per interval) before old ones are dropped."""
+WORLD_COALESCE_S = 0.05
+"""How long a burst of membership changes is gathered into one world notice."""
+WORLD_REPEAT_S = 2.0
+"""Every job's world is announced again this often: a worker that missed a notice (a
+reconnect, a registry restart) is current again within this time."""
 
 
 class _HeartbeatCounts(Collector):
@@ -106,12 +113,17 @@ class Registry(Projection[RegistryState]):
         self._outbox: asyncio.Queue[Event] = asyncio.Queue(maxsize=100_000)
         self._notified: dict[tuple[str, str, str], float] = {}
         self._notified_limit = NOTIFIED_KEPT
+        self._worlds_changed: set[str] = set()
+        self._world_wakeup = asyncio.Event()
 
     def initial_state(self) -> RegistryState:
         return RegistryState()
 
     def evolve(self, state: RegistryState, event: Event) -> RegistryState:
         state = domain.evolve(state, event)
+        if isinstance(event, WorkerRegistered | WorkerFailed | WorkerLeft):
+            self._worlds_changed.add(event.job)
+            self._world_wakeup.set()
         if self.live and isinstance(event, WorkerRegistered):
             # Folded late (a slow stream, a reconnect): the registration is a sign of life now,
             # not only when it was decided, or the worker would be failed on arrival.
@@ -149,6 +161,7 @@ class Registry(Projection[RegistryState]):
         await self._rpc.start()
         self.spawn(self._detect_failures(), "detector")
         self.spawn(self._drain_outbox(), "outbox")
+        self.spawn(self._announce_worlds(), "worlds")
 
     async def before_stop(self) -> None:
         if self._rpc is not None:
@@ -340,6 +353,38 @@ class Registry(Projection[RegistryState]):
             await self.bus.nc.publish(
                 subjects.control_subject(job, worker_id), pack(notice.model_dump())
             )
+
+    async def _announce_worlds(self) -> None:
+        """A job's world (membership epoch, size) on its world subject: once per burst of
+        changes, and again every `WORLD_REPEAT_S` for workers that missed one.
+
+        Every worker of a job listens here instead of to every membership event: a job start
+        of N registrations then costs each worker a handful of notices, not N events, and the
+        whole job O(N) messages, not O(N^2).
+        """
+        last_repeat = self.clock()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WORLD_REPEAT_S):
+                    await self._world_wakeup.wait()
+            # Let the burst finish: registrations arrive together when a job starts.
+            await asyncio.sleep(WORLD_COALESCE_S)
+            self._world_wakeup.clear()
+            jobs, self._worlds_changed = self._worlds_changed, set()
+            if self.clock() - last_repeat >= WORLD_REPEAT_S:
+                last_repeat = self.clock()
+                jobs |= {name for name, job in self.state.jobs.items() if job.world_size}
+            for name in sorted(jobs):
+                job = self.state.jobs.get(name)
+                if job is None:
+                    continue
+                notice = WorldNotice(
+                    job=name, membership_epoch=job.membership_epoch, world_size=job.world_size
+                )
+                with contextlib.suppress(Exception):
+                    await self.bus.nc.publish(
+                        subjects.world_subject(name), pack(notice.model_dump())
+                    )
 
     async def _drain_outbox(self) -> None:
         """State changes seen in heartbeats, published in order, off the heartbeat path."""

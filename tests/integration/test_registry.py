@@ -54,6 +54,7 @@ from tests.support import (
     async_wait_until,
     job_events,
     new_job,
+    numbered,
     start_workers,
 )
 
@@ -612,3 +613,39 @@ def test_the_fast_decoder_never_accepts_what_the_model_refuses(
 def test_the_fast_decoder_takes_what_the_sdk_sends() -> None:
     sent = heartbeat("job-1", "w.1", cpu_percent=97.5, rss_bytes=2**31, state="training")
     assert fast_beat(encode_event(sent)) == ("job-1", "w.1", "i-w.1", 1, "training", 0, 0)
+
+
+async def test_a_job_start_reaches_each_worker_as_a_few_world_notices_not_an_event_per_worker(
+    registry: ServiceProcess, nats_url: str, bus: Bus, workers: list[strata.aio.Worker]
+) -> None:
+    """Every worker used to receive every other worker's membership events: O(N^2) messages at a
+    job's start. Now each hears the registry's coalesced world notices, a number that does not
+    grow with N, and still ends with the right world."""
+    job = new_job("world")
+    notices: list[tuple[int, int]] = []
+    membership_events = 0
+
+    async def on_notice(msg: Msg) -> None:
+        raw = msgpack.unpackb(msg.data)
+        notices.append((raw["membership_epoch"], raw["world_size"]))
+
+    async def on_event(msg: Msg) -> None:
+        nonlocal membership_events
+        membership_events += 1
+
+    await bus.nc.subscribe(subjects.world_subject(job), cb=on_notice)
+    await bus.nc.subscribe(subjects.event_subject(job, "worker.registered"), cb=on_event)
+    await bus.nc.flush()
+    count = 120
+    started = await start_workers(workers, job, nats_url, numbered(count), group=count)
+
+    async def everyone_sees_the_whole_world() -> bool:
+        return all(w.world_size == count for w in started)
+
+    await async_wait_until(everyone_sees_the_whole_world, 10, "every worker to see 120 workers")
+    assert membership_events == count
+    assert notices, "no world notice was published"
+    assert notices[-1][1] == count
+    # A burst of 120 registrations, gathered into notices 50 ms apart (and a repeat every 2 s).
+    assert len(notices) <= count // 4, f"{len(notices)} notices for {count} registrations"
+    assert [epoch for epoch, _ in notices] == sorted(epoch for epoch, _ in notices)

@@ -145,6 +145,19 @@ class WorkerNotice(StrictModel):
     )
 
 
+class WorldNotice(StrictModel):
+    """A job's world as the registry sees it, on `strata.world.<job>` (core NATS, not stored).
+
+    Published once for a burst of membership changes (coalesced over a few tens of
+    milliseconds), and repeated every few seconds, so each worker hears a constant number of
+    messages per change, not one per other worker; the member list is fetched on demand.
+    """
+
+    job: Id
+    membership_epoch: MembershipEpoch
+    world_size: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+
+
 # -- sharding -------------------------------------------------------------------------------------
 
 TotalSamples = Annotated[int, Field(ge=1, le=MAX_TOTAL_SAMPLES)]

@@ -15,7 +15,7 @@ from typing import Any
 import strata
 from strata.events import subjects
 from strata.events.models import EVENT_MODELS, TELEMETRY_TYPES, Event
-from strata.events.requests import WorkerNotice
+from strata.events.requests import WorkerNotice, WorldNotice
 from strata.events.rpc import (
     RPC_ENDPOINTS,
     STATUS_INTERVAL_S,
@@ -131,6 +131,22 @@ def asyncapi_document() -> dict[str, Any]:
     operations["notify_worker"] = {
         "action": "send",
         "channel": {"$ref": "#/channels/worker_notice"},
+    }
+    channels["world_notice"] = {
+        "address": f"{subjects.WORLD}.{{job}}",
+        "title": "world notice",
+        "description": f"{(WorldNotice.__doc__ or '').strip()} Core NATS, not stored.",
+        "parameters": {"job": {}},
+        "messages": {"world_notice": {"$ref": "#/components/messages/world_notice"}},
+    }
+    messages["world_notice"] = {
+        "name": "world notice",
+        "contentType": "application/msgpack",
+        "payload": _component(WorldNotice, schemas),
+    }
+    operations["announce_world"] = {
+        "action": "send",
+        "channel": {"$ref": "#/channels/world_notice"},
     }
     channels["service_status"] = {
         "address": f"{subjects.STATUS}.{{service}}",

@@ -22,6 +22,7 @@ HEARTBEATS: Final = f"{ROOT}.hb"
 METRICS: Final = f"{ROOT}.metric"
 RPC: Final = f"{ROOT}.rpc"
 CONTROL: Final = f"{ROOT}.ctl"
+WORLD: Final = f"{ROOT}.world"
 STATUS: Final = f"{ROOT}.status"
 
 EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
@@ -119,6 +120,11 @@ def all_metrics() -> str:
 def control_subject(job: str, worker_id: str) -> str:
     """Notices from the services to one worker (core NATS, not stored)."""
     return f"{CONTROL}.{token(job)}.{token(worker_id)}"
+
+
+def world_subject(job: str) -> str:
+    """The registry's compact notices of a job's world (core NATS, not stored)."""
+    return f"{WORLD}.{token(job)}"
 
 
 # -- requests -------------------------------------------------------------------------------------
