@@ -548,12 +548,12 @@ def test_workers_may_subscribe_to_what_the_sdk_listens_to_in_their_job_only(
     render: Render,
 ) -> None:
     from strata._barrier import FINAL
-    from strata.aio import MEMBERSHIP_EVENTS
 
     job = "default"
     worker = _nats_auth(render())["strata-workers-default"][1]
-    needed = [subjects.event_subject(job, e) for e in (*MEMBERSHIP_EVENTS, *FINAL)]
+    needed = [subjects.event_subject(job, e) for e in FINAL]
     needed += [
+        subjects.world_subject(job),
         subjects.event_subject(job, "shard.plan_changed"),
         subjects.control_subject(job, "w-1"),
         "_INBOX.abc.1",
@@ -562,6 +562,7 @@ def test_workers_may_subscribe_to_what_the_sdk_listens_to_in_their_job_only(
         assert worker.may_subscribe(subject), subject
     for subject in (
         subjects.event_subject("other-job", "worker.registered"),
+        subjects.world_subject("other-job"),
         subjects.control_subject("other-job", "w-1"),
         subjects.heartbeat_subject(job, "w-1"),
         f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
