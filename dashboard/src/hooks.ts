@@ -151,7 +151,7 @@ export function useLiveDashboard(
           }
           if (error instanceof ApiError && (error.status === 404 || error.status === 405)) {
             // No push endpoint on this gateway: poll instead, unless the job itself is unknown.
-            if (error.message.startsWith("/api/stream")) {
+            if (error.message.startsWith("api/stream")) {
               streamMissing = true;
               continue;
             }

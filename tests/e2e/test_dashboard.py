@@ -437,13 +437,25 @@ def bench_state(version: int) -> dict[str, Any]:
 
 
 class BenchGateway:
-    """Answers the page's requests: the built files from dist/, the API from bench_state()."""
+    """Answers the page's requests: the built files from dist/, the API from bench_state().
 
-    def __init__(self) -> None:
+    With a `prefix`, it stands behind an ingress that serves the dashboard under that sub-path
+    and strips it: a request outside the prefix would miss the gateway, and is counted.
+    """
+
+    def __init__(self, prefix: str = "") -> None:
         self.served = 0
+        self.prefix = prefix
+        self.outside: list[str] = []
 
     def handle(self, route: Any) -> None:
         url = urllib.parse.urlparse(route.request.url)
+        if self.prefix:
+            if not url.path.startswith(self.prefix + "/"):
+                self.outside.append(url.path)
+                route.fulfill(status=404, body="outside the ingress prefix")
+                return
+            url = url._replace(path=url.path.removeprefix(self.prefix))
         if url.path == "/api/jobs":
             summary = {"job": BENCH_JOB, "workers": BENCH_WORKERS, "live": 990, "events": 1}
             body: Any = {"jobs": [{**summary, "last_event_ts": time.time_ns()}]}
@@ -519,3 +531,20 @@ def test_worker_grid_stays_smooth_with_1000_workers(browser: Any) -> None:
     assert len(frames) >= BENCH_SECONDS * 10, figures
     assert figures["frame_p50_ms"] <= 50, figures
     assert shot.stat().st_size > 10_000
+
+
+def test_the_dashboard_works_under_an_ingress_sub_path(browser: Any) -> None:
+    """Assets and API calls are relative to the page: under https://host/strata/ they stay there."""
+    if not DIST_INDEX.is_file():
+        pytest.fail(f"{DIST_INDEX.relative_to(ROOT)} is missing: build it with `make dashboard`")
+    gateway = BenchGateway(prefix="/strata")
+    page = browser.new_page(viewport=VIEWPORT)
+    page.route("http://dashboard.test/**", gateway.handle)
+    page.goto(f"http://dashboard.test/strata/?job={BENCH_JOB}")
+    page.wait_for_function(
+        f"document.querySelectorAll('[data-testid^=worker-bench-]').length === {BENCH_WORKERS}",
+        timeout=UI_TIMEOUT_MS,
+    )
+    assert gateway.served >= 1
+    assert gateway.outside == [], f"requests outside the sub-path: {gateway.outside[:5]}"
+    page.close()

@@ -87,19 +87,21 @@ function query(params: Record<string, string | number | undefined>): string {
   return search.toString();
 }
 
+// Paths are relative to the page, so the dashboard works under any sub-path (an ingress that
+// serves it at https://host/strata/ and strips the prefix before the gateway).
 export const api = {
-  jobs: (signal?: AbortSignal) => getJson<JobsResponse>("/api/jobs", signal),
+  jobs: (signal?: AbortSignal) => getJson<JobsResponse>("api/jobs", signal),
   dashboard: (job: string, signal?: AbortSignal) =>
-    getJson<DashboardState>(`/api/dashboard?${query({ job })}`, signal),
+    getJson<DashboardState>(`api/dashboard?${query({ job })}`, signal),
   replay: (job: string, seq: number, signal?: AbortSignal) =>
-    getJson<DashboardState>(`/api/replay?${query({ job, seq })}`, signal),
+    getJson<DashboardState>(`api/replay?${query({ job, seq })}`, signal),
   events: (
     job: string,
     options: { afterSeq: number; limit?: number; type?: string },
     signal?: AbortSignal,
   ) =>
     getJson<EventsPage>(
-      `/api/jobs/${encodeURIComponent(job)}/events?${query({
+      `api/jobs/${encodeURIComponent(job)}/events?${query({
         after_seq: options.afterSeq,
         limit: options.limit,
         type: options.type,
@@ -117,7 +119,7 @@ export async function streamDashboard(
   onDashboard: (state: DashboardState) => void,
   signal: AbortSignal,
 ): Promise<void> {
-  const response = await request(`/api/stream?${query({ job })}`, {
+  const response = await request(`api/stream?${query({ job })}`, {
     signal,
     headers: { Accept: "text/event-stream" },
     cache: "no-store",
