@@ -63,6 +63,7 @@ from strata.replay import (
 )
 from strata.services.gateway.api import Dashboard, EventPage, JobList, WorkerPage
 from strata.services.gateway.assets import (
+    BUILD_HINT,
     docs_assets_dir,
     find_dashboard,
     missing_dashboard_message,
@@ -459,7 +460,7 @@ def create_app(
         missing = (
             missing_dashboard_message()
             if dashboard_dir is None
-            else f"the dashboard is not built (no index.html in {dashboard_dir})"
+            else f"the dashboard is not built (no index.html in {dashboard_dir}): {BUILD_HINT}"
         )
 
         @app.get("/", include_in_schema=False)
