@@ -7,9 +7,9 @@ the app against any server. With an API token set, every `/api` path asks for it
 never do. A replay is bounded in what it folds, in time and in how many run at once, so no caller
 can tie the gateway up. Every error answer is `{"detail": message, "code": code}`.
 
-The dashboard and the API docs (`/docs`, `/redoc`) are served from local files (see `assets`), so
-the gateway works where no other host can be reached; with no dashboard built, `/` says how to
-build one.
+The dashboard and the API docs (Swagger UI at `/docs`) are served from local files (see
+`assets`), so the gateway works where no other host can be reached; with no dashboard built, `/`
+says how to build one. There is no `/redoc`: ReDoc's page fetches its logo from its maker's CDN.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, 
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
@@ -479,7 +479,7 @@ _NO_DASHBOARD_PAGE: Final = """<!doctype html>
 
 
 def _add_docs(app: FastAPI) -> None:
-    """Swagger UI at /docs and ReDoc at /redoc, with every script and style served from here."""
+    """Swagger UI at /docs, with every script, style and icon served from here."""
     app.mount(DOCS_ASSETS_URL, StaticFiles(directory=docs_assets_dir()), name="docs-assets")
     openapi_url = app.openapi_url or "/openapi.json"
 
@@ -494,17 +494,6 @@ def _add_docs(app: FastAPI) -> None:
             swagger_favicon_url=f"{root}{DOCS_ASSETS_URL}/favicon.png",
             # Swagger UI would otherwise send the document to validator.swagger.io.
             swagger_ui_parameters={"validatorUrl": None},
-        )
-
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "")
-        return get_redoc_html(
-            openapi_url=f"{root}{openapi_url}",
-            title=f"{app.title}: API",
-            redoc_js_url=f"{root}{DOCS_ASSETS_URL}/redoc.standalone.js",
-            redoc_favicon_url=f"{root}{DOCS_ASSETS_URL}/favicon.png",
-            with_google_fonts=False,
         )
 
 

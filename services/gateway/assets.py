@@ -2,8 +2,8 @@
 
 A wheel of strata-ctl carries the dashboard as package data (`strata/dashboard/dist`); a source
 tree or an editable install has it in `dashboard/dist` once `make dashboard` has run. Swagger UI
-and ReDoc come from the fastapi-offline package, so `/docs` and `/redoc` load nothing from another
-host. Nothing here imports a web framework: `strata up` asks the same questions before it starts.
+comes from the fastapi-offline package, so `/docs` loads nothing from another host. Nothing here
+imports a web framework: `strata up` asks the same questions before it starts.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ BUILD_HINT: Final = (
 DOCS_ASSETS: Final = (
     "swagger-ui-bundle.js",
     "swagger-ui.css",
-    "redoc.standalone.js",
     "favicon.png",
 )
 
@@ -54,7 +53,7 @@ def missing_dashboard_message() -> str:
 
 
 def docs_assets_dir() -> Path:
-    """Swagger UI's and ReDoc's files, as fastapi-offline ships them."""
+    """Swagger UI's files, as fastapi-offline ships them."""
     spec = importlib.util.find_spec("fastapi_offline")
     if spec is None or spec.origin is None:
         raise MissingExtra(
