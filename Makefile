@@ -82,5 +82,5 @@ bench: install
 	$(BIN)/python bench/bus.py
 
 clean:
-	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info build dist
 	rm -rf dashboard/node_modules dashboard/dist dashboard/src/generated test-artifacts
