@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard test chaos lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard wheel test chaos lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU wheel on disk; anything else pulls GBs of CUDA.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,s3,torch]'
+	# The distribution was called "strata" before it became strata-ctl: drop an old editable install.
+	$(BIN)/python -m pip uninstall --quiet --yes strata 2>/dev/null || true
+	# Every extra: the tests run the SDK, the stack, S3 and torch.
+	$(BIN)/python -m pip install --quiet -e '.[dev,s3,torch,server]'
 	# The browser tests drive Debian's Chromium (a browser download is not possible here).
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
@@ -31,6 +34,10 @@ $(DASHBOARD_MODULES): dashboard/package.json dashboard/package-lock.json
 dashboard: $(STAMP) $(DASHBOARD_MODULES)
 	$(BIN)/python scripts/gen_types.py
 	cd dashboard && npm run build
+
+# A wheel (and sdist) under dist/ that carries the built dashboard: pip install dist/strata_ctl-*.whl.
+wheel: install dashboard
+	$(BIN)/python -m build --outdir dist .
 
 test: install dashboard lint typecheck schemas-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -75,5 +82,5 @@ bench: install
 	$(BIN)/python bench/bus.py
 
 clean:
-	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .typecheck .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info build dist
 	rm -rf dashboard/node_modules dashboard/dist dashboard/src/generated test-artifacts

@@ -6,6 +6,7 @@ turns a reply back into the matching subclass with `error_from_code`.
 
     StrataError
     ├── ConfigError            bad settings or arguments               config_invalid
+    │   └── MissingExtra       an optional part is not installed       missing_extra
     ├── CodecError             bytes that are not a valid message      malformed
     ├── ValidationError        a field that breaks the contract        invalid_field
     │   └── InvalidRequest     an RPC request that breaks it           invalid_request
@@ -56,6 +57,12 @@ class StrataError(Exception):
 
 class ConfigError(StrataError):
     code = "config_invalid"
+
+
+class MissingExtra(ConfigError):
+    """Something needs an extra of the distribution (`pip install 'strata-ctl[server]'`)."""
+
+    code = "missing_extra"
 
 
 class CodecError(StrataError):
@@ -167,6 +174,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
     cls.code: cls
     for cls in (
         ConfigError,
+        MissingExtra,
         CodecError,
         ValidationError,
         InvalidRequest,

@@ -6,6 +6,10 @@ the app against any server. With an API token set, every `/api` path asks for it
 `Authorization` header (never in the URL, where proxies and browser history would keep it); probes
 never do. A replay is bounded in what it folds, in time and in how many run at once, so no caller
 can tie the gateway up. Every error answer is `{"detail": message, "code": code}`.
+
+The dashboard and the API docs (Swagger UI at `/docs`) are served from local files (see
+`assets`), so the gateway works where no other host can be reached; with no dashboard built, `/`
+says how to build one. There is no `/redoc`: ReDoc's page fetches its logo from its maker's CDN.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import html
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -24,7 +29,8 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, 
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from nats.aio.msg import Msg
@@ -56,9 +62,17 @@ from strata.replay import (
     summarize,
 )
 from strata.services.gateway.api import Dashboard, EventPage, JobList, WorkerPage
+from strata.services.gateway.assets import (
+    BUILD_HINT,
+    docs_assets_dir,
+    find_dashboard,
+    missing_dashboard_message,
+)
 from strata.services.gateway.live import LiveModel
 
-DASHBOARD_DIST = Path(__file__).resolve().parents[2] / "dashboard" / "dist"
+DASHBOARD_DIST: Final = find_dashboard()
+"""The built dashboard this process serves at "/" (None: none is built)."""
+DOCS_ASSETS_URL: Final = "/docs-assets"
 
 API_TOKEN_ENV: Final = Env.API_TOKEN
 """When set, `/api/*` answers only requests with `Authorization: Bearer <token>`."""
@@ -211,6 +225,9 @@ def create_app(
         version=strata.__version__,
         description="State of Strata training jobs, for the dashboard and for scripts. Every "
         "figure is folded from the jobs' events with the services' own code.",
+        # Served below from local files: FastAPI's own pages load their scripts from a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.api_token = api_token
     limits = replay_limits if replay_limits is not None else ReplayLimits()
@@ -436,9 +453,48 @@ def create_app(
         }
 
     app.include_router(api)
+    _add_docs(app)
     if dashboard_dir is not None and (dashboard_dir / "index.html").is_file():
         app.mount("/", StaticFiles(directory=dashboard_dir, html=True), name="dashboard")
+    else:
+        missing = (
+            missing_dashboard_message()
+            if dashboard_dir is None
+            else f"the dashboard is not built (no index.html in {dashboard_dir}): {BUILD_HINT}"
+        )
+
+        @app.get("/", include_in_schema=False)
+        async def no_dashboard() -> HTMLResponse:
+            return HTMLResponse(_NO_DASHBOARD_PAGE.format(message=html.escape(missing)), 503)
+
     return app
+
+
+_NO_DASHBOARD_PAGE: Final = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Strata: no dashboard</title></head>
+<body><h1>Strata gateway</h1><p>{message}.</p>
+<p>The API answers under <a href="/api/jobs">/api</a>; its documentation is at
+<a href="/docs">/docs</a>.</p></body></html>
+"""
+
+
+def _add_docs(app: FastAPI) -> None:
+    """Swagger UI at /docs, with every script, style and icon served from here."""
+    app.mount(DOCS_ASSETS_URL, StaticFiles(directory=docs_assets_dir()), name="docs-assets")
+    openapi_url = app.openapi_url or "/openapi.json"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{openapi_url}",
+            title=f"{app.title}: API",
+            swagger_js_url=f"{root}{DOCS_ASSETS_URL}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_ASSETS_URL}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_ASSETS_URL}/favicon.png",
+            # Swagger UI would otherwise send the document to validator.swagger.io.
+            swagger_ui_parameters={"validatorUrl": None},
+        )
 
 
 async def _pushes(live: LiveModel, job: str) -> AsyncIterator[bytes]:

@@ -6,13 +6,17 @@ import asyncio
 import contextlib
 import os
 
+import structlog
 import uvicorn
 from fastapi import FastAPI
 from strata.bus import Bus
 from strata.config import Settings
 from strata.replay import ReplayLimits
-from strata.services.gateway.app import API_TOKEN_ENV, GatewayState, create_app
+from strata.services.gateway.app import API_TOKEN_ENV, DASHBOARD_DIST, GatewayState, create_app
+from strata.services.gateway.assets import missing_dashboard_message
 from strata.services.gateway.live import LiveModel
+
+log = structlog.get_logger("strata.gateway")
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -44,6 +48,8 @@ class Gateway:
         return int(self._server.servers[0].sockets[0].getsockname()[1])
 
     async def start(self, bus: Bus, settings: Settings) -> None:
+        if DASHBOARD_DIST is None:
+            log.warning("dashboard_not_built", detail=missing_dashboard_message())
         self.state.bus = bus
         self.state.streams_ready = True  # the runtime provisions the streams before start()
         await self.state.listen_for_status(bus)

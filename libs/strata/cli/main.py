@@ -1,7 +1,9 @@
 """`strata`: run the stack (`up`), one service (`serve`), and inspect jobs.
 
 Each verb lives in its own function; errors a person can fix are printed as one line with their
-code, never as a traceback, and the exit status is non-zero.
+code, never as a traceback, and the exit status is non-zero. The verbs need the `server` extra
+(`demo` also `torch`); without it they say so in that one line, so nothing here imports what the
+SDK alone does not install.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from typing import TYPE_CHECKING, Final
 
 import strata
+from strata import extras
 from strata.config import load_settings
 from strata.errors import StrataError
 from strata.logs import configure_logging
 
-console = Console(stderr=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+VERB_EXTRAS: Final = {"demo": ("server", "torch")}
+"""The extras each verb needs beyond `server`, which every verb needs."""
 
 
 def _add_nats(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _status(nats_url: str | None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from strata.bus import Bus
     from strata.events import subjects
     from strata.events.rpc import RPC_SERVICES, PingResult
@@ -125,8 +132,17 @@ async def _status(nats_url: str | None) -> int:
     return 0 if down == 0 else 3
 
 
+def _stderr_console() -> Console | None:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(stderr=True)
+
+
 def _print_error(exc: StrataError) -> None:
-    """One line on stderr: a JSON object under STRATA_LOG_FORMAT=json, else readable text."""
+    """One line on stderr: a JSON object under STRATA_LOG_FORMAT=json, else readable text (in
+    red where rich is installed: it is part of the server extra)."""
     try:
         as_json = load_settings().log_format == "json"
     except StrataError:
@@ -134,14 +150,21 @@ def _print_error(exc: StrataError) -> None:
     if as_json:
         line = {"level": "error", "code": exc.code, "message": exc.message}
         print(json.dumps(line), file=sys.stderr)
-    else:
-        console.print(f"[red]error[/] {escape(str(exc))}", soft_wrap=True)
+        return
+    console = _stderr_console()
+    if console is None:
+        print(f"error {exc}", file=sys.stderr)
+        return
+    from rich.markup import escape
+
+    console.print(f"[red]error[/] {escape(str(exc))}", soft_wrap=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        extras.require(*VERB_EXTRAS.get(args.verb, ("server",)), what=f"strata {args.verb}")
         if args.verb == "up":
             from strata.cli.up import up
 
@@ -162,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from strata.cli import replay
 
             run = replay.replay if args.verb == "replay" else replay.export
+            console = _stderr_console()
+            assert console is not None  # rich is part of the server extra, required above
             return run(args, console)
         parser.error(f"unknown verb {args.verb!r}")
     except StrataError as exc:

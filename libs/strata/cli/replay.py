@@ -2,7 +2,8 @@
 
 Both read through `strata.replay`, the fold the gateway runs, so `strata replay --file F --state`
 prints, with no server at all, the `/api/dashboard` document the gateway showed at the end of F
-(live rates aside).
+(live rates aside). rich is imported where something is printed: `add_parsers` runs on every
+`strata` call, with or without the server extra that installs it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, TypeVar
 
-from rich.console import Console
-from rich.markup import escape
-
 from strata.config import load_settings
 from strata.errors import ConfigError, NotFound
 from strata.events import ID_PATTERN
 from strata.logs import configure_logging
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from strata.bus import Bus
     from strata.replay import JobState, Record, ReplayLimits
 
@@ -255,6 +255,9 @@ def _quiet_logs() -> None:
 
 
 def export(args: argparse.Namespace, console: Console) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
     _check_job(args.job)
     _quiet_logs()
     if args.output == "-":
@@ -283,6 +286,8 @@ def export(args: argparse.Namespace, console: Console) -> int:
 
 
 def _timeline_line(record: Record, show_job: bool) -> str:
+    from rich.markup import escape
+
     from strata.replay import summarize
 
     event = record.event
@@ -299,6 +304,8 @@ class _Timeline:
     """Prints records as timeline lines, as they come."""
 
     def __init__(self, args: argparse.Namespace, show_job: bool) -> None:
+        from rich.console import Console
+
         self._out = Console(highlight=False, soft_wrap=True)
         self._heartbeats: bool = args.heartbeats
         self._prefix: str | None = args.type

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import structlog
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from strata import procutil
@@ -292,6 +293,9 @@ def _lower(env: dict[str, str]) -> dict[str, str]:
 
 
 def _print_summary(stack: LocalStack) -> None:
+    from strata.services.gateway.assets import find_dashboard, missing_dashboard_message
+
+    dashboard_built = find_dashboard() is not None
     table = Table(title="Strata is up", show_header=True)
     table.add_column("part")
     table.add_column("where")
@@ -299,7 +303,10 @@ def _print_summary(stack: LocalStack) -> None:
     for child in stack.children:
         assert child.proc is not None
         table.add_row(child.name, f"pid {child.proc.pid}, probes {child.probe_url}")
-    table.add_row("dashboard", stack.dashboard_url)
+    table.add_row(
+        "dashboard",
+        stack.dashboard_url if dashboard_built else f"{stack.dashboard_url} [yellow](not built)[/]",
+    )
     table.add_row("data", str(stack.data_dir))
     if stack.secure:
         table.add_row(
@@ -315,4 +322,6 @@ def _print_summary(stack: LocalStack) -> None:
             "for it, scripts send 'Authorization: Bearer <token>')",
         )
     Console().print(table)
+    if not dashboard_built:
+        console.print(f"[bold yellow]warning:[/] {escape(missing_dashboard_message())}")
     console.print("Ctrl-C stops everything.")

@@ -19,7 +19,8 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
-from strata.errors import ConfigError, NotFound, StorageError, ValidationError
+from strata.errors import ConfigError, MissingExtra, NotFound, StorageError, ValidationError
+from strata.extras import install_command
 from strata.storage._checksum import check_checksum, checksum_of, verify
 from strata.storage._keys import valid_key
 from strata.storage.base import StorageBackend, WriteResult, check_key
@@ -33,9 +34,7 @@ try:
     )
     from botocore.exceptions import ConnectionError as BotoConnectionError
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ConfigError(
-        "S3 storage needs aioboto3; install it with `pip install 'strata[s3]'`"
-    ) from exc
+    raise MissingExtra(f"S3 storage needs aioboto3: {install_command('s3')}") from exc
 
 MiB: Final = 1024 * 1024
 DEFAULT_PART_SIZE: Final = 16 * MiB

@@ -4,6 +4,10 @@ This package imports torch, so `import strata` never does; import `strata.torch`
 code already uses torch.
 """
 
-from strata.torch.sampler import ShardSampler, ShardSource, within_shard_order
+from strata.extras import require
+
+require("torch", what="strata.torch")
+
+from strata.torch.sampler import ShardSampler, ShardSource, within_shard_order  # noqa: E402
 
 __all__ = ["ShardSampler", "ShardSource", "within_shard_order"]
