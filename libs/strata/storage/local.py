@@ -70,13 +70,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _make_dirs(directory: Path, root: Path) -> None:
-    """Create `directory` and missing parents up to `root`, making each new entry durable."""
+def _make_dirs(directory: Path) -> None:
+    """Create `directory` and its missing parents, the root's own included (a checkpoint path
+    under a data directory that does not exist yet), making each new entry durable."""
     missing: list[Path] = []
     current = directory
     while not current.is_dir():
         missing.append(current)
-        if current == root or current.parent == current:
+        if current.parent == current:
             break
         current = current.parent
     for path in reversed(missing):
@@ -156,7 +157,7 @@ class LocalStorage(StorageBackend):
     def _write_file(self, key: str, view: memoryview, cancel: threading.Event) -> str:
         path = self.path(key)
         directory = path.parent
-        _make_dirs(directory, self.root)
+        _make_dirs(directory)
         temp = directory / f".{path.name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
         hashing: Future[str] | None = None
         try:
