@@ -3,33 +3,51 @@ test_torchrun.py kills ranks of docs/sdk.md's DDP example).
 
 Python examples run as a reader runs them: a file of their own, `python NAME`, against a stack
 of the test's own (a nats-server and the four services) with `STRATA_NATS_URL` pointing at it,
-since the examples name their jobs ("resnet") as a user would.
+since the examples name their jobs ("resnet") as a user would. Shell examples run through
+bash, one command at a time, against a stack holding a job's history: a gateway on a free port
+stands in for `localhost:8080` and the test's nats-server for the addresses the text makes up;
+nothing else in a command is changed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from uuid import uuid4
 
 import pytest
+from strata import procutil
 from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events import AnyEvent, WorkerLeft, WorkerRegistered
+from strata.services.gateway.app import API_TOKEN_ENV
 
-from tests.docs import write_example
-from tests.support import ServiceProcess, job_events, new_job
+from tests.docs import commands, example, write_example
+from tests.e2e.test_torchrun import RESULT
+from tests.support import ServiceProcess, job_events, new_job, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
 SERVICES = ("registry", "sharding", "checkpoint", "barrier")
 BIN = Path(sys.executable).parent  # the `strata` and `torchrun` of this environment
+TIMELINE = re.compile(r"^\S+Z\s+(\d+)\s+([a-z_]+\.[a-z_]+)\s", re.M)
 
 
 # -- running examples -----------------------------------------------------------------------------
@@ -66,6 +84,81 @@ def stored_events(nats_url: str, job: str) -> list[AnyEvent]:
             await bus.close()
 
     return asyncio.run(read())
+
+
+def shell(command: str, directory: Path, env: dict[str, str], *, stderr: bool = False) -> str:
+    """One command of a shell example through bash; its output (and what it said on stderr,
+    where the command line reports)."""
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command],
+        cwd=directory,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stderr}"
+    return done.stdout + (done.stderr if stderr else "")
+
+
+def first_push(command: str, directory: Path, env: dict[str, str]) -> list[str]:
+    """Run a command that streams (`curl -N`) until its first Server-Sent Event; its lines."""
+    proc = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=directory,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    # The stream sends the dashboard as soon as it opens; past the deadline the command is
+    # killed, which ends the loop below, and the caller's assertions say what was missing.
+    deadline = threading.Timer(30, os.killpg, (proc.pid, signal.SIGKILL))
+    deadline.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("data:"):
+                break
+    finally:
+        deadline.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return lines
+
+
+def json_values(text: str) -> list[Any]:
+    """Each JSON value of `jq`'s output, in order."""
+    decoder = json.JSONDecoder()
+    values, at = [], 0
+    while (at := _skip_space(text, at)) < len(text):
+        value, at = decoder.raw_decode(text, at)
+        values.append(value)
+    return values
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def documented_output(script: str, start: str) -> str:
+    """The output the text shows in a comment line of `script` (`# {...}`)."""
+    shown = [line[2:] for line in script.splitlines() if line.startswith(f"# {start}")]
+    assert len(shown) == 1, f"no single comment starting {start!r} in:\n{script}"
+    return shown[0]
+
+
+def timeline(output: str) -> list[tuple[int, str]]:
+    """(seq, type) of each line `strata replay` printed."""
+    return [(int(seq), kind) for seq, kind in TIMELINE.findall(output)]
 
 
 # -- a stack per example --------------------------------------------------------------------------
@@ -233,3 +326,288 @@ def test_sharding_toy_training_in_two_processes(stack: str, workdir: Path) -> No
             per_epoch[int(m[2])] += int(m[3])
     # Between them, the two processes read every sample of every epoch once.
     assert per_epoch == {0: 20_000, 1: 20_000, 2: 20_000}, outputs
+
+
+# -- docs/sdk.md: torchrun ------------------------------------------------------------------------
+
+
+def test_sdk_torchrun_command(stack: str, workdir: Path) -> None:
+    write_example("docs/sdk.md", "train_ddp.py", workdir)
+    script = example("docs/sdk.md", "torchrun.sh").replace("nats://127.0.0.1:4222", stack)
+    # Run where `strata up` ran, as the text has it: the checkpoints of a CheckpointManager
+    # given no path go under its data directory, ./.strata.
+    (workdir / ".strata").mkdir()
+    env = environment(OMP_NUM_THREADS="1")
+    env.pop(Env.DATA_DIR, None)
+    proc = subprocess.Popen(
+        ["bash", "-e", "-c", script],
+        cwd=workdir,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    results = {int(m[1]): m for m in RESULT.finditer(output)}
+    assert sorted(results) == [0, 1, 2], output[-6000:]
+    assert all(m[3] == "True" for m in results.values()), output[-6000:]
+    assert len({m[4] for m in results.values()}) == 1, "ranks ended with other weights"
+
+
+# -- a job's history, for the gateway and the command line ----------------------------------------
+
+HISTORY_WORKER = """
+import sys
+
+import strata
+
+with strata.Worker(job="resnet", worker_id=sys.argv[1]) as w:
+    datasets = strata.DatasetRegistry(w)
+    datasets.register_dataset("imagenet-1k", total_samples=1_281_167, shard_size=10_000, seed=42)
+    datasets.get_shard_for_worker("imagenet-1k", epoch=0)
+    w.set_state("training", step=1, epoch=0)
+    w.barrier("sync", timeout=60, expected=3)
+    checkpoints = strata.CheckpointManager(w, path=sys.argv[2])
+    checkpoints.save(b"weights", step=1)
+    checkpoints.wait_committed(1)
+    print("ready", flush=True)
+    sys.stdin.readline()
+"""
+WORKERS = ("w0", "w1", "w2")
+FILLER = 9_000
+
+
+@dataclass(frozen=True)
+class History:
+    """Job "resnet" on a busy server: three workers register, read shards, meet at a barrier and
+    commit a checkpoint; another job's 9,000 events follow; then w2 is SIGKILLed and fails, and
+    w0 and w1 leave. Two gateways read it, one open and one wanting `token`."""
+
+    nats_url: str
+    http_port: int
+    token_port: int
+    token: str
+
+
+def dashboard(port: int, job: str, token: str | None = None) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}/api/dashboard?job={job}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=5
+        ) as answer:
+            return dict(json.loads(answer.read()))
+    except urllib.error.HTTPError as error:
+        if error.code == 404:  # no event of the job folded yet
+            return {"workers": []}
+        raise
+
+
+def statuses(port: int, token: str | None = None) -> dict[str, str]:
+    return {w["id"]: w["status"] for w in dashboard(port, "resnet", token)["workers"]}
+
+
+async def publish_filler(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, deadline=10)
+    try:
+        await bus.publish_many(
+            [
+                WorkerLeft(
+                    job="bert", source="registry", worker_id=f"w{i}", rank=i, membership_epoch=i
+                )
+                for i in range(FILLER)
+            ]
+        )
+    finally:
+        await bus.close()
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory: pytest.TempPathFactory) -> Iterator[History]:
+    directory = tmp_path_factory.mktemp("history")
+    logs = directory / "logs"
+    token = uuid4().hex
+    http_port, token_port = procutil.free_ports(2)
+    with NatsServer(store_dir=directory / "nats") as server:
+        env = {Env.DATA_DIR: str(directory / "data")}
+        services = [ServiceProcess(name, server.url, logs, env=env) for name in SERVICES]
+        services += [
+            ServiceProcess("gateway", server.url, logs, env={Env.HTTP_PORT: str(http_port)}),
+            ServiceProcess(
+                "gateway",
+                server.url,
+                logs,
+                env={Env.HTTP_PORT: str(token_port), API_TOKEN_ENV: token},
+            ),
+        ]
+        workers: dict[str, subprocess.Popen[str]] = {}
+        try:
+            for service in services:
+                service.launch()
+            for service in services:
+                service.wait_ready()
+            worker_env = environment(
+                **{
+                    Env.NATS_URL: server.url,
+                    Env.HEARTBEAT_INTERVAL: "0.2",
+                    Env.HEARTBEAT_TIMEOUT: "1.0",
+                }
+            )
+            for worker_id in WORKERS:
+                with (logs / f"{worker_id}.log").open("w") as log:
+                    workers[worker_id] = subprocess.Popen(
+                        [sys.executable, "-c", HISTORY_WORKER, worker_id, str(directory / "ckpt")],
+                        env=worker_env,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                        preexec_fn=procutil.child_preexec,
+                    )
+            for worker_id, proc in workers.items():
+                assert proc.stdout is not None
+                line = proc.stdout.readline()  # a worker that fails exits, and this returns ''
+                assert line == "ready\n", (logs / f"{worker_id}.log").read_text()[-3000:]
+            asyncio.run(publish_filler(server.url))
+            workers["w2"].kill()
+            wait_until(lambda: statuses(http_port).get("w2") == "failed", 30, "w2 failed")
+            for worker_id in ("w0", "w1"):
+                proc = workers[worker_id]
+                assert proc.stdin is not None
+                proc.stdin.write("\n")
+                proc.stdin.close()
+                assert proc.wait(timeout=60) == 0, (logs / f"{worker_id}.log").read_text()
+            expected = {"w0": "left", "w1": "left", "w2": "failed"}
+            wait_until(lambda: statuses(http_port) == expected, 30, "the history in a gateway")
+            wait_until(lambda: statuses(token_port, token) == expected, 30, "the same with a token")
+            yield History(server.url, http_port, token_port, token)
+        finally:
+            for proc in workers.values():
+                proc.kill()
+                proc.wait()
+                for pipe in (proc.stdin, proc.stdout):
+                    if pipe is not None:
+                        pipe.close()
+            for service in reversed(services):
+                service.stop()
+
+
+def history_env(history: History, **extra: str) -> dict[str, str]:
+    return environment(**{Env.NATS_URL: history.nats_url, **extra})
+
+
+# -- docs/gateway.md ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tools() -> None:
+    for tool in ("curl", "jq"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"the gateway examples use {tool}: apt-get install -y {tool}")
+
+
+def test_gateway_api_with_curl(history: History, workdir: Path, tools: None) -> None:
+    script = example("docs/gateway.md", "api.sh")
+    documented = json.loads(documented_output(script, "{"))
+    script = script.replace("localhost:8080", f"localhost:{history.http_port}")
+    env = history_env(history)
+    jobs, workers_and_metrics, total, failures, replayed, stream = commands(script)
+
+    answer = json.loads(shell(jobs, workdir, env))
+    assert answer["jobs"][0]["job"] == "resnet"  # the job with the latest event first
+    assert set(answer["jobs"][0]) == set(documented["jobs"][0])
+    assert answer["jobs"][0]["workers"] == 3
+
+    first_worker, metrics = json_values(shell(workers_and_metrics, workdir, env))
+    assert (first_worker["id"] in WORKERS, first_worker["rank"]) == (True, 0)
+    assert {"checkpoint_mb_s", "barrier_p99_ms", "shard_distribution"} <= set(metrics)
+
+    assert shell(total, workdir, env) == "3\n"
+
+    (summary,) = json_values(shell(failures, workdir, env))
+    assert "w2" in summary
+    assert "failed" in summary
+
+    then = json_values(shell(replayed, workdir, env))
+    assert sorted(w["id"] for w in then) == list(WORKERS)
+    assert all(w["status"] not in ("failed", "left") for w in then), then
+
+    pushed = first_push(stream, workdir, env)
+    assert pushed[-2:-1] == ["event: dashboard"], pushed
+    assert json.loads(pushed[-1].removeprefix("data:"))["job"] == "resnet"
+
+
+def test_gateway_api_with_a_token(history: History, workdir: Path, tools: None) -> None:
+    script = example("docs/gateway.md", "token.sh")
+    script = script.replace("localhost:8080", f"localhost:{history.token_port}")
+    env = history_env(history, **{API_TOKEN_ENV: history.token})
+    jobs, stream = commands(script)
+
+    assert next(job["job"] for job in json.loads(shell(jobs, workdir, env))["jobs"]) == "resnet"
+    pushed = first_push(stream, workdir, env)
+    assert pushed[-2:-1] == ["event: dashboard"], pushed
+    assert json.loads(pushed[-1].removeprefix("data:"))["job"] == "resnet"
+    # The same request without the header is refused: the token is what let it through.
+    without = shlex.split(jobs)[-1]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://{without}", timeout=5)
+    assert refused.value.code == 401
+
+
+def test_gateway_export_then_replay(history: History, workdir: Path, tools: None) -> None:
+    env = history_env(history)
+    export = example("docs/gateway.md", "export.sh")
+    (command,) = commands(export.replace("nats://10.0.0.5:4222", history.nats_url))
+    said = shell(command, workdir, env, stderr=True)
+    # What it says has the shape the text shows, numbers aside.
+    shape = re.escape(documented_output(export, "exported "))
+    shape = re.sub(r"\d+", r"(\\d+)", shape)
+    match = re.search(shape, said)
+    assert match, said
+    assert int(match[3]) > FILLER  # resnet's last events came after the other job's
+    assert (workdir / "resnet.jsonl").is_file()
+
+    since, membership, failed, earlier = commands(example("docs/gateway.md", "replay.sh"))
+    kinds = {kind for _, kind in timeline(shell(since, workdir, env))}
+    assert {"worker.registered", "barrier.released", "checkpoint.committed"} <= kinds
+    assert {"worker.failed", "worker.left"} <= kinds
+
+    lines = timeline(shell(membership, workdir, env))
+    assert lines
+    assert all(seq >= 9000 and kind.startswith("worker.") for seq, kind in lines)
+    assert {kind for _, kind in lines} == {"worker.failed", "worker.left"}
+
+    (failed_worker,) = json_values(shell(failed, workdir, env))
+    assert (failed_worker["id"], failed_worker["status"]) == ("w2", "failed")
+
+    (state,) = json_values(shell(earlier, workdir, env))
+    assert state["seq"] <= 9100
+    assert {w["id"]: w["status"] for w in state["workers"]}["w2"] == "failed"
+
+
+# -- docs/operations.md ---------------------------------------------------------------------------
+
+
+def test_operations_replay_and_export(history: History, workdir: Path) -> None:
+    env = history_env(history)
+    since, export, state, earlier = commands(example("docs/operations.md", "replay.sh"))
+
+    assert "worker.failed" in {kind for _, kind in timeline(shell(since, workdir, env))}
+    assert "exported" in shell(export, workdir, env, stderr=True)
+    (now,) = json_values(shell(state, workdir, env))
+    assert {w["id"]: w["status"] for w in now["workers"]} == {
+        "w0": "left",
+        "w1": "left",
+        "w2": "failed",
+    }
+    (then,) = json_values(shell(earlier, workdir, env))
+    assert then["seq"] <= 1200  # before the other job's events: all three still at work
+    assert all(w["status"] not in ("failed", "left") for w in then["workers"]), then
