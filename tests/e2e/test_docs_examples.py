@@ -6,7 +6,8 @@ of the test's own (a nats-server and the four services) with `STRATA_NATS_URL` p
 since the examples name their jobs ("resnet") as a user would. Shell examples run through
 bash, one command at a time, against a stack holding a job's history: a gateway on a free port
 stands in for `localhost:8080` and the test's nats-server for the addresses the text makes up;
-nothing else in a command is changed.
+nothing else in a command is changed. Helm commands need a cluster: they are rendered with
+`helm template` and the objects checked.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+import yaml
 from strata import procutil
 from strata.bus import Bus
 from strata.bus.server import NatsServer
@@ -39,7 +41,7 @@ from strata.config import Env
 from strata.events import AnyEvent, WorkerLeft, WorkerRegistered
 from strata.services.gateway.app import API_TOKEN_ENV
 
-from tests.docs import commands, example, write_example
+from tests.docs import ROOT, commands, example, write_example
 from tests.e2e.test_torchrun import RESULT
 from tests.support import ServiceProcess, job_events, new_job, wait_until
 
@@ -611,3 +613,125 @@ def test_operations_replay_and_export(history: History, workdir: Path) -> None:
     (then,) = json_values(shell(earlier, workdir, env))
     assert then["seq"] <= 1200  # before the other job's events: all three still at work
     assert all(w["status"] not in ("failed", "left") for w in then["workers"]), then
+
+
+# -- docs/deployment.md: the chart ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "helm.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"scripts/helm.sh failed:\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+class Objects(list[dict[str, Any]]):
+    """What `helm template` rendered."""
+
+    def named(self, kind: str, name: str) -> dict[str, Any]:
+        found = [o for o in self if o["kind"] == kind and o["metadata"]["name"] == name]
+        assert found, f"no {kind} {name} rendered"
+        return found[0]
+
+    def kinds(self) -> set[str]:
+        return {o["kind"] for o in self}
+
+
+def render(helm: Path, name: str) -> Objects:
+    """`helm template` of each helm command of example `name`; kubectl commands need a cluster
+    and are left out. --install and --reuse-values mean nothing without a release."""
+    rendered = Objects()
+    for command in commands(example("docs/deployment.md", name)):
+        words = shlex.split(command)
+        if words[0] == "kubectl":
+            continue
+        assert words[:2] in (["helm", "install"], ["helm", "upgrade"]), command
+        args = [w for w in words[2:] if w not in ("--install", "--reuse-values")]
+        done = subprocess.run(
+            [str(helm), "template", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, f"{command}\n{done.stderr}"
+        rendered += [o for o in yaml.safe_load_all(done.stdout) if o]
+    assert rendered, f"{name} has no helm command"
+    return rendered
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    return dict(workload["spec"]["template"]["spec"]["containers"][0])
+
+
+def env_of(workload: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(workload)["env"]}
+
+
+def test_deployment_install(helm: Path) -> None:
+    objects = render(helm, "install.sh")
+    worker = objects.named("Deployment", "strata-worker")
+    assert container(worker)["image"] == "registry.example.com/ml/resnet-train:2026-11-01"
+    assert container(worker)["command"] == ["python", "train.py"]
+    assert env_of(worker)["STRATA_JOB"] == "resnet"
+    registry = objects.named("Deployment", "strata-registry")
+    assert container(registry)["image"].startswith("registry.example.com/ml/strata:")
+
+
+def test_deployment_scale(helm: Path) -> None:
+    assert render(helm, "scale.sh").named("Deployment", "strata-worker")["spec"]["replicas"] == 32
+
+
+def test_deployment_autoscaling(helm: Path) -> None:
+    objects = render(helm, "autoscaling.sh")
+    hpa = objects.named("HorizontalPodAutoscaler", "strata-worker")["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (4, 100)
+    assert hpa["metrics"][0]["resource"]["target"]["averageUtilization"] == 80
+    assert "replicas" not in objects.named("Deployment", "strata-worker")["spec"]
+
+
+def test_deployment_s3_with_a_secret(helm: Path) -> None:
+    checkpoint = env_of(render(helm, "s3_secret.sh").named("Deployment", "strata-checkpoint"))
+    assert (checkpoint["STORAGE_BACKEND"], checkpoint["CHECKPOINT_BUCKET"]) == (
+        "s3",
+        "my-ml-checkpoints",
+    )
+    assert checkpoint["AWS_REGION"] == "us-east-1"
+    assert checkpoint["AWS_ACCESS_KEY_ID"]["secretKeyRef"]["name"] == "aws-credentials"
+
+
+def test_deployment_s3_with_irsa(helm: Path) -> None:
+    objects = render(helm, "s3_irsa.sh")
+    account = objects.named("ServiceAccount", "strata")["metadata"]
+    assert account["annotations"]["eks.amazonaws.com/role-arn"] == (
+        "arn:aws:iam::123456789012:role/strata"
+    )
+    assert "AWS_ACCESS_KEY_ID" not in env_of(objects.named("Deployment", "strata-checkpoint"))
+
+
+def test_deployment_local_volume(helm: Path) -> None:
+    objects = render(helm, "pvc.sh")
+    (claim,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    spec = claim["spec"]
+    assert (spec["storageClassName"], spec["accessModes"]) == ("fast-nvme", ["ReadWriteMany"])
+    assert spec["resources"]["requests"]["storage"] == "500Gi"
+
+
+def test_deployment_external_nats(helm: Path) -> None:
+    objects = render(helm, "external_nats.sh")
+    assert "StatefulSet" not in objects.kinds()
+    registry = env_of(objects.named("Deployment", "strata-registry"))
+    assert registry["STRATA_NATS_URL"] == "nats://nats.messaging.svc:4222"
+
+
+def test_deployment_upgrade(helm: Path) -> None:
+    registry = render(helm, "upgrade.sh").named("Deployment", "strata-registry")
+    assert container(registry)["image"].endswith(":0.2.0"), container(registry)["image"]
