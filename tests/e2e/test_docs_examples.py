@@ -7,7 +7,9 @@ since the examples name their jobs ("resnet") as a user would. Shell examples ru
 bash, one command at a time, against a stack holding a job's history: a gateway on a free port
 stands in for `localhost:8080` and the test's nats-server for the addresses the text makes up;
 nothing else in a command is changed. Helm commands need a cluster: they are rendered with
-`helm template` and the objects checked.
+`helm template` and the objects checked. `test_every_example_is_run_or_listed` keeps new
+blocks from going untested: a python or shell block is marked as an example (and a test runs
+it) or listed in UNRUN with the reason it cannot run here.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from strata.config import Env
 from strata.events import AnyEvent, WorkerLeft, WorkerRegistered
 from strata.services.gateway.app import API_TOKEN_ENV
 
-from tests.docs import ROOT, commands, example, write_example
+from tests.docs import DOCUMENTS, ROOT, Block, blocks, commands, example, write_example
 from tests.e2e.test_torchrun import RESULT
 from tests.support import ServiceProcess, job_events, new_job, wait_until
 
@@ -50,6 +52,26 @@ pytestmark = pytest.mark.timeout(600)
 SERVICES = ("registry", "sharding", "checkpoint", "barrier")
 BIN = Path(sys.executable).parent  # the `strata` and `torchrun` of this environment
 TIMELINE = re.compile(r"^\S+Z\s+(\d+)\s+([a-z_]+\.[a-z_]+)\s", re.M)
+
+# Blocks no test runs, each with the reason: (document, how the block starts, why).
+UNRUN = [
+    ("README.md", "make demo", "installs the project and runs the demo (tests/e2e/test_demo.py)"),
+    ("README.md", "make lint typecheck", "the project's own make targets: this suite is one"),
+    ("docs/deployment.md", "docker build", "no container engine here (test_dockerfile.py)"),
+    ("docs/deployment.md", "kubectl -n ml-training get pods", "needs a cluster"),
+    ("docs/deployment.md", "kubectl -n ml-training exec", "needs a cluster"),
+    ("docs/deployment.md", "kubectl -n ml-training port-forward", "needs a cluster"),
+    ("docs/deployment.md", "kubectl -n ml-training get secret", "needs a cluster"),
+    ("docs/deployment.md", "kubectl -n ml-training rollout restart", "needs a cluster"),
+    ("docs/deployment.md", "helm uninstall", "needs a cluster; renders nothing"),
+    ("docs/barriers.md", ".venv/bin/python bench/barrier.py", "benchmark: minutes of full load"),
+    ("docs/registry.md", ".venv/bin/python bench/registry.py", "benchmark: minutes of full load"),
+    ("docs/sharding.md", ".venv/bin/python bench/sharding.py", "benchmark: minutes of full load"),
+    ("docs/storage.md", ".venv/bin/python bench/storage.py", "benchmark: minutes of full load"),
+    ("docs/storage.md", ".venv/bin/python bench/checkpoint.py", "benchmark: minutes of full load"),
+    ("docs/gateway.md", ".venv/bin/python bench/gateway.py", "benchmark: minutes of full load"),
+]
+CODE_LANGS = ("python", "py", "bash", "sh", "shell", "console")
 
 
 # -- running examples -----------------------------------------------------------------------------
@@ -735,3 +757,65 @@ def test_deployment_external_nats(helm: Path) -> None:
 def test_deployment_upgrade(helm: Path) -> None:
     registry = render(helm, "upgrade.sh").named("Deployment", "strata-registry")
     assert container(registry)["image"].endswith(":0.2.0"), container(registry)["image"]
+
+
+# -- every block is run, or listed with its reason -------------------------------------------------
+
+
+def unmarked_code() -> list[Block]:
+    return [b for d in DOCUMENTS for b in blocks(d) if b.lang in CODE_LANGS and b.name is None]
+
+
+def test_every_example_is_run_or_listed() -> None:
+    listed: Counter[tuple[str, str]] = Counter()
+    unrun = []
+    for block in unmarked_code():
+        reasons = [
+            (d, s) for d, s, _ in UNRUN if d == block.document and block.first_line.startswith(s)
+        ]
+        if not reasons:
+            unrun.append(f"{block.document}:{block.line}: {block.first_line}")
+        listed.update(reasons)
+    assert not unrun, (
+        "code blocks that no test runs: mark each `<!-- example: NAME -->` and run it in "
+        "tests/e2e/test_docs_examples.py (or list it in UNRUN, saying why it cannot run):\n"
+        + "\n".join(unrun)
+    )
+    stale = [f"{d}: {s}" for d, s, _ in UNRUN if listed[(d, s)] != 1]
+    assert not stale, f"UNRUN entries that match no block, or several: {stale}"
+
+
+def test_every_marked_example_is_used_by_a_test() -> None:
+    sources = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "tests").rglob("test_*.py"))
+    unused = [
+        f"{b.document}: {b.name}"
+        for d in DOCUMENTS
+        for b in blocks(d)
+        if b.name is not None and f'"{b.name}"' not in sources
+    ]
+    assert not unused, f"examples marked but run by no test: {unused}"
+
+
+def test_benchmark_command_lines_name_real_options() -> None:
+    """The benchmarks take minutes of the whole machine, so only their documented options are
+    checked: each must be one the script's --help lists."""
+    scripts: dict[str, set[str]] = {}
+    for block in unmarked_code():
+        for command in commands(block.code):
+            words = shlex.split(command, comments=True)
+            if words[:2] != [".venv/bin/python", words[1]] or not words[1].startswith("bench/"):
+                continue
+            scripts.setdefault(words[1], set()).update(w for w in words[2:] if w.startswith("--"))
+    assert len(scripts) == 6, scripts
+    for script, options in scripts.items():
+        done = subprocess.run(
+            [sys.executable, script, "--help"],
+            cwd=ROOT,
+            env=environment(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        missing = {o for o in options if not re.search(rf"{re.escape(o)}\b", done.stdout)}
+        assert not missing, f"{script} has no option {sorted(missing)}"
