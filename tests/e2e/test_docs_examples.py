@@ -56,6 +56,7 @@ TIMELINE = re.compile(r"^\S+Z\s+(\d+)\s+([a-z_]+\.[a-z_]+)\s", re.M)
 # Blocks no test runs, each with the reason: (document, how the block starts, why).
 UNRUN = [
     ("README.md", "make demo", "installs the project and runs the demo (tests/e2e/test_demo.py)"),
+    ("README.md", "pip install dist/strata_ctl", "installs the built wheel (test_wheel.py does)"),
     ("README.md", "make lint typecheck", "the project's own make targets: this suite is one"),
     ("docs/deployment.md", "docker build", "no container engine here (test_dockerfile.py)"),
     ("docs/deployment.md", "kubectl -n ml-training get pods", "needs a cluster"),
