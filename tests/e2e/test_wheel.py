@@ -32,6 +32,7 @@ import pytest
 from strata import procutil
 from strata.extras import EXTRA_MODULES
 
+from tests.docs import write_example
 from tests.support import wait_until
 
 sync_api = pytest.importorskip(
@@ -340,6 +341,27 @@ class Requests:
 
 @pytest.mark.nats
 @pytest.mark.timeout(900)
+def test_the_readme_and_seeds_examples_run_against_the_installed_wheel(
+    server_venv: Venv, stack: Stack, tmp_path: Path
+) -> None:
+    """README's quick start, and the seeds' calls without a worker (`implicit.py`), as written,
+    by the venv's interpreter from outside the repository."""
+    for name, expected in (("quickstart.py", "committed 5000"), ("implicit.py", "saved by")):
+        script = write_example("README.md", name, tmp_path)
+        result = subprocess.run(
+            [str(server_venv.python), str(script)],
+            cwd=tmp_path,
+            env=server_venv.env(
+                STRATA_NATS_URL=f"nats://127.0.0.1:{stack.nats_port}", STRATA_JOB="seeds"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(expected), result.stdout
+
+
 def test_the_wheel_with_server_and_torch_runs_the_stack_the_dashboard_and_a_worker(
     server_venv: Venv, stack: Stack, browser: Any
 ) -> None:
