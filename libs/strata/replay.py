@@ -323,6 +323,8 @@ class JobState:
         self.release_ms: deque[float] = deque(maxlen=RELEASES_KEPT)
         self._latency: dict[str, tuple[int, float]] = {}
         """Barrier name -> (generation, release latency in ms) of its latest release."""
+        self._last_arrival: dict[str, tuple[int, int]] = {}
+        """Barrier name -> (generation, stored time) of the latest arrival the stream holds."""
         self._commit_ms: dict[int, float] = {}
         self._pruned: dict[int, _Pruned] = {}
         self._last_commit: tuple[int, float] | None = None
@@ -334,10 +336,11 @@ class JobState:
         if isinstance(record.event, WorkerHeartbeat):
             self.apply_heartbeat(record.event)
         else:
-            self.apply_event(record.seq, record.event)
+            self.apply_event(record.seq, record.event, record.stored_ns)
 
-    def apply_event(self, seq: int, event: AnyEvent) -> None:
-        """Fold one event of the STRATA_EVENTS stream (stream sequence `seq`)."""
+    def apply_event(self, seq: int, event: AnyEvent, stored_ns: int | None = None) -> None:
+        """Fold one event of the STRATA_EVENTS stream (stream sequence `seq`, stored at
+        `stored_ns` when known: barrier latencies are measured with the stream's clock)."""
         routes = self._routes.get(event.type)
         if routes is None:
             routes = self._routes[event.type] = [
@@ -346,8 +349,10 @@ class JobState:
         if routes:
             if event.type.startswith("checkpoint."):
                 self._note_checkpoint(event)
+            elif isinstance(event, BarrierArrived) and stored_ns is not None:
+                self._last_arrival[event.name] = (event.generation, stored_ns)
             elif isinstance(event, BarrierReleased):
-                latency = event.last_arrival_to_release_ms
+                latency = self._release_latency(event, stored_ns)
                 self._latency[event.name] = (event.generation, latency)
                 self.release_ms.append(latency)
             for evolve, state in routes:
@@ -361,6 +366,15 @@ class JobState:
         self.events += 1
         self.version += 1
         self.recent.append((seq, event))
+
+    def _release_latency(self, event: BarrierReleased, stored_ns: int | None) -> float:
+        """Milliseconds from the completing arrival to the release, both as the stream stored
+        them: what the barrier's own clock cannot see (it decides the release at the instant of
+        that arrival, so its figure is ~0), the time to record the arrival and the release."""
+        arrival = self._last_arrival.pop(event.name, None)
+        if stored_ns is None or arrival is None or arrival[0] != event.generation:
+            return event.last_arrival_to_release_ms
+        return max(0.0, (stored_ns - arrival[1]) / 1e6)
 
     def apply_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.beats[(heartbeat.worker_id, heartbeat.instance)] = Beat(

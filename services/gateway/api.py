@@ -54,7 +54,9 @@ class BarrierView(_Shape):
     arrived: int
     expected: int
     status: Literal["waiting", "released", "broken", "timed_out"]
-    latency_ms: float | None = Field(description="Last arrival to release")
+    latency_ms: float | None = Field(
+        description="Last arrival to release, both as the events stream stored them"
+    )
 
 
 class ShardDistribution(_Shape):

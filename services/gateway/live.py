@@ -196,7 +196,7 @@ class LiveModel:
             return  # not on the events stream by construction; never a state change
         state = self.model.job(event.job)
         errors = state.fold_errors
-        state.apply_event(delivered.seq, event)
+        state.apply_event(delivered.seq, event, delivered.stored_ns)
         if state.fold_errors != errors:
             FOLD_ERRORS.inc()
             log.error("event_not_folded", job=event.job, error=state.last_fold_error)
