@@ -11,6 +11,7 @@ turns a reply back into the matching subclass with `error_from_code`.
     ├── ValidationError        a field that breaks the contract        invalid_field
     │   └── InvalidRequest     an RPC request that breaks it           invalid_request
     ├── NotFound               the thing asked for does not exist      not_found
+    ├── Forbidden              a request for another job or worker     forbidden
     ├── ConflictError          contradicts what is already recorded    conflict
     │   ├── WorkerSuperseded   a newer process holds this worker id    superseded
     │   └── EpochOutOfRange    an epoch no longer or not yet planned   epoch_out_of_range
@@ -85,6 +86,14 @@ class InvalidRequest(ValidationError):
 
 class NotFound(StrataError):
     code = "not_found"
+
+
+class Forbidden(StrataError):
+    """The request names a job or worker other than the caller's own: the caller's identity comes
+    from the subject it sent on (which NATS permissions tie to its credential), never from the
+    body, and a worker speaks only for itself."""
+
+    code = "forbidden"
 
 
 class ConflictError(StrataError):
@@ -179,6 +188,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         ValidationError,
         InvalidRequest,
         NotFound,
+        Forbidden,
         ConflictError,
         WorkerSuperseded,
         EpochOutOfRange,
