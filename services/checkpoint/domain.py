@@ -8,7 +8,9 @@ overwriting a shard. Phase one: each participant writes its shard and publishes
 `checkpoint.shard_saved`. Phase two: once every rank of the world has acked and the shards are
 verified in storage, the service writes the manifest (the commit marker) and records
 `checkpoint.committed`. A participant that fails before acking, or the deadline, aborts the step.
-No I/O here; the adapter does the storage work the decisions call for.
+A job's storage root and retention are fixed by its first checkpoint, so no later request can point
+the service's deletions elsewhere. No I/O here; the adapter does the storage work the decisions
+call for.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ class JobCheckpoints:
     """Step -> the checkpoint as it was, and why it was aborted."""
     pruned: set[int] = field(default_factory=set)
     """Steps committed and since removed by retention: they stay taken."""
+    root_uri: str | None = None
+    """Where the job's checkpoints are stored: fixed by its first `checkpoint.started`."""
+    keep_count: int | None = None
+    """How many committed checkpoints retention keeps: fixed with the root."""
 
     def latest(self, *, include_incomplete: bool = False) -> CommittedCheckpoint | None:
         """The newest committed checkpoint that holds every rank of its world (or any)."""
@@ -155,6 +161,8 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, CheckpointStarted):
         job = state.job(event.job)
+        if job.root_uri is None:
+            job.root_uri, job.keep_count = event.root_uri, event.keep_count
         if event.step not in job.open and event.step not in job.committed:
             job.open[event.step] = _opened(event)
             job.aborted.pop(event.step, None)
@@ -268,7 +276,8 @@ def declared_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> tupl
 def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) -> Decision:
     """A worker declares its shard of `request.step`: open the step, record the intent, or refuse.
 
-    Refused (ConflictError): a committed (or pruned) step, a save that belonged to an aborted
+    Refused (ConflictError): a save to another storage root or with another `keep_count` than the
+    job's first checkpoint fixed, a committed (or pruned) step, a save that belonged to an aborted
     attempt of the step, a second save of a rank that already has a writer, a save that disagrees
     with the open step on its world, epoch or storage root, a save from a process whose worker id
     a newer process took (WorkerSuperseded). A step whose world has a rank with no live worker is
@@ -279,6 +288,9 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
     """
     job = state.job(request.job)
     step = request.step
+    fixed = _fixed_storage(job, request)
+    if fixed is not None:
+        return Decision(error=fixed)
     if step in job.committed or step in job.pruned:
         return Decision(
             error=ConflictError(
@@ -352,6 +364,23 @@ def _open(
     if rank is None:
         return Decision([started], _not_a_participant(opened, request))
     return Decision([started, _shard_started(request, rank, attempt, now_ns)])
+
+
+def _fixed_storage(job: JobCheckpoints, request: BeginCheckpointRequest) -> ConflictError | None:
+    """Why a begin cannot change where the job's checkpoints live or how many are kept, or None.
+
+    Retention deletes old steps under the job's root: were a later begin allowed to name another
+    root or a smaller `keep_count`, it could point those deletions at checkpoints it does not own.
+    """
+    if job.root_uri is None:
+        return None
+    if (request.root_uri, request.keep_count) == (job.root_uri, job.keep_count):
+        return None
+    return ConflictError(
+        f"job {job.job!r} keeps its checkpoints in {job.root_uri} with keep_count="
+        f"{job.keep_count}, fixed by its first checkpoint; this save asks for {request.root_uri} "
+        f"with keep_count={request.keep_count}: save with those, or under a new job name"
+    )
 
 
 def _aborted_at_open(step: int, reason: str) -> ConflictError:
@@ -615,15 +644,22 @@ def timeouts(state: CheckpointState, now_ns: int) -> list[Event]:
 
 
 def to_prune(job: JobCheckpoints) -> list[CommittedCheckpoint]:
-    """Committed checkpoints beyond the newest `keep_count`, never the latest one nor the newest
-    complete one (the checkpoint a restart resumes from)."""
+    """Committed checkpoints beyond the job's `keep_count` newest, never the latest one nor the
+    newest complete one (the checkpoint a restart resumes from)."""
     latest = job.latest(include_incomplete=True)
     if latest is None:
         return []
     resume_from = job.latest()
     kept = None if resume_from is None else resume_from.step
+    keep = job.keep_count if job.keep_count is not None else latest.keep_count
     newest_first = sorted(job.committed.values(), key=lambda c: c.step, reverse=True)
-    return [c for c in newest_first[max(1, latest.keep_count) :] if c.step != kept]
+    return [c for c in newest_first[max(1, keep) :] if c.step != kept]
+
+
+def storage_root(job: JobCheckpoints, fallback: str) -> str:
+    """The root the service writes and deletes under for `job`: the one its first checkpoint
+    recorded (`fallback` only for a job none was folded for, which has nothing to delete)."""
+    return job.root_uri if job.root_uri is not None else fallback
 
 
 def pruned(job: str, old: CommittedCheckpoint, now_ns: int) -> Event:

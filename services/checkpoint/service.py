@@ -5,7 +5,8 @@ Acks (`checkpoint.shard_saved`) are events the workers publish; the service reac
 folded in. Completing a step checks that storage holds every acked shard at its acked size, writes
 the manifest to the checkpoint's storage, then records `checkpoint.committed` (the manifest is
 written first, so a crash in between only re-writes it). An abort records `checkpoint.aborted`,
-then removes the step's partial files. After a restart, open steps that completed or lost a
+then removes the step's partial files under the job's root; the root and retention of a job are
+fixed by its first checkpoint. After a restart, open steps that completed or lost a
 participant meanwhile are settled before going live.
 """
 
@@ -182,7 +183,8 @@ class Checkpoints(Projection[CheckpointState]):
         )
 
     async def _commit(self, job: str, opened: OpenCheckpoint) -> None:
-        storage = self.storage(opened.root_uri)
+        root = domain.storage_root(self.state.job(job), opened.root_uri)
+        storage = self.storage(root)
         problem = domain.storage_problem(opened, await self._stored_sizes(storage, opened))
         if problem is not None:
             await self._abort([domain.aborted(job, opened, problem, self.now_ns())])
@@ -194,7 +196,7 @@ class Checkpoints(Projection[CheckpointState]):
         await self.publish_and_apply([domain.committed(job, opened, storage.uri(key), now)])
         log.info("checkpoint_committed", job=job, step=opened.step, bytes=manifest.total_bytes)
         for old in domain.to_prune(self.state.job(job)):
-            await self._cleanup(old.root_uri, prefix=step_prefix(job, old.step))
+            await self._cleanup(root, prefix=step_prefix(job, old.step))
             await self.publish_and_apply([domain.pruned(job, old, self.now_ns())])
 
     @staticmethod
@@ -219,7 +221,8 @@ class Checkpoints(Projection[CheckpointState]):
             await self.publish_and_apply([event])
             log.warning("checkpoint_aborted", job=event.job, reason=getattr(event, "reason", ""))
             if opened is not None:
-                await self._cleanup(opened.root_uri, prefix=step_prefix(event.job, opened.step))
+                root = domain.storage_root(job, opened.root_uri)
+                await self._cleanup(root, prefix=step_prefix(event.job, opened.step))
 
     async def _cleanup(
         self, root_uri: str, *, prefix: str | None = None, key: str | None = None

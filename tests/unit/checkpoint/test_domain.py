@@ -558,3 +558,39 @@ def test_a_retry_of_a_save_that_belonged_to_the_aborted_attempt_stays_refused() 
     assert isinstance(retry.error, ConflictError)
     assert "aborted" in retry.error.message
     assert retry.events == []
+
+
+# -- the job's fixed storage ---------------------------------------------------------------------
+
+
+def test_a_jobs_root_and_keep_count_are_fixed_by_its_first_checkpoint() -> None:
+    state = with_workers(1)
+    begin(state, 1, keep=3)
+    job = state.job(JOB)
+    assert (job.root_uri, job.keep_count) == (ROOT, 3)
+    for changed in ({"root_uri": "/tmp/victim"}, {"keep_count": 1}):
+        asked = request(2, keep=3).model_copy(update=changed)
+        decision = domain.begin(state, asked, 2 * SECOND)
+        assert isinstance(decision.error, ConflictError)
+        message = decision.error.message
+        assert f"keeps its checkpoints in {ROOT} with keep_count=3" in message
+        assert f"asks for {asked.root_uri} with keep_count={asked.keep_count}" in message
+        assert decision.events == []
+    # Aborted or committed, the first checkpoint's choice stays the job's.
+    fold(state, domain.member_gone(state, JOB, "w0", "failed", 3 * SECOND))
+    fold(state, [registered(0, 3, instance="again")])
+    elsewhere = request(4, keep=3, instance="again").model_copy(update={"root_uri": "/x"})
+    assert isinstance(domain.begin(state, elsewhere, 4 * SECOND).error, ConflictError)
+    assert domain.begin(state, request(4, keep=3, instance="again"), 4 * SECOND).error is None
+
+
+def test_retention_counts_with_the_jobs_keep_count_and_deletes_under_its_root() -> None:
+    state = with_workers(1)
+    for step in (1, 2, 3):
+        begin(state, step, keep=2)
+        fold(state, [ack(step, 0)])
+        commit(state, step)
+    job = state.job(JOB)
+    assert [c.step for c in domain.to_prune(job)] == [1]
+    assert domain.storage_root(job, "/ignored") == ROOT
+    assert domain.storage_root(CheckpointState().job("new"), "/fallback") == "/fallback"
