@@ -2,7 +2,8 @@
 
 `save()` declares this rank's shard of the step to the checkpoint service (the `begin` RPC, in the
 caller's call, so a rank that dies while writing is a participant that never acked and the step
-aborts) and returns once the bytes are snapshotted; the write to storage and the ack run in the
+aborts) and returns once the bytes are snapshotted; the write to storage and the ack (the `ack`
+RPC: the service records the shard as saved, under the key it derives itself) run in the
 background, bounded by `max_pending_bytes` (a save waits for room rather than queueing without
 limit). `save_state()` blocks only to copy tensors off the training state and declare; it
 serialises in the background. A background failure is raised by the next call or by `wait()`.
@@ -32,9 +33,11 @@ from strata.errors import (
     StrataError,
     ValidationError,
 )
-from strata.events import CheckpointShardSaved, DataCursor
+from strata.events import DataCursor
 from strata.events.models import MAX_STEP
 from strata.events.requests import (
+    AckShardRequest,
+    AckShardResult,
     BeginCheckpointRequest,
     CheckpointAnswer,
     CheckpointInfo,
@@ -188,8 +191,8 @@ class AsyncCheckpointManager:
         self._staging = _Staging(keep_staging)
         self._declared: dict[int, int] = {}
         """Step -> the rank this manager declared a shard of (each step is saved once)."""
-        self.saved: list[CheckpointShardSaved] = []
-        """Acks this worker published, in order (what it has made durable)."""
+        self.saved: list[AckShardResult] = []
+        """The service's answers to this worker's acks, in order (what it has made durable)."""
 
     @property
     def storage(self) -> StorageBackend:
@@ -348,21 +351,29 @@ class AsyncCheckpointManager:
         started = time.perf_counter()
         rank, key = slot
         written = await self._storage.write(key, data)
-        ack = CheckpointShardSaved(
+        ack = AckShardRequest(
             job=worker.job,
-            source=worker.id,
+            worker_id=worker.id,
             step=step,
             epoch=epoch,
             rank=rank,
-            worker_id=worker.id,
-            uri=written.uri,
-            key=key,
             bytes=written.bytes,
             checksum=written.checksum,
             cursors=cursors,
+            instance=worker.instance,
         )
-        await worker.bus.publish(ack)
-        self.saved.append(ack)
+        # The same ack again is the same answer (and one recorded event): retried through a
+        # checkpoint service restart for as long as a save may take.
+        answer = await worker.bus.rpc.call(
+            SERVICE,
+            "ack",
+            ack,
+            result=AckShardResult,
+            timeout=10.0,
+            retry_for=self.timeout,
+            idempotent=True,
+        )
+        self.saved.append(answer)
         seconds = time.perf_counter() - started
         log.info(
             "checkpoint_shard_saved",

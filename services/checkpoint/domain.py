@@ -4,13 +4,13 @@ A step opens for a world: ranks 0..world_size-1 as the first saving worker sees 
 each mapped to the live worker holding it; a rank of that world with no live worker aborts the
 step at once, since it could never complete. Before writing, each rank's writer declares itself
 (`checkpoint.shard_started`), so a second writer of the same rank is refused instead of
-overwriting a shard. Phase one: each participant writes its shard and publishes
-`checkpoint.shard_saved`. Phase two: once every rank of the world has acked and the shards are
-verified in storage, the service writes the manifest (the commit marker) and records
-`checkpoint.committed`. A participant that fails before acking, or the deadline, aborts the step.
-A job's storage root and retention are fixed by its first checkpoint, so no later request can point
-the service's deletions elsewhere. No I/O here; the adapter does the storage work the decisions
-call for.
+overwriting a shard. Phase one: each participant writes its shard and acknowledges it (the `ack`
+request); the service records `checkpoint.shard_saved` with the key it derives itself. Phase two:
+once every rank of the world has acked and the shards are verified in storage, the service writes
+the manifest (the commit marker) and records `checkpoint.committed`. A participant that fails
+before acking, or the deadline, aborts the step. A job's storage root and retention are fixed by
+its first checkpoint, so no later request can point the service's deletions elsewhere. No I/O
+here; the adapter does the storage work the decisions call for, on keys derived here only.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from strata.events import (
     WorkerRegistered,
 )
 from strata.events.requests import (
+    AckShardRequest,
+    AckShardResult,
     BeginCheckpointRequest,
     CheckpointInfo,
     Manifest,
@@ -486,6 +488,138 @@ def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(str(r) for r in ranks[:8])
     more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
+
+
+def shard_saved_id(job: str, step: int, rank: int, attempt: int) -> str:
+    """The id of the `checkpoint.shard_saved` of a rank of a step's attempt: one per shard, so a
+    retried ack is stored once."""
+    return event_id("ckpt-shard-saved", job, step, rank, *([attempt] if attempt else []))
+
+
+@dataclass(frozen=True)
+class AckDecision:
+    """What an ack records (nothing for a retry), its answer, or the error its caller gets."""
+
+    events: list[Event] = field(default_factory=list)
+    result: AckShardResult | None = None
+    error: StrataError | None = None
+
+
+def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDecision:
+    """A rank's writer says its shard is stored: record `checkpoint.shard_saved`, or refuse.
+
+    The shard's key is derived here (job, step, rank, attempt), never taken from the request.
+    Refused: a step not open (`NotFound`; `ConflictError` once aborted or committed without this
+    very shard), an ack from a worker that is not the rank's participant, of another epoch, from
+    another process than the one that declared the rank (`WorkerSuperseded`), of a rank nobody
+    declared, or one that contradicts the rank's first ack. A retry gets the first answer again.
+    """
+    job = state.job(request.job)
+    step, rank = request.step, request.rank
+    done = job.committed.get(step)
+    if done is not None:
+        return _ack_after_commit(job, done, request)
+    opened = job.open.get(step)
+    if opened is None:
+        if step in job.aborted:
+            return AckDecision(error=_aborted_at_open(step, job.aborted[step][1]))
+        return AckDecision(
+            error=NotFound(
+                f"job {request.job!r} has no open checkpoint of step {step}: declare the shard "
+                "(CheckpointManager.save does) before acknowledging it"
+            )
+        )
+    root = opened.root_uri.rstrip("/")
+    key = shard_key(request.job, step, rank, opened.attempt)
+    saved = CheckpointShardSaved(
+        id=shard_saved_id(request.job, step, rank, opened.attempt),
+        job=request.job,
+        source=SOURCE,
+        ts=now_ns,
+        step=step,
+        epoch=request.epoch,
+        rank=rank,
+        worker_id=request.worker_id,
+        uri=f"{root}/{key}",
+        key=key,
+        bytes=request.bytes,
+        checksum=request.checksum,
+        cursors=request.cursors,
+    )
+    answer = AckShardResult(
+        job=request.job, step=step, rank=rank, event_id=saved.id, key=key, status="open"
+    )
+    first = opened.acks.get(rank)
+    if first is not None and _same_shard(first, saved):
+        return AckDecision(result=answer)  # a retry: recorded already
+    problem = ack_problem(opened, saved)
+    if problem is not None:
+        return AckDecision(error=ConflictError(f"ack of step {step} refused: {problem}"))
+    declared = opened.intents.get(rank)
+    if declared is None:
+        return AckDecision(
+            error=ConflictError(
+                f"rank {rank} of step {step} was never declared: declare the shard "
+                "(CheckpointManager.save does) before writing and acknowledging it"
+            )
+        )
+    if request.instance is not None and declared.instance != request.instance:
+        return AckDecision(
+            error=WorkerSuperseded(
+                f"rank {rank} of step {step} was declared by another process of worker "
+                f"{declared.worker_id!r} (instance {declared.instance}); this process's shard "
+                "does not count"
+            )
+        )
+    return AckDecision([saved], answer)
+
+
+def _same_shard(first: CheckpointShardSaved, again: CheckpointShardSaved) -> bool:
+    return (first.worker_id, first.epoch, first.bytes, first.checksum) == (
+        again.worker_id,
+        again.epoch,
+        again.bytes,
+        again.checksum,
+    )
+
+
+def _ack_after_commit(
+    job: JobCheckpoints, done: CommittedCheckpoint, request: AckShardRequest
+) -> AckDecision:
+    """A retried ack whose step committed meanwhile gets its answer; any other is refused."""
+    shard = next((s for s in done.manifest.shards if s.rank == request.rank), None)
+    if shard is not None and (shard.worker_id, shard.bytes, shard.checksum) == (
+        request.worker_id,
+        request.bytes,
+        request.checksum,
+    ):
+        return AckDecision(
+            result=AckShardResult(
+                job=job.job,
+                step=request.step,
+                rank=request.rank,
+                event_id=shard_saved_id(job.job, request.step, request.rank, done.attempt),
+                key=shard.key,
+                status="committed",
+            )
+        )
+    return AckDecision(
+        error=ConflictError(
+            f"checkpoint of step {request.step} is already committed without this shard; a "
+            "committed checkpoint never changes: save under a later step"
+        )
+    )
+
+
+def ack_result(
+    state: CheckpointState, request: AckShardRequest, result: AckShardResult
+) -> AckShardResult:
+    """`result` with the step's status once the ack's events are folded in."""
+    job = state.job(request.job)
+    status = "committed" if request.step in job.committed else result.status
+    if request.step in job.aborted and request.step not in job.open:
+        status = "aborted"
+    return result.model_copy(update={"status": status})
 
 
 def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:

@@ -1,13 +1,15 @@
-"""The checkpoint service's NATS adapter: begin over RPC, acks as events, commit, abort, retention.
+"""The checkpoint service's NATS adapter: begin and ack over RPC, commit, abort, retention.
 
-Each saving worker's begin (an RPC, before it writes) opens the step or records its rank's writer.
-Acks (`checkpoint.shard_saved`) are events the workers publish; the service reacts when they are
-folded in. Completing a step checks that storage holds every acked shard at its acked size, writes
-the manifest to the checkpoint's storage, then records `checkpoint.committed` (the manifest is
-written first, so a crash in between only re-writes it). An abort records `checkpoint.aborted`,
-then removes the step's partial files under the job's root; the root and retention of a job are
-fixed by its first checkpoint. After a restart, open steps that completed or lost a
-participant meanwhile are settled before going live.
+Each saving worker's begin (an RPC, before it writes) opens the step or records its rank's writer;
+its ack (an RPC, once the write returned) is checked against the step, and the service records
+`checkpoint.shard_saved` itself, with the shard's key derived from the job, step, rank and attempt:
+the event log holds only what the service decided, and no request names a file the service then
+touches. The service reacts when an ack is folded in. Completing a step checks that storage holds
+every acked shard at its acked size, writes the manifest to the job's storage root, then records
+`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it).
+An abort records `checkpoint.aborted`, then removes the step's files under the job's root; the
+root and retention of a job are fixed by its first checkpoint. After a restart, open steps that
+completed or lost a participant meanwhile are settled before going live.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from strata.errors import NotFound, StrataError
 from strata.events import (
     CheckpointAborted,
     CheckpointShardSaved,
-    RequestRejected,
     WorkerFailed,
     WorkerLeft,
 )
 from strata.events.models import Event
 from strata.events.requests import (
+    AckShardRequest,
+    AckShardResult,
     BeginCheckpointRequest,
     CheckpointAnswer,
     CheckpointInfo,
@@ -90,6 +93,7 @@ class Checkpoints(Projection[CheckpointState]):
                         )
         self._rpc = RpcServer(bus.nc, self.name)
         self._rpc.route("begin", BeginCheckpointRequest, self._begin)
+        self._rpc.route("ack", AckShardRequest, self._ack)
         self._rpc.route("status", CheckpointQuery, self._status)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
@@ -117,6 +121,24 @@ class Checkpoints(Projection[CheckpointState]):
             if decision.error is not None:
                 raise decision.error
             return domain.info(self.state, request.job, request.step)
+
+    async def _ack(self, request: AckShardRequest) -> AckShardResult:
+        async with self.lock:
+            decision = domain.ack(self.state, request, self.now_ns())
+            if decision.error is not None:
+                log.warning(
+                    "ack_refused",
+                    job=request.job,
+                    step=request.step,
+                    rank=request.rank,
+                    worker=request.worker_id,
+                    code=decision.error.code,
+                    why=decision.error.message,
+                )
+                raise decision.error
+            await self.publish_and_apply(decision.events)
+            assert decision.result is not None
+            return domain.ack_result(self.state, request, decision.result)
 
     async def _status(self, query: CheckpointQuery) -> CheckpointAnswer:
         job = self.state.job(query.job)
@@ -150,37 +172,12 @@ class Checkpoints(Projection[CheckpointState]):
                 )
 
     async def _on_ack(self, ack: CheckpointShardSaved) -> None:
+        # Only acks this service recorded (see `_ack`) reach here: a step no longer open was
+        # settled by its commit or abort already, and has nothing left to do.
         async with self.lock:
-            job = self.state.job(ack.job)
-            opened = job.open.get(ack.step)
-            if opened is None:
-                # An ack for a step that is aborted or unknown: its file is an orphan.
-                reason = job.aborted[ack.step][1] if ack.step in job.aborted else "unknown step"
-                await self._reject(ack, f"step {ack.step} is not open ({reason})")
-                suffix = f"/{ack.key}"
-                if ack.step not in job.committed and ack.uri.endswith(suffix):
-                    await self._cleanup(ack.uri.removesuffix(suffix), key=ack.key)
-                return
-            problem = domain.ack_problem(opened, ack)
-            if problem is not None:
-                await self._reject(ack, problem)
-                return
-            if opened.complete():
+            opened = self.state.job(ack.job).open.get(ack.step)
+            if opened is not None and opened.complete():
                 await self._commit(ack.job, opened)
-
-    async def _reject(self, ack: CheckpointShardSaved, message: str) -> None:
-        log.warning("ack_rejected", job=ack.job, step=ack.step, worker=ack.worker_id, why=message)
-        await self.bus.publish(
-            RequestRejected(
-                job=ack.job,
-                source=domain.SOURCE,
-                service=domain.SOURCE,
-                subject=f"checkpoint.shard_saved step {ack.step}",
-                code="conflict",
-                message=message,
-                worker_id=ack.worker_id,
-            )
-        )
 
     async def _commit(self, job: str, opened: OpenCheckpoint) -> None:
         root = domain.storage_root(self.state.job(job), opened.root_uri)
@@ -224,16 +221,11 @@ class Checkpoints(Projection[CheckpointState]):
                 root = domain.storage_root(job, opened.root_uri)
                 await self._cleanup(root, prefix=step_prefix(event.job, opened.step))
 
-    async def _cleanup(
-        self, root_uri: str, *, prefix: str | None = None, key: str | None = None
-    ) -> None:
-        """Remove files of an aborted or pruned step; a failure is logged, never fatal."""
+    async def _cleanup(self, root_uri: str, *, prefix: str) -> None:
+        """Remove the files of an aborted or pruned step (a prefix derived from the job and step,
+        under the job's recorded root); a failure is logged, never fatal."""
         try:
-            storage = self.storage(root_uri)
-            if prefix is not None:
-                await storage.delete_prefix(prefix)
-            if key is not None:
-                await storage.delete(key)
+            await self.storage(root_uri).delete_prefix(prefix)
         except (StrataError, OSError) as exc:
             log.warning("cleanup_failed", root=root_uri, error=str(exc))
 

@@ -524,10 +524,12 @@ def _check_acked_events(
 ) -> None:
     acked = {role: _read_journal(path) for role, path in journals.items()}
     everything = set().union(*acked.values())
-    # The workers' own record of their checkpoint acks is a cross-check of the journal.
+    # The workers' own record of their checkpoint acks (the id of the event the checkpoint
+    # service recorded for each, from its answer) is a cross-check of the services' journal.
     by_worker = {r["id"] for r in recorded if r["kind"] == "acked"}
     assert by_worker, "the workers recorded no acknowledged checkpoint event"
-    unjournaled = by_worker - acked["workers"]
+    assert not acked["workers"], "workers publish nothing on the event stream"
+    unjournaled = by_worker - acked["services"]
     assert not unjournaled, f"{len(unjournaled)} acked checkpoint events not in the journal"
 
     async def stored_types() -> dict[str, str]:

@@ -390,10 +390,11 @@ async def test_the_commit_happens_after_a_checkpoint_service_restart(
     services["checkpoint"].kill()
     for gate in gates:
         gate.set()
-    for manager in managers[2:]:
-        await manager.wait()  # their acks are published while the service is down
+    # Their writes finish while the service is down; their acks are asked again until it is back.
+    writes = [asyncio.create_task(manager.wait()) for manager in managers[2:]]
     restarted = ServiceProcess("checkpoint", services["checkpoint"].env[Env.NATS_URL], tmp_path)
     services["checkpoint"] = await asyncio.to_thread(restarted.start)
+    await asyncio.gather(*writes)
     for manager in managers:
         await manager.wait()
     info = await managers[0].wait_committed(5, timeout=30)

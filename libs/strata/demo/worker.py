@@ -151,10 +151,11 @@ class Trainer:
         )
 
     def record_acks(self) -> None:
-        """Record the checkpoint events published and acknowledged since the last call."""
+        """Record the checkpoint acks the service answered since the last call (with the id of
+        the `checkpoint.shard_saved` event it recorded for each)."""
         saved = self.checkpoints.aio.saved[self.recorded_acks :]
-        for event in saved:
-            self.record("acked", id=event.id, step=event.step, rank=event.rank)
+        for answer in saved:
+            self.record("acked", id=answer.event_id, step=answer.step, rank=answer.rank)
         self.recorded_acks += len(saved)
 
     def barrier(self, name: str, *, expected: int | None = None) -> int:

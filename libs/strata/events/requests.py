@@ -460,12 +460,52 @@ class CheckpointAnswer(StrictModel):
     manifest: Manifest | None = None
 
 
+class AckShardRequest(StrictModel):
+    """A rank's shard of `step` is durable in storage (phase one of the commit).
+
+    Sent by the worker that declared the rank (`begin`) once its write returned. The service checks
+    it against the open step and records `checkpoint.shard_saved` itself, with the key it derives
+    from the job, step, rank and attempt: a worker never names where a shard is. A retry carries
+    the same fields and gets the same answer, also once the step has committed.
+    """
+
+    job: Id
+    worker_id: Id
+    step: Step
+    epoch: Epoch
+    rank: Rank
+    bytes: ByteCount
+    checksum: Checksum
+    cursors: Annotated[list[DataCursor], Field(max_length=16, fail_fast=True)] = Field(
+        default_factory=list
+    )
+    instance: Id | None = Field(
+        default=None, description="The writing process (its begin's instance); checked if given."
+    )
+
+
+class AckShardResult(StrictModel):
+    job: Id
+    step: Step
+    rank: Rank
+    event_id: Id = Field(description="The checkpoint.shard_saved recorded for this shard.")
+    key: Uri = Field(description="Where the shard is recorded to be, under the job's root.")
+    status: CheckpointStatus = Field(description="The step's status after this ack.")
+
+
 BEGIN_CHECKPOINT = endpoint(
     "checkpoint",
     "begin",
     BeginCheckpointRequest,
     CheckpointInfo,
     "Declare a rank's shard of a step before writing it; the first opens the step for its world.",
+)
+ACK_SHARD = endpoint(
+    "checkpoint",
+    "ack",
+    AckShardRequest,
+    AckShardResult,
+    "A rank's shard is stored: the service records checkpoint.shard_saved (idempotent).",
 )
 CHECKPOINT_STATUS = endpoint(
     "checkpoint",

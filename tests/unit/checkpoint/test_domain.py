@@ -7,6 +7,8 @@ checkpoint.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
@@ -22,7 +24,7 @@ from strata.events import (
     WorkerFailed,
     WorkerRegistered,
 )
-from strata.events.requests import BeginCheckpointRequest
+from strata.events.requests import AckShardRequest, BeginCheckpointRequest
 from strata.services.checkpoint import domain
 from strata.services.checkpoint.domain import CheckpointState
 from strata.storage.base import shard_key
@@ -114,7 +116,7 @@ def ack(step: int, rank: int, worker: str | None = None, epoch: int = 0) -> Chec
     key = f"{JOB}/step-{step:012d}/rank-{rank:05d}.bin"
     return CheckpointShardSaved(
         job=JOB,
-        source=worker,
+        source="checkpoint",
         step=step,
         epoch=epoch,
         rank=rank,
@@ -560,7 +562,89 @@ def test_a_retry_of_a_save_that_belonged_to_the_aborted_attempt_stays_refused() 
     assert retry.events == []
 
 
-# -- the job's fixed storage ---------------------------------------------------------------------
+# -- acks recorded by the service, and the job's fixed storage ------------------------------------
+
+
+def ack_request(
+    step: int, rank: int, worker: str | None = None, *, instance: str | None = None, **changes: Any
+) -> AckShardRequest:
+    worker = worker or f"w{rank}"
+    fields: dict[str, Any] = {
+        "job": JOB,
+        "worker_id": worker,
+        "step": step,
+        "epoch": 0,
+        "rank": rank,
+        "bytes": 100 + rank,
+        "checksum": "xxh128:" + "ab" * 16,
+        "instance": instance or f"proc-{worker}",
+    }
+    return AckShardRequest(**(fields | changes))
+
+
+def test_the_service_records_an_ack_under_the_key_it_derives_itself() -> None:
+    state = with_workers(2)
+    begin(state, 7)
+    decision = domain.ack(state, ack_request(7, 0), 8 * SECOND)
+    assert decision.error is None
+    (saved,) = decision.events
+    assert isinstance(saved, CheckpointShardSaved)
+    key = shard_key(JOB, 7, 0)
+    assert (saved.source, saved.key, saved.uri) == ("checkpoint", key, f"{ROOT}/{key}")
+    assert decision.result is not None
+    assert (decision.result.event_id, decision.result.key) == (saved.id, key)
+    fold(state, decision.events)
+    assert state.job(JOB).open[7].acks[0] == saved
+    # A retry is answered the same and records nothing more.
+    again = domain.ack(state, ack_request(7, 0), 9 * SECOND)
+    assert (again.events, again.error, again.result) == ([], None, decision.result)
+
+
+def test_an_ack_for_another_rank_undeclared_or_from_another_process_is_refused() -> None:
+    state = with_workers(3)
+    begin(state, 7)  # w0 opens the step and declares rank 0
+    cases = [
+        (ack_request(7, 1, "w0"), ConflictError, "has rank 0 in step 7, not 1"),
+        (ack_request(7, 1), ConflictError, "rank 1 of step 7 was never declared"),
+        (ack_request(7, 0, instance="proc-other"), WorkerSuperseded, "declared by another"),
+        (ack_request(7, 0, epoch=3), ConflictError, "is of epoch 0, not 3"),
+        (ack_request(8, 0), NotFound, "no open checkpoint of step 8"),
+    ]
+    for request_, kind, says in cases:
+        decision = domain.ack(state, request_, 8 * SECOND)
+        assert isinstance(decision.error, kind), request_
+        assert says in decision.error.message
+        assert decision.events == []
+    fold(state, [*domain.ack(state, ack_request(7, 0), 8 * SECOND).events])
+    other = domain.ack(state, ack_request(7, 0, checksum="xxh128:" + "cd" * 16), 9 * SECOND)
+    assert isinstance(other.error, ConflictError)
+    assert "never replaces" in other.error.message
+
+
+def test_a_retried_ack_after_the_commit_gets_its_answer_and_a_stranger_does_not() -> None:
+    state = with_workers(1)
+    begin(state, 2)
+    first = domain.ack(state, ack_request(2, 0), 3 * SECOND)
+    fold(state, first.events)
+    commit(state, 2)
+    retried = domain.ack(state, ack_request(2, 0), 4 * SECOND)
+    assert retried.error is None
+    assert retried.events == []
+    assert retried.result is not None
+    assert (retried.result.status, retried.result.event_id) == ("committed", first.events[0].id)
+    changed = domain.ack(state, ack_request(2, 0, bytes=1), 4 * SECOND)
+    assert isinstance(changed.error, ConflictError)
+    assert "already committed" in changed.error.message
+
+
+def test_an_ack_of_an_aborted_step_is_refused_with_why_it_was_aborted() -> None:
+    state = with_workers(2)
+    begin(state, 3)
+    fold(state, domain.member_gone(state, JOB, "w1", "failed", 4 * SECOND))
+    decision = domain.ack(state, ack_request(3, 0), 5 * SECOND)
+    assert isinstance(decision.error, ConflictError)
+    assert "aborted" in decision.error.message
+    assert "failed" in decision.error.message
 
 
 def test_a_jobs_root_and_keep_count_are_fixed_by_its_first_checkpoint() -> None:
