@@ -244,7 +244,7 @@ def synthetic_history(workers: int = 1000, steps: int = 60) -> list[Record]:
                 history.add(
                     CheckpointShardSaved(
                         job=JOB,
-                        source=ids[index],
+                        source="checkpoint",
                         ts=history.now,
                         step=ckpt_step,
                         epoch=0,

@@ -1,7 +1,9 @@
 """The shape every stateful service shares: a projection of the event stream that also decides.
 
 On start it restores its snapshot, replays the stream from there, then goes live. Its state changes
-only by folding events read back from the stream, and its commands are serialised: a command's
+only by folding events read back from the stream, each checked first against the provenance rule
+(its own subject, a source that may emit it: `strata.events.provenance`), and its commands are
+serialised: a command's
 events are published, then the command waits until they are folded in, so the next decision sees
 them. `sync()` gives read-your-writes across services (wait until everything stored so far is in).
 """
@@ -120,6 +122,9 @@ class Projection(Generic[S]):
             start_seq=self.last_seq + 1,
             name=self.name,
             on_reject=self._on_reject,
+            # Only what the owner of each event type decided is folded (a forged event is
+            # counted, skipped, and its sequence passed over like a malformed one's).
+            provenance=True,
         )
         await retry_transient(self._feed.start, "starting the event feed")
         self.spawn(self._follow(self._feed), "feed")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Hashable
 from typing import Any
 
 import structlog
@@ -107,4 +109,30 @@ def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
 
 
-__all__ = ["bind", "configure_library_logging", "configure_logging", "get_logger"]
+class Throttle:
+    """Lets one log line per key through every `every_s` seconds, counting the ones it held back.
+
+    For lines a sender controls the rate of (refused messages, forged requests): a flood of them
+    must not become a flood of log lines. Keys are forgotten wholesale past `keep`, so a stream of
+    made-up keys cannot grow it without bound.
+    """
+
+    def __init__(self, every_s: float = 10.0, keep: int = 4096) -> None:
+        self._every = every_s
+        self._keep = keep
+        self._last: dict[Hashable, tuple[float, int]] = {}
+
+    def __call__(self, key: Hashable) -> int | None:
+        """None: hold this line back. Else let it through; the number held back since the last."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._every:
+            self._last[key] = (last[0], last[1] + 1)
+            return None
+        if len(self._last) >= self._keep:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        return 0 if last is None else last[1]
+
+
+__all__ = ["Throttle", "bind", "configure_library_logging", "configure_logging", "get_logger"]

@@ -3,6 +3,9 @@
 Events go through the services' own `evolve` functions (registry, sharding, barrier, checkpoint),
 so the dashboard, a replay and the services agree on what every event means; `render_dashboard`
 turns the folded state into the JSON of `/api/dashboard`, live or at any point of the history.
+They agree on which events count too: read from NATS, an event must pass the provenance rule (its
+own subject, a source that may emit it: `strata.events.provenance`); read from an exported file,
+where subjects are not kept, its source must.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ from strata.events import (
     WorkerRegistered,
     WorkerStateChanged,
     decode_event,
+    provenance,
     subjects,
 )
 from strata.events.codec import validation_error
+from strata.metrics import MESSAGES_REJECTED
 from strata.services.barrier import domain as barrier_domain
 from strata.services.checkpoint import domain as checkpoint_domain
 from strata.services.registry import domain as registry_domain
@@ -315,6 +320,8 @@ class JobState:
         """Bumped by every change: caches and live pushes compare it."""
         self.fold_errors = 0
         """Events a domain's `evolve` raised on (the same in a live fold and in a replay)."""
+        self.rejected = 0
+        """Events left out because their source may not emit them (`strata.events.provenance`)."""
         self.last_fold_error = ""
         self.recent: deque[tuple[int, AnyEvent]] = deque(maxlen=RECENT_EVENTS)
         self._recent_rows: dict[int, dict[str, Any]] = {}
@@ -340,7 +347,11 @@ class JobState:
 
     def apply_event(self, seq: int, event: AnyEvent, stored_ns: int | None = None) -> None:
         """Fold one event of the STRATA_EVENTS stream (stream sequence `seq`, stored at
-        `stored_ns` when known: barrier latencies are measured with the stream's clock)."""
+        `stored_ns` when known: barrier latencies are measured with the stream's clock), unless
+        its source may not emit it (then it is counted in `rejected` and changes nothing else)."""
+        if provenance.source_refusal(event) is not None:
+            self.rejected += 1
+            return
         routes = self._routes.get(event.type)
         if routes is None:
             routes = self._routes[event.type] = [
@@ -671,9 +682,14 @@ READ_BUFFER_MSGS: Final = 65_536
 STALLED_S: Final = 10.0
 
 
+REPLAY_CONSUMER: Final = "replay"
+"""How reads of history name themselves in `strata_messages_rejected_total`."""
+
+
 def heartbeat_belongs(subject: str, heartbeat: WorkerHeartbeat) -> bool:
-    """A heartbeat counts only on its own subject (the registry applies the same rule)."""
-    return subject == subjects.heartbeat_subject(heartbeat.job, heartbeat.worker_id)
+    """A heartbeat counts only on its own subject and from its own worker (the registry applies
+    the same rule)."""
+    return provenance.refusal(subject, heartbeat) is None
 
 
 async def stream_records(
@@ -732,14 +748,19 @@ async def stream_records(
             ):
                 return
             try:
-                event = decode_event(msg.data)
-            except StrataError:
+                event: AnyEvent | None = decode_event(msg.data)
+            except StrataError as exc:
+                MESSAGES_REJECTED.labels(REPLAY_CONSUMER, exc.code).inc()
                 event = None
-            if event is not None and (
-                stream == "events"
-                or (isinstance(event, WorkerHeartbeat) and heartbeat_belongs(msg.subject, event))
-            ):
-                yield Record(seq, stored_ns, event, stream)
+            if event is not None:
+                if stream == "telemetry" and not isinstance(event, WorkerHeartbeat):
+                    refused: provenance.Refusal | None = provenance.Refusal("not_a_heartbeat", "")
+                else:
+                    refused = provenance.refusal(msg.subject, event)
+                if refused is None:
+                    yield Record(seq, stored_ns, event, stream)
+                else:
+                    MESSAGES_REJECTED.labels(REPLAY_CONSUMER, refused.code).inc()
             if meta.num_pending == 0 or seq == until_seq:
                 return
     finally:

@@ -1,7 +1,9 @@
 """The gateway's live read model: the event stream and heartbeats folded as they are stored.
 
 It follows STRATA_EVENTS from its first message (every job) and the latest heartbeat of every
-worker on STRATA_TELEMETRY, folds both through `strata.replay` (the code `strata replay` runs),
+worker on STRATA_TELEMETRY, keeps only what passes the provenance rule (an event on its own
+subject from a publisher that may emit it, a heartbeat on its worker's subject from that worker),
+folds both through `strata.replay` (the code `strata replay` runs),
 counts the rates only a live view has, and wakes the push streams of a job when it changes.
 """
 
@@ -135,7 +137,12 @@ class LiveModel:
 
     async def start(self, bus: Bus) -> LiveModel:
         self._feed = EventFeed(
-            bus.js, subjects.EVENTS_STREAM, subjects.all_events(), start_seq=1, name=CONSUMER
+            bus.js,
+            subjects.EVENTS_STREAM,
+            subjects.all_events(),
+            start_seq=1,
+            name=CONSUMER,
+            provenance=True,
         )
         await self._feed.start()
         self._spawn(self._follow_events(self._feed), "events")

@@ -37,6 +37,7 @@ from strata.events import (
     WorkerRegistered,
     decode_event,
     pack,
+    provenance,
     subjects,
 )
 from strata.events.models import MAX_BYTES, MAX_EPOCH, MAX_STEP, Event
@@ -320,6 +321,10 @@ class Registry(Projection[RegistryState]):
         if (job, worker) != (event.job, event.worker_id):
             self._reject("subject_mismatch")
             return None
+        refused = provenance.source_refusal(event)
+        if refused is not None:
+            self._reject(refused.code)
+            return None
         return domain.Beat(
             event.job,
             event.worker_id,
@@ -428,8 +433,10 @@ def fast_beat(data: bytes) -> domain.Beat | None:
     only what `WorkerHeartbeat` accepts (same id pattern, same bounds, no coercion, no unknown
     fields) and only with every field present and floats as floats; whatever it does not accept
     goes through the full model, which then accepts or refuses it with its own reason, so a
-    verdict never depends on the path taken. Checks are written out inline (`type(x) is int`,
-    since the models are strict and True is no int for them): this runs for every heartbeat.
+    verdict never depends on the path taken. A heartbeat's source is the worker it is of (the
+    provenance rule), so this path takes only those; the full one refuses the others. Checks are
+    written out inline (`type(x) is int`, since the models are strict and True is no int for
+    them): this runs for every heartbeat.
     """
     if len(data) > _MAX_FAST_BYTES:
         return None
@@ -472,8 +479,7 @@ def fast_beat(data: bytes) -> domain.Beat | None:
         and (worker_id in known or _new_valid_id(worker_id))
         and type(instance) is str
         and (instance in known or _new_valid_id(instance))
-        and type(source) is str
-        and (source == worker_id or source in known or _new_valid_id(source))
+        and source == worker_id
         and type(event_id) is str
         and _ID_MATCH(event_id) is not None
     ):

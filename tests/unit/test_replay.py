@@ -51,6 +51,7 @@ from strata.events import (
     WorkerRegistered,
     WorkerStateChanged,
 )
+from strata.events.provenance import AREA_OWNERS
 from strata.replay import (
     DOMAINS,
     RECENT_EVENTS,
@@ -318,7 +319,7 @@ def checkpoint(h: History, step: int, workers: list[str], commit: bool, saved: i
         h.add(
             CheckpointShardSaved(
                 job=JOB,
-                source=worker,
+                source="checkpoint",
                 step=step,
                 epoch=0,
                 rank=rank,
@@ -809,7 +810,11 @@ def histories(draw: st.DrawFn) -> list[Event]:
             )
         else:
             events.append(CheckpointPruned(**base, step=step, manifest_uri="file:///c/m"))
-    return events
+    # Each event as its owner records it: the fold leaves out any other source.
+    return [
+        event.model_copy(update={"source": AREA_OWNERS[event.type.split(".")[0]][0]})
+        for event in events
+    ]
 
 
 @st.composite

@@ -1,9 +1,12 @@
 """Reading the event streams: an ordered feed (replay, then follow) and a durable, acked consumer.
 
 Services are projections, so they mostly use `EventFeed`: an ephemeral ordered consumer from a start
-sequence that says when it has caught up with the stream. `DurableConsumer` is for work that must be
-acknowledged. Both decode through the codec and drop malformed messages with a counted reason; they
-never stop on one.
+sequence that says when it has caught up with the stream; with `provenance`, it also drops events
+stored on another subject than their own or claiming a source that may not emit them
+(`strata.events.provenance`), which is how every service and the gateway fold only what its owner
+decided. `DurableConsumer` is for work that must be acknowledged. Both decode through the codec and
+drop malformed messages with a counted reason (and a warning now and then, not one per message);
+they never stop on one.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from strata.errors import StrataError
-from strata.events import decode_event
+from strata.events import decode_event, provenance
 from strata.events.models import AnyEvent
+from strata.logs import Throttle
 from strata.metrics import EVENTS_CONSUMED, MESSAGES_REJECTED
 
 log = structlog.get_logger("strata.bus")
@@ -69,8 +73,11 @@ class EventFeed:
         start_time: datetime.datetime | None = None,
         name: str = "feed",
         on_reject: RejectHook | None = None,
+        provenance: bool = False,
     ) -> None:
         self._js = js
+        self._provenance = provenance
+        self._reject_log = Throttle()
         self._stream = stream
         self._filter = filter_subject
         self._start_seq = start_seq
@@ -135,7 +142,15 @@ class EventFeed:
     def _reject(self, subject: str, error: StrataError) -> None:
         self.rejected[error.code] += 1
         MESSAGES_REJECTED.labels(self._name, error.code).inc()
-        log.warning("event_rejected", consumer=self._name, subject=subject, error=str(error))
+        held_back = self._reject_log(error.code)
+        if held_back is not None:
+            log.warning(
+                "event_rejected",
+                consumer=self._name,
+                subject=subject[:300],
+                error=str(error),
+                held_back=held_back,
+            )
         if self._on_reject is not None:
             self._on_reject(subject, error)
 
@@ -158,6 +173,11 @@ class EventFeed:
             except StrataError as exc:
                 self._reject(msg.subject, exc)
                 continue
+            if self._provenance:
+                refused = provenance.refusal(msg.subject, delivered.event)
+                if refused is not None:
+                    self._reject(msg.subject, StrataError(refused.message, code=refused.code))
+                    continue
             self.last_seq = delivered.seq
             EVENTS_CONSUMED.labels(self._name).inc()
             yield delivered
