@@ -154,7 +154,7 @@ class Bench:
         server_bus = await Bus.connect(self.url, name="bench-strata-server")
         self._closers.append(server_bus.close)
         self.rpc_server = RpcServer(server_bus.nc, SERVICE)
-        self.rpc_server.route("lookup", LookupRequest, self._lookup)
+        self.rpc_server.route("lookup", LookupRequest, self._lookup, scope="open")
         await self.rpc_server.start()
         self._closers.append(self.rpc_server.stop)
         # nats-py's default options rather than Strata's, so the baseline is what a plain user gets.

@@ -27,8 +27,8 @@ from nats.aio.subscription import Subscription
 
 from strata import _signals
 from strata._barrier import BarrierClient
-from strata._checks import check_id, check_int, is_id
-from strata.bus import Bus
+from strata._checks import check_id, check_int
+from strata.bus import Bus, Caller
 from strata.config import Settings, load_settings
 from strata.errors import (
     ConfigError,
@@ -58,6 +58,7 @@ from strata.events.requests import (
     WorldNotice,
 )
 from strata.logs import configure_library_logging
+from strata.security import worker_identity
 
 __all__ = [
     "CheckpointManager",
@@ -118,6 +119,32 @@ def _check_nats_url(url: str) -> str:
                 "(several may be given, separated by commas)"
             )
     return url
+
+
+def _credential_identity(
+    settings: Settings, job: str | None, worker_id: str | None
+) -> tuple[str | None, str | None]:
+    """The job and worker id a worker credential (`STRATA_NATS_USER=<worker>@<job>`, as `strata
+    up --secure` makes them) stands for, checked against those asked for; with any other user,
+    those asked for. A worker credential lets its holder act as that worker of that job only."""
+    user = settings.nats_user
+    identity = worker_identity(user)
+    if identity is None:
+        return job, worker_id
+    own_job, own_worker = identity
+    if job is None and "job" in settings.model_fields_set:
+        job = settings.job
+    for kind, asked, own, how in (
+        ("job", job, own_job, "pass job=... or set STRATA_JOB"),
+        ("worker id", worker_id, own_worker, "pass worker_id=..."),
+    ):
+        if asked is not None and asked != own:
+            raise ConfigError(
+                f"the NATS credential {user!r} is for worker {own_worker!r} of job {own_job!r}, "
+                f"but {kind} {asked!r} was asked for: {how} to match it, or use that "
+                f"{kind}'s own credential"
+            )
+    return own_job, own_worker
 
 
 # -- what a heartbeat reports about this process --------------------------------------------------
@@ -224,6 +251,7 @@ class Worker:
             # structlog's default prints to stdout, which belongs to the training program: hand
             # the lines to stdlib logging instead, whose set-up is the program's.
             configure_library_logging(self._settings.log_format)
+        job, worker_id = _credential_identity(self._settings, job, worker_id)
         self._job = check_id(
             "job",
             job if job is not None else self._settings.job,
@@ -237,11 +265,6 @@ class Worker:
             rank = check_int("rank", rank, 0, MAX_RANK)
         self._nats_url = _check_nats_url(nats_url if nats_url else self._settings.nats_url)
         self._instance = uuid.uuid4().hex
-        user = self._settings.nats_user
-        if worker_id is None and user and is_id(user) and not user.startswith("strata-"):
-            # With per-worker NATS credentials (strata up --secure, the Helm chart), the user
-            # name is the worker id: it may only publish heartbeats under that id.
-            worker_id = user
         # The registry's rule for an id it has to make up; its reply has the last word.
         self._worker_id = worker_id or f"w-{self._instance[:24]}"
         try:
@@ -424,8 +447,13 @@ class Worker:
         async with self._lock():
             if self._started:
                 return self
+            # Every request goes out as this worker of this job, and its replies come to an inbox
+            # of its own: with a worker credential, NATS lets it use no other.
             bus = await Bus.connect(
-                self._nats_url, settings=self._settings, name=f"strata-worker-{self._worker_id}"
+                self._nats_url,
+                settings=self._settings,
+                name=f"strata-worker-{self._worker_id}",
+                caller=Caller(self._job, self._worker_id),
             )
             self._bus = bus
             try:
@@ -438,8 +466,10 @@ class Worker:
                 await self._subscribe_control()
                 registration = await self._register()
                 if registration.worker_id != self._worker_id:
+                    # A registry that derived another id than the one asked as: be that one.
                     self._worker_id = registration.worker_id
                     self._log = log.bind(job=self._job, worker=self._worker_id)
+                    bus.rpc = bus.rpc.bound(Caller(self._job, self._worker_id))
                     await self._subscribe_control()
             except BaseException:
                 await self._close_bus()

@@ -1,11 +1,15 @@
 """Who may publish and subscribe to what: the NATS roles of a secured Strata deployment.
 
-Three roles. `services` may do anything. A `worker` may publish only its own heartbeats, checkpoint
-acks and RPC requests, and subscribe only to what the SDK listens to; its NATS user name is its
-worker id, which is how "its own" heartbeats are told apart. The `gateway` reads: it may use the
-JetStream API to create and read consumers but publish nothing on `strata.>`. `strata up --secure`
-and the Helm chart both render these rules. The files that hold passwords or the gateway's API
-token are written readable by their owner only.
+Three roles. `services` may do anything. The `gateway` reads: it may use the JetStream API to
+create and read consumers but publish nothing on `strata.>`. A `worker` credential belongs to one
+job and names one worker of it (`<worker>@<job>`, made by `strata up --secure`), or every worker
+of one job (the Helm chart's shared user, the worker part `*`): it may publish only its own
+heartbeats, metric samples and requests, each on a subject that ends with its job and worker, and
+subscribe only to its job's world notices, barrier and plan events, its own control notices and
+its own inbox. Nothing it publishes reaches the event stream: services record every event, and the
+subject a request arrives on says who sent it (see `strata.bus.rpc`). `strata up --secure` and
+the chart both render these rules. The files that hold passwords or the gateway's API token are
+written readable by their owner only.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from typing import Literal
 from strata._files import write_private
 from strata.errors import ConfigError
 from strata.events import subjects
+from strata.events.models import ID_PATTERN
 
 Role = Literal["services", "gateway", "worker"]
 ROLES: tuple[Role, ...] = ("services", "gateway", "worker")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+WORKER_USER_SEPARATOR = "@"
+"""Between the worker and the job in a worker credential's user name: no id contains it."""
+_ID = re.compile(ID_PATTERN)
 
 INBOX = "_INBOX.>"
 JS_READ_API = (
@@ -39,6 +46,13 @@ JS_READ_API = (
     "$JS.API.CONSUMER.DELETE.>",
     "$JS.FC.>",
 )
+WORKER_DENY = (f"{subjects.CONTROL}.>", "$KV.>", "$JS.>")
+"""Denied to a worker credential whatever it is allowed: notices to workers, the snapshot bucket
+and the JetStream API (a worker reads and writes no stream)."""
+
+WORKER_EVENTS = ("barrier",)
+"""Areas of its job's events a worker listens to: barrier outcomes (membership reaches it as the
+registry's world notices, and its plan as `shard.plan_changed`)."""
 
 
 @dataclass(frozen=True)
@@ -48,30 +62,54 @@ class Permissions:
     subscribe_allow: tuple[str, ...]
 
 
+def worker_user(job: str, worker: str) -> str:
+    """The NATS user name of a credential for one worker of one job."""
+    return f"{worker}{WORKER_USER_SEPARATOR}{job}"
+
+
+def worker_identity(user: str | None) -> tuple[str, str] | None:
+    """(job, worker) a worker credential's user name stands for, or None for any other user."""
+    if not user or user.count(WORKER_USER_SEPARATOR) != 1:
+        return None
+    worker, job = user.split(WORKER_USER_SEPARATOR)
+    if not (_ID.match(worker) and _ID.match(job)) or "\n" in user:
+        return None
+    return job, worker
+
+
+def worker_permissions(job: str, worker: str) -> Permissions:
+    """What a credential of `worker` (`*`: every worker) of `job` may do."""
+    return Permissions(
+        publish_allow=(
+            subjects.heartbeat_subject(job, worker),
+            subjects.worker_metrics(job, worker),
+            subjects.caller_rpcs(job, worker),
+        ),
+        publish_deny=WORKER_DENY,
+        subscribe_allow=(
+            *(subjects.area_events(job, area) for area in WORKER_EVENTS),
+            subjects.event_subject(job, "shard.plan_changed"),
+            subjects.world_subject(job),
+            subjects.control_subject(job, worker),
+            subjects.worker_inboxes(job, worker),
+        ),
+    )
+
+
 def permissions(role: Role, user: str) -> Permissions:
-    """The permissions of `user` in `role` (a worker's user name is its worker id)."""
+    """The permissions of `user` in `role` (a worker's user name is `<worker>@<job>`)."""
     if role == "services":
         return Permissions((">",), (), (">",))
     if role == "gateway":
         return Permissions(JS_READ_API, (f"{subjects.ROOT}.>",), (f"{subjects.ROOT}.>", INBOX))
-    worker = subjects.token(user)
-    return Permissions(
-        publish_allow=(
-            f"{subjects.HEARTBEATS}.*.{worker}",
-            f"{subjects.METRICS}.*.*",
-            f"{subjects.EVENTS}.*.checkpoint.shard_saved",
-            f"{subjects.RPC}.*.*",
-        ),
-        publish_deny=(),
-        subscribe_allow=(
-            f"{subjects.EVENTS}.*.worker.*",
-            f"{subjects.EVENTS}.*.barrier.*",
-            f"{subjects.EVENTS}.*.shard.plan_changed",
-            f"{subjects.CONTROL}.*.{worker}",
-            f"{subjects.WORLD}.*",
-            INBOX,
-        ),
-    )
+    identity = worker_identity(user)
+    if identity is None:
+        raise ConfigError(
+            f"worker credential {user!r} names no job and worker: worker user names are "
+            f"<worker>{WORKER_USER_SEPARATOR}<job> (strata up --secure makes them)"
+        )
+    job, worker = identity
+    return worker_permissions(job, worker)
 
 
 @dataclass(frozen=True)
@@ -84,6 +122,11 @@ class Credential:
         from strata.config import Env
 
         return {Env.NATS_USER: self.user, Env.NATS_PASSWORD: self.password}
+
+    @property
+    def identity(self) -> tuple[str, str] | None:
+        """(job, worker) of a worker credential, None for the others."""
+        return worker_identity(self.user) if self.role == "worker" else None
 
 
 def _quoted(items: tuple[str, ...]) -> str:
@@ -107,17 +150,32 @@ def authorization_config(credentials: list[Credential]) -> str:
     return "\n".join(lines)
 
 
-def generate_credentials(workers: list[str]) -> list[Credential]:
-    """Fresh random passwords for the services, the gateway and each named worker."""
-    for name in workers:
-        if not _NAME.match(name):
-            raise ConfigError(f"worker credential name {name!r} must match {_NAME.pattern}")
-    made = [
+def _check_id(kind: str, value: str) -> str:
+    if not _ID.match(value) or "\n" in value:
+        raise ConfigError(f"{kind} {value!r} of a worker credential must match {ID_PATTERN}")
+    return value
+
+
+def service_credentials() -> list[Credential]:
+    """Fresh random passwords for the services and the gateway."""
+    return [
         Credential("strata-services", secrets.token_urlsafe(24), "services"),
         Credential("strata-gateway", secrets.token_urlsafe(24), "gateway"),
     ]
-    made += [Credential(name, secrets.token_urlsafe(24), "worker") for name in workers]
-    return made
+
+
+def worker_credentials(job: str, workers: list[str]) -> list[Credential]:
+    """Fresh random passwords for each named worker of `job`."""
+    _check_id("job", job)
+    return [
+        Credential(worker_user(job, _check_id("worker", name)), secrets.token_urlsafe(24), "worker")
+        for name in workers
+    ]
+
+
+def generate_credentials(job: str, workers: list[str]) -> list[Credential]:
+    """Fresh random passwords for the services, the gateway and each named worker of `job`."""
+    return service_credentials() + worker_credentials(job, workers)
 
 
 def save_credentials(path: Path, credentials: list[Credential]) -> None:

@@ -28,7 +28,7 @@ from strata.events import (
     WorkerLeft,
 )
 from strata.events.models import Event
-from strata.events.requests import ArriveRequest, BarrierOutcome
+from strata.events.requests import ARRIVE, ArriveRequest, BarrierOutcome
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
 from strata.services.projection import Projection
@@ -69,7 +69,7 @@ class Barrier(Projection[BarrierState]):
             self._apply(owed)
             self._conclude(owed)
         self._rpc = RpcServer(bus.nc, self.name, concurrency=256)
-        self._rpc.route("arrive", ArriveRequest, self._arrive)
+        self._rpc.serve(ARRIVE, self._arrive)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
 

@@ -30,6 +30,9 @@ from strata.events import (
 )
 from strata.events.models import Event
 from strata.events.requests import (
+    ACK_SHARD,
+    BEGIN_CHECKPOINT,
+    CHECKPOINT_STATUS,
     AckShardRequest,
     AckShardResult,
     BeginCheckpointRequest,
@@ -92,9 +95,9 @@ class Checkpoints(Projection[CheckpointState]):
                             )
                         )
         self._rpc = RpcServer(bus.nc, self.name)
-        self._rpc.route("begin", BeginCheckpointRequest, self._begin)
-        self._rpc.route("ack", AckShardRequest, self._ack)
-        self._rpc.route("status", CheckpointQuery, self._status)
+        self._rpc.serve(BEGIN_CHECKPOINT, self._begin)
+        self._rpc.serve(ACK_SHARD, self._ack)
+        self._rpc.serve(CHECKPOINT_STATUS, self._status)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
 

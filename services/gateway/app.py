@@ -449,7 +449,7 @@ def create_app(
             "events": subjects.all_events(),
             "heartbeats": subjects.all_heartbeats(),
             "metrics": subjects.all_metrics(),
-            "rpc": f"{subjects.RPC}.<service>.<verb>",
+            "rpc": f"{subjects.RPC}.<service>.<verb>.<job>.<worker>",
         }
 
     app.include_router(api)

@@ -42,6 +42,9 @@ from strata.events import (
 )
 from strata.events.models import MAX_BYTES, MAX_EPOCH, MAX_STEP, Event
 from strata.events.requests import (
+    LEAVE,
+    MEMBERS,
+    REGISTER,
     LeaveRequest,
     LeaveResult,
     MembersRequest,
@@ -156,9 +159,9 @@ class Registry(Projection[RegistryState]):
         )
         await self._hb_nc.flush()
         self._rpc = RpcServer(bus.nc, self.name)
-        self._rpc.route("register", RegisterRequest, self._register)
-        self._rpc.route("leave", LeaveRequest, self._leave)
-        self._rpc.route("members", MembersRequest, self._members)
+        self._rpc.serve(REGISTER, self._register)
+        self._rpc.serve(LEAVE, self._leave)
+        self._rpc.serve(MEMBERS, self._members)
         await self._rpc.start()
         self.spawn(self._detect_failures(), "detector")
         self.spawn(self._drain_outbox(), "outbox")

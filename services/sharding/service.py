@@ -16,6 +16,11 @@ from strata.config import Settings
 from strata.events import WorkerFailed, WorkerLeft, WorkerRegistered
 from strata.events.models import Event
 from strata.events.requests import (
+    GET_SHARDS,
+    PLAN,
+    REGISTER_DATASET,
+    REPORT_PROGRESS,
+    RESTORE_PROGRESS,
     DatasetInfo,
     GetShardsRequest,
     PlanRequest,
@@ -60,11 +65,11 @@ class Sharding(Projection[ShardingState]):
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self._rpc = RpcServer(bus.nc, self.name)
-        self._rpc.route("register_dataset", RegisterDatasetRequest, self._register_dataset)
-        self._rpc.route("get_shards", GetShardsRequest, self._get_shards)
-        self._rpc.route("report_progress", ReportProgressRequest, self._report_progress)
-        self._rpc.route("plan", PlanRequest, self._plan)
-        self._rpc.route("restore_progress", RestoreProgressRequest, self._restore_progress)
+        self._rpc.serve(REGISTER_DATASET, self._register_dataset)
+        self._rpc.serve(GET_SHARDS, self._get_shards)
+        self._rpc.serve(REPORT_PROGRESS, self._report_progress)
+        self._rpc.serve(PLAN, self._plan)
+        self._rpc.serve(RESTORE_PROGRESS, self._restore_progress)
         await self._rpc.start()
         # Membership may have changed while this service was down.
         async with self.lock:

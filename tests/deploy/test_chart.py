@@ -22,16 +22,16 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from strata import security
 from strata.bus import Bus, ConnectOptions, EventFeed
 from strata.bus import connect as connect_nats
 from strata.bus.server import NatsServer, nats_server_binary
 from strata.config import load_settings
-from strata.events import EVENT_TYPES, CheckpointShardSaved, subjects
+from strata.events import EVENT_TYPES, WorkerLeft, subjects
 from strata.events.rpc import RPC_SERVICES
 
+from tests import natsprobe
 from tests.deploy import natsconf
 from tests.deploy.chart import CHART, NAMESPACE, RELEASE, Render, Rendered, helm_template
 
@@ -517,23 +517,39 @@ def _event_types() -> list[str]:
 TELEMETRY_TYPES = ("worker.heartbeat", "metric.sampled")
 
 
-def test_workers_may_publish_only_their_telemetry_acks_and_requests(render: Render) -> None:
+def test_worker_permissions_are_those_of_strata_security(render: Render) -> None:
+    # The shared user of a job is `strata up --secure`'s per-worker rules with the worker a `*`.
+    rendered = render("nats.auth.workerUsers[0].job=llm", "nats.auth.workerUsers[0].worker=w-7")
+    auth = _nats_auth(rendered)
+    for user, expected in (
+        ("strata-workers-default", security.worker_permissions("default", "*")),
+        ("w-7@llm", security.permissions("worker", "w-7@llm")),
+    ):
+        permissions = auth[user][1]
+        assert set(permissions.publish_allow) == set(expected.publish_allow), user
+        assert set(permissions.publish_deny) == set(expected.publish_deny), user
+        assert set(permissions.subscribe_allow) == set(expected.subscribe_allow), user
+
+
+def test_workers_publish_nothing_on_the_event_stream_and_only_in_their_job(render: Render) -> None:
     job = "default"
     worker = _nats_auth(render())["strata-workers-default"][1]
-    event_types = _event_types()
-    assert {"checkpoint.shard_saved", "checkpoint.committed"} <= set(event_types)
-    for event_type in event_types:
+    for event_type in _event_types():
         if event_type in TELEMETRY_TYPES:
             continue
-        subject = subjects.event_subject(job, event_type)
-        assert worker.may_publish(subject) == (event_type == "checkpoint.shard_saved"), subject
+        for in_job in (job, "other-job"):
+            subject = subjects.event_subject(in_job, event_type)
+            assert not worker.may_publish(subject), subject
     assert worker.may_publish(subjects.heartbeat_subject(job, "w-1"))
-    assert worker.may_publish(subjects.metric_subject(job, "loss"))
+    assert worker.may_publish(subjects.metric_subject(job, "w-1", "loss"))
     for service in RPC_SERVICES:
-        assert worker.may_publish(subjects.rpc_subject(service, "ping"))
+        assert worker.may_publish(subjects.rpc_subject(service, "ping", job, "w-1"))
     forbidden = [
-        subjects.event_subject("other-job", "checkpoint.shard_saved"),
         subjects.heartbeat_subject("other-job", "w-1"),
+        subjects.metric_subject("other-job", "w-1", "loss"),
+        subjects.rpc_subject("registry", "register", "other-job", "w-1"),
+        # An operator's request (no caller) is the services' alone.
+        subjects.rpc_subject("registry", "register"),
         subjects.control_subject(job, "w-1"),
         f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
         f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
@@ -556,18 +572,41 @@ def test_workers_may_subscribe_to_what_the_sdk_listens_to_in_their_job_only(
         subjects.world_subject(job),
         subjects.event_subject(job, "shard.plan_changed"),
         subjects.control_subject(job, "w-1"),
-        "_INBOX.abc.1",
+        subjects.worker_inboxes(job, "w-1"),
     ]
     for subject in needed:
         assert worker.may_subscribe(subject), subject
     for subject in (
         subjects.event_subject("other-job", "worker.registered"),
+        # Membership reaches workers as world notices, not as the events.
+        subjects.event_subject(job, "worker.registered"),
         subjects.world_subject("other-job"),
+        subjects.event_subject(job, "checkpoint.committed"),
         subjects.control_subject("other-job", "w-1"),
         subjects.heartbeat_subject(job, "w-1"),
+        subjects.worker_inboxes("other-job", "w-1"),
+        "_INBOX.>",
         f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
     ):
         assert not worker.may_subscribe(subject), subject
+
+
+def test_a_per_worker_user_may_act_as_its_worker_only(render: Render) -> None:
+    rendered = render("nats.auth.workerUsers[0].job=llm", "nats.auth.workerUsers[0].worker=w-7")
+    mine = _nats_auth(rendered)["w-7@llm"][1]
+    assert mine.may_publish(subjects.heartbeat_subject("llm", "w-7"))
+    assert mine.may_publish(subjects.rpc_subject("checkpoint", "ack", "llm", "w-7"))
+    assert mine.may_subscribe(subjects.control_subject("llm", "w-7"))
+    assert mine.may_subscribe(subjects.worker_inboxes("llm", "w-7"))
+    for subject in (
+        subjects.heartbeat_subject("llm", "w-8"),
+        subjects.rpc_subject("checkpoint", "ack", "llm", "w-8"),
+    ):
+        assert not mine.may_publish(subject), subject
+    for subject in (subjects.control_subject("llm", "w-8"), subjects.worker_inboxes("llm", "w-8")):
+        assert not mine.may_subscribe(subject), subject
+    secret = rendered.get("Secret", _name("nats-auth"))
+    assert "worker-llm-w-7-password" in secret["data"]
 
 
 def test_the_gateway_publishes_nothing_on_strata_subjects(render: Render) -> None:
@@ -576,9 +615,10 @@ def test_the_gateway_publishes_nothing_on_strata_subjects(render: Render) -> Non
     samples = [subjects.event_subject("j", t) for t in _event_types()]
     samples += [
         subjects.heartbeat_subject("j", "w"),
-        subjects.metric_subject("j", "loss"),
+        subjects.metric_subject("j", "w", "loss"),
         subjects.control_subject("j", "w"),
         *(subjects.rpc_subject(s, "ping") for s in RPC_SERVICES),
+        *(subjects.rpc_subject(s, "ping", "j", "w") for s in RPC_SERVICES),
         f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
         f"$JS.API.STREAM.CREATE.{subjects.EVENTS_STREAM}",
         f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
@@ -869,46 +909,15 @@ def test_notes_tell_how_to_open_the_dashboard(helm: Path, tmp_path: Path) -> Non
 # -- the rendered permissions on a real nats-server -----------------------------------------------
 
 
-async def _reached(watcher: Bus, sender: NATS, sent: list[str], marker: str) -> set[str]:
-    """Which of the `sent` subjects reached a services-role watcher from `sender`.
-
-    `sender` publishes them, then `marker` (a subject it may publish): one connection's messages
-    arrive in order, so once the marker is in, everything that got through before it is too.
-    """
-    seen: set[str] = set()
-    done = asyncio.Event()
-    listening = asyncio.Event()
-    probe = "strata.probe.watcher"
-
-    async def on_message(msg: Msg) -> None:
-        if msg.subject == marker:
-            done.set()
-        elif msg.subject == probe:
-            listening.set()
-        else:
-            seen.add(msg.subject)
-
-    subs = [await watcher.nc.subscribe(s, cb=on_message) for s in ("strata.>", marker)]
-    # nats-py's flush() can overtake a SUB still in its write buffer; a message of the watcher's
-    # own, queued behind the SUBs, proves the server has them.
-    await watcher.nc.publish(probe, b"")
-    await asyncio.wait_for(listening.wait(), 10)
-    for subject in sent:
-        await sender.publish(subject, b"x")
-    await sender.publish(marker, b"end")
-    await sender.flush()
-    await asyncio.wait_for(done.wait(), 10)
-    for sub in subs:
-        await sub.unsubscribe()
-    return seen
-
-
 @pytest.mark.nats
 async def test_the_rendered_roles_on_a_real_nats_server(
     render: Render, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The chart's shared job user and a per-worker user, logged in to nats-server with the
+    configuration the chart renders: what each may publish and subscribe to."""
     job = "default"
-    auth_conf = render().get("ConfigMap", _name("nats-config"))["data"]["auth.conf"]
+    rendered = render("nats.auth.workerUsers[0].job=default", "nats.auth.workerUsers[0].worker=w-1")
+    auth_conf = rendered.get("ConfigMap", _name("nats-config"))["data"]["auth.conf"]
     users = natsconf.users(natsconf.parse(auth_conf))
     for user, (reference, _) in users.items():
         monkeypatch.setenv(reference.removeprefix("$"), f"password-of-{user}")
@@ -924,57 +933,92 @@ async def test_the_rendered_roles_on_a_real_nats_server(
             )
             return Bus(await connect_nats(server.url, options))
 
+        async def worker(user: str) -> natsprobe.Client:
+            return await natsprobe.connect(
+                server.url,
+                user,
+                f"password-of-{user}",
+                inbox_prefix=subjects.worker_inbox_prefix(job, "w-1"),
+            )
+
         services = await connect("strata-services")
         gateway = await connect("strata-gateway")
-        worker = await connect("strata-workers-default")
+        shared = await worker("strata-workers-default")
+        own = await worker("w-1@default")
         try:
             assert set((await services.ensure_streams(1)).values()) == {"created"}
             # Every service's runtime provisions the streams; for the gateway, reading is enough.
             assert set((await gateway.ensure_streams(1)).values()) == {"unchanged"}
-
             async with EventFeed(gateway.js, subjects.EVENTS_STREAM, "strata.evt.>") as feed:
-                ack = CheckpointShardSaved(
-                    job=job,
-                    source="w-1",
-                    step=10,
-                    epoch=0,
-                    rank=0,
-                    worker_id="w-1",
-                    uri="file:///data/checkpoints/default/step-10/rank-0",
-                    key="default/step-10/rank-0",
-                    bytes=4,
-                    checksum="sha256:" + "0" * 64,
+                event = WorkerLeft(
+                    job=job, source="registry", worker_id="w-1", rank=0, membership_epoch=1
                 )
-                stored = await worker.publish(ack)  # JetStream's ack reaches the worker
+                stored = await services.publish(event)
                 received = await asyncio.wait_for(anext(aiter(feed)), 10)
-                assert (received.seq, received.event.id) == (stored.seq, ack.id)
+                assert (received.seq, received.event.id) == (stored.seq, event.id)
 
+            # A request as the worker reaches the services and its reply the worker's own inbox.
             async def pong(msg: Msg) -> None:
                 await msg.respond(b"pong")
 
-            await services.nc.subscribe(subjects.rpc_subject("registry", "ping"), cb=pong)
-            # The services' own request is queued behind their SUB (flush() might overtake it).
+            await services.nc.subscribe(subjects.service_rpcs("registry"), cb=pong)
             await services.nc.request(subjects.rpc_subject("registry", "ping"), b"", 5)
-            reply = await worker.nc.request(subjects.rpc_subject("registry", "ping"), b"", 5)
-            assert reply.data == b"pong"
+            for client in (shared, own):
+                ping = subjects.rpc_subject("registry", "ping", job, "w-1")
+                assert (await client.nc.request(ping, b"", 5)).data == b"pong"
 
             allowed = [
                 subjects.heartbeat_subject(job, "w-1"),
-                subjects.metric_subject(job, "loss"),
-                subjects.rpc_subject("barrier", "arrive"),
+                subjects.metric_subject(job, "w-1", "loss"),
+                subjects.rpc_subject("barrier", "arrive", job, "w-1"),
             ]
             forbidden = [
+                subjects.event_subject(job, "checkpoint.shard_saved"),
                 subjects.event_subject(job, "checkpoint.committed"),
                 subjects.event_subject(job, "worker.failed"),
                 subjects.event_subject(job, "barrier.released"),
                 subjects.heartbeat_subject("other-job", "w-1"),
+                subjects.rpc_subject("registry", "register", "other-job", "w-1"),
+                subjects.rpc_subject("registry", "register"),
                 subjects.control_subject(job, "w-2"),
             ]
-            marker = subjects.heartbeat_subject(job, "marker")
-            assert await _reached(services, worker.nc, allowed + forbidden, marker) == set(allowed)
-            assert (
-                await _reached(services, gateway.nc, allowed + forbidden, "$JS.FC.marker") == set()
-            )
+            marker = subjects.metric_subject(job, "w-1", "marker")
+            sent = allowed + forbidden
+            assert await natsprobe.reached(services.nc, shared, sent, marker) == set(allowed)
+            # A per-worker user is also confined to its own worker.
+            others = [
+                subjects.heartbeat_subject(job, "w-2"),
+                subjects.rpc_subject("checkpoint", "ack", job, "w-2"),
+            ]
+            got = await natsprobe.reached(services.nc, own, sent + others, marker)
+            assert got == set(allowed)
+
+            refused_to_both = [
+                subjects.event_subject("other-job", "worker.registered"),
+                subjects.world_subject("other-job"),
+                subjects.event_subject(job, "checkpoint.committed"),
+                subjects.control_subject("other-job", "w-1"),
+                subjects.worker_inboxes("other-job", "w-1"),
+                "_INBOX.>",
+            ]
+            of_other_worker = [
+                subjects.control_subject(job, "w-2"),
+                subjects.worker_inboxes(job, "w-2"),
+            ]
+            refused = await natsprobe.refused_subscriptions(shared, refused_to_both)
+            assert refused == set(refused_to_both)
+            # What a shared user leaves open: the other workers of its own job.
+            assert not await natsprobe.refused_subscriptions(shared, of_other_worker)
+            wanted = refused_to_both + of_other_worker
+            assert await natsprobe.refused_subscriptions(own, wanted) == set(wanted)
+            listened = [
+                subjects.world_subject(job),
+                subjects.event_subject(job, "barrier.released"),
+                subjects.control_subject(job, "w-1"),
+            ]
+            assert not await natsprobe.refused_subscriptions(own, listened)
         finally:
-            for bus in (worker, gateway, services):
+            for client in (own, shared):
+                await client.close()
+            for bus in (gateway, services):
                 await bus.close()

@@ -18,7 +18,7 @@ import strata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
-from strata.bus import RpcClient, RpcServer
+from strata.bus import Caller, RpcClient, RpcServer
 from strata.events import StrictModel, pack, subjects, unpack
 from strata.events.rpc import PingResult
 
@@ -47,7 +47,7 @@ def echo_server(nc: NATS, service: str) -> RpcServer:
     async def echo(request: EchoRequest) -> EchoResult:
         return EchoResult(text=request.text * request.times, served_by=server.instance)
 
-    server.route("echo", EchoRequest, echo)
+    server.route("echo", EchoRequest, echo, scope="open")
     return server
 
 
@@ -110,8 +110,8 @@ async def test_handler_errors_come_back_as_their_exception_classes(peers: Peers)
     async def missing(request: EchoRequest) -> None:
         raise strata.NotFound(f"dataset {request.text!r} is not registered")
 
-    server.route("crash", EchoRequest, crash)
-    server.route("missing", EchoRequest, missing)
+    server.route("crash", EchoRequest, crash, scope="open")
+    server.route("missing", EchoRequest, missing, scope="open")
     await server.start()
     try:
         with pytest.raises(strata.RpcError) as crashed:
@@ -216,7 +216,7 @@ async def test_replicas_in_the_queue_group_answer_each_request_exactly_once(
             seen[server.instance].append(request.times)
             return EchoResult(text=request.text, served_by=server.instance)
 
-        server.route("echo", EchoRequest, echo)
+        server.route("echo", EchoRequest, echo, scope="open")
         return server
 
     replicas = [counting_server(peers.server_nc), counting_server(other_nc)]
@@ -276,7 +276,7 @@ async def test_handler_slower_than_the_client_timeout_raises_rpc_timeout(peers: 
     async def slow(_: EchoRequest) -> None:
         await release.wait()
 
-    server.route("slow", EchoRequest, slow)
+    server.route("slow", EchoRequest, slow, scope="open")
     await server.start()
     try:
         started = time.monotonic()
@@ -403,3 +403,52 @@ async def test_a_reply_past_one_megabyte_arrives_and_one_past_max_payload_is_an_
     assert too_large.value.code == "reply_too_large"
     assert "max_payload" in too_large.value.message
     assert server.rejected == Counter({"reply_too_large": 1})
+
+
+# -- the caller is the subject's ------------------------------------------------------------------
+
+
+class ForWorker(StrictModel):
+    job: str
+    worker_id: str | None = None
+
+
+async def test_a_request_may_speak_only_for_its_callers_job_and_worker(peers: Peers) -> None:
+    service = new_service()
+    server = RpcServer(peers.server_nc, service)
+    handled: list[ForWorker] = []
+
+    async def handle(request: ForWorker) -> ForWorker:
+        handled.append(request)
+        return request
+
+    server.route("mine", ForWorker, handle, scope="worker")
+    server.route("ours", ForWorker, handle, scope="job")
+    await server.start()
+    me = peers.client.bound(Caller("job-a", "w-1"))
+    try:
+        # Its own job and worker, or the worker left out (then it is the caller).
+        assert await me.call(service, "mine", ForWorker(job="job-a", worker_id="w-1"))
+        filled = await me.call(service, "mine", ForWorker(job="job-a"))
+        assert filled == {"job": "job-a", "worker_id": "w-1"}
+        # A job-wide verb may name any worker of the job, never another job.
+        assert await me.call(service, "ours", ForWorker(job="job-a", worker_id="w-2"))
+        refused = [
+            ("mine", ForWorker(job="job-a", worker_id="w-2"), "speaks only for itself"),
+            ("mine", ForWorker(job="job-b", worker_id="w-1"), "acts in its own job only"),
+            ("ours", ForWorker(job="job-b"), "acts in its own job only"),
+        ]
+        for verb, request, says in refused:
+            with pytest.raises(strata.Forbidden) as forbidden:
+                await me.call(service, verb, request)
+            assert forbidden.value.code == "forbidden"
+            assert says in forbidden.value.message
+        # An operator (no caller on the subject) may ask for anyone.
+        assert await peers.client.call(service, "mine", ForWorker(job="job-b", worker_id="w-9"))
+        # A subject that names its caller badly is refused as such.
+        body = await raw_request(peers.client_nc, f"strata.rpc.{service}.mine.job-a", pack({}))
+        assert error_of(body)[0] == "invalid_request"
+    finally:
+        await server.stop()
+    assert [r.worker_id for r in handled] == ["w-1", "w-1", "w-2", "w-9"]
+    assert server.rejected["forbidden"] == 3

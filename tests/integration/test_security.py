@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats
 import pytest
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from strata.bus.server import NatsServer
+from strata.events import subjects
 from strata.security import (
     Credential,
     authorization_config,
@@ -18,7 +16,10 @@ from strata.security import (
     generate_credentials,
     load_credentials,
     save_credentials,
+    worker_identity,
 )
+
+from tests import natsprobe
 
 pytestmark = pytest.mark.nats
 
@@ -27,135 +28,141 @@ JOB = "secure-job"
 
 @pytest.fixture
 def credentials() -> list[Credential]:
-    return generate_credentials(["worker-0", "worker-1"])
+    return generate_credentials(JOB, ["worker-0", "worker-1"])
 
 
 @pytest.fixture
-def secured(tmp_path: Path, credentials: list[Credential]) -> AsyncIterator[NatsServer]:
+def secured(tmp_path: Path, credentials: list[Credential]) -> Iterator[NatsServer]:
     with NatsServer(
         store_dir=tmp_path / "nats", extra_config=authorization_config(credentials)
     ) as server:
         yield server
 
 
-async def _connect(url: str, cred: Credential, errors: list[str]) -> NATS:
-    async def on_error(exc: Exception) -> None:
-        errors.append(str(exc))
+@pytest.fixture
+async def watcher(secured: NatsServer, credentials: list[Credential]) -> AsyncIterator[nats.NATS]:
+    services = by_role(credentials, "services")[0]
+    nc = await nats.connect(secured.url, user=services.user, password=services.password)
+    yield nc
+    await nc.close()
 
-    return await nats.connect(
-        url, user=cred.user, password=cred.password, error_cb=on_error, allow_reconnect=False
+
+def worker_0(credentials: list[Credential]) -> Credential:
+    return next(c for c in credentials if c.identity == (JOB, "worker-0"))
+
+
+async def as_worker(server: NatsServer, credential: Credential) -> natsprobe.Client:
+    job, worker = credential.identity or ("", "")
+    return await natsprobe.connect(
+        server.url,
+        credential.user,
+        credential.password,
+        inbox_prefix=subjects.worker_inbox_prefix(job, worker),
     )
 
 
-async def _published(
-    server: NatsServer,
-    publisher: Credential,
-    subjects: list[str],
-    services: Credential,
-    refusals: int,
-) -> tuple[set[str], list[str]]:
-    """Which of `subjects` reached a services-role subscriber, and the publisher's errors (given
-    until `refusals` permission errors have come, or 5 s have passed)."""
-    errors: list[str] = []
-    seen: set[str] = set()
-    marker = asyncio.Event()
-    watcher = await _connect(server.url, services, [])
-    sender = await _connect(server.url, publisher, errors)
-
-    async def on_message(msg: Msg) -> None:
-        if msg.subject == "strata.hb.marker-job." + publisher.user:
-            marker.set()
-        else:
-            seen.add(msg.subject)
-
-    await watcher.subscribe(">", cb=on_message)
-    await watcher.flush()
-    for subject in subjects:
-        await sender.publish(subject, b"x")
-    # Messages of one connection arrive in order: once the marker is in, so is anything before it.
-    allowed_marker = publisher.role == "worker"
-    if allowed_marker:
-        await sender.publish("strata.hb.marker-job." + publisher.user, b"end")
-    await sender.flush()
-    if allowed_marker:
-        await asyncio.wait_for(marker.wait(), 5)
-    else:
-        # The server has handled every publish once the sender's flush returns, and the watcher
-        # has received everything routed to it once its own flush returns.
-        await watcher.flush()
-    # The server's refusals reach the error callback on tasks of their own: wait for them.
-    deadline = asyncio.get_running_loop().time() + 5
-    while sum("permissions violation" in e.lower() for e in errors) < refusals:
-        if asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.01)
-    await sender.close()
-    await watcher.close()
-    return seen, errors
+def test_a_worker_credential_names_its_job_and_worker(credentials: list[Credential]) -> None:
+    assert [c.user for c in by_role(credentials, "worker")] == [
+        f"worker-0@{JOB}",
+        f"worker-1@{JOB}",
+    ]
+    assert worker_identity(f"worker-0@{JOB}") == (JOB, "worker-0")
+    for user in ("worker-0", "strata-workers-j", "a@b@c", "@j", "w@", "w@bad job"):
+        assert worker_identity(user) is None, user
 
 
-async def test_worker_cannot_publish_service_events_or_other_workers_heartbeats(
-    secured: NatsServer, credentials: list[Credential]
+async def test_a_worker_publishes_nothing_but_its_own_telemetry_and_requests(
+    secured: NatsServer, credentials: list[Credential], watcher: nats.NATS
 ) -> None:
-    services = by_role(credentials, "services")[0]
-    worker = next(c for c in credentials if c.user == "worker-0")
+    worker = await as_worker(secured, worker_0(credentials))
     forbidden = [
+        # Nothing on the event stream, not even the checkpoint ack it once published.
+        f"strata.evt.{JOB}.checkpoint.shard_saved",
         f"strata.evt.{JOB}.checkpoint.committed",
         f"strata.evt.{JOB}.worker.failed",
         f"strata.evt.{JOB}.worker.registered",
         f"strata.evt.{JOB}.barrier.released",
         f"strata.evt.{JOB}.shard.plan_changed",
-        f"strata.hb.{JOB}.worker-1",
-        f"strata.ctl.{JOB}.worker-1",
+        # Nothing as another worker or in another job.
+        subjects.heartbeat_subject(JOB, "worker-1"),
+        subjects.heartbeat_subject("other-job", "worker-0"),
+        subjects.metric_subject(JOB, "worker-1", "loss"),
+        subjects.rpc_subject("registry", "register", JOB, "worker-1"),
+        subjects.rpc_subject("registry", "register", "other-job", "worker-0"),
+        # No operator request, no notice, no snapshot, no JetStream.
+        subjects.rpc_subject("registry", "register"),
+        subjects.control_subject(JOB, "worker-1"),
         "$KV.STRATA_SNAPSHOTS.registry",
+        "$JS.API.STREAM.PURGE.STRATA_EVENTS",
     ]
     allowed = [
-        f"strata.hb.{JOB}.worker-0",
-        f"strata.evt.{JOB}.checkpoint.shard_saved",
-        "strata.rpc.registry.register",
+        subjects.heartbeat_subject(JOB, "worker-0"),
+        subjects.rpc_subject("registry", "register", JOB, "worker-0"),
     ]
-    seen, errors = await _published(secured, worker, forbidden + allowed, services, len(forbidden))
-    assert seen == set(allowed)
-    assert any("permissions violation" in e.lower() for e in errors), errors
-
-
-async def test_gateway_cannot_publish_on_strata_subjects(
-    secured: NatsServer, credentials: list[Credential]
-) -> None:
-    services = by_role(credentials, "services")[0]
-    gateway = by_role(credentials, "gateway")[0]
-    subjects = [
-        f"strata.evt.{JOB}.checkpoint.committed",
-        f"strata.hb.{JOB}.worker-0",
-        "strata.rpc.registry.register",
-        f"strata.ctl.{JOB}.worker-0",
-    ]
-    seen, errors = await _published(secured, gateway, subjects, services, len(subjects))
-    assert seen == set()
-    assert sum("permissions violation" in e.lower() for e in errors) >= len(subjects)
-
-
-async def test_a_worker_may_not_listen_to_another_workers_notices(
-    secured: NatsServer, credentials: list[Credential]
-) -> None:
-    worker = next(c for c in credentials if c.user == "worker-0")
-    errors: list[str] = []
-    nc = await _connect(secured.url, worker, errors)
+    marker = subjects.metric_subject(JOB, "worker-0", "marker")
     try:
-        await nc.subscribe(f"strata.ctl.{JOB}.worker-1")
-        await nc.flush()
-        deadline = asyncio.get_running_loop().time() + 5
-        while not errors and asyncio.get_running_loop().time() < deadline:
-            await nc.flush()
-        assert any("permissions violation" in e.lower() for e in errors), errors
+        seen = await natsprobe.reached(watcher, worker, forbidden + allowed, marker)
+        await natsprobe.settled(worker)
     finally:
-        await nc.close()
+        await worker.close()
+    assert seen == set(allowed)
+    assert {s.lower() for s in forbidden} <= worker.refused["publish"], worker.errors
+
+
+async def test_the_gateway_publishes_nothing_on_strata_subjects(
+    secured: NatsServer, credentials: list[Credential], watcher: nats.NATS
+) -> None:
+    cred = by_role(credentials, "gateway")[0]
+    gateway = await natsprobe.connect(secured.url, cred.user, cred.password)
+    sent = [
+        f"strata.evt.{JOB}.checkpoint.committed",
+        subjects.heartbeat_subject(JOB, "worker-0"),
+        subjects.rpc_subject("registry", "register"),
+        subjects.rpc_subject("registry", "register", JOB, "worker-0"),
+        subjects.control_subject(JOB, "worker-0"),
+    ]
+    try:
+        seen = await natsprobe.reached(watcher, gateway, sent, "$JS.FC.marker")
+        await natsprobe.settled(gateway)
+    finally:
+        await gateway.close()
+    assert seen == set()
+    assert {s.lower() for s in sent} <= gateway.refused["publish"]
+
+
+async def test_a_worker_listens_to_its_own_job_notices_and_replies_only(
+    secured: NatsServer, credentials: list[Credential]
+) -> None:
+    worker = await as_worker(secured, worker_0(credentials))
+    refused = [
+        subjects.control_subject(JOB, "worker-1"),
+        subjects.worker_inboxes(JOB, "worker-1"),
+        subjects.event_subject("other-job", "barrier.released"),
+        subjects.world_subject("other-job"),
+        # Membership reaches a worker as world notices; the events are the services' business.
+        subjects.event_subject(JOB, "worker.registered"),
+        subjects.event_subject(JOB, "checkpoint.committed"),
+        subjects.heartbeat_subject(JOB, "worker-1"),
+        "_INBOX.>",
+        "strata.>",
+    ]
+    allowed = [
+        subjects.control_subject(JOB, "worker-0"),
+        subjects.worker_inboxes(JOB, "worker-0"),
+        subjects.world_subject(JOB),
+        subjects.event_subject(JOB, "barrier.released"),
+        subjects.event_subject(JOB, "shard.plan_changed"),
+    ]
+    try:
+        assert await natsprobe.refused_subscriptions(worker, refused + allowed) == set(refused)
+    finally:
+        await worker.close()
 
 
 async def test_wrong_password_is_refused(
     secured: NatsServer, credentials: list[Credential]
 ) -> None:
-    impostor = Credential("worker-0", "not-the-password", "worker")
+    impostor = Credential(worker_0(credentials).user, "not-the-password", "worker")
     with pytest.raises(Exception, match=r"(?i)authorization"):
         await nats.connect(
             secured.url,

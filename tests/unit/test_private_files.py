@@ -47,7 +47,7 @@ def test_a_readable_file_already_there_is_replaced_not_reopened(tmp_path: Path) 
 
 @pytest.mark.usefixtures("open_umask")
 def test_credentials_and_the_api_token_are_private(tmp_path: Path) -> None:
-    credentials = generate_credentials(["worker-0"])
+    credentials = generate_credentials("job", ["worker-0"])
     save_credentials(tmp_path / "credentials.json", credentials)
     assert (tmp_path / "credentials.json").stat().st_mode & 0o777 == 0o600
     assert load_credentials(tmp_path / "credentials.json") == credentials

@@ -109,6 +109,7 @@ def test_requests_rejected_may_come_from_any_service_and_telemetry_from_its_work
     assert refused is not None
     assert refused.code == WRONG_SOURCE
     sample = MetricSampled(job=JOB, source="w0", name="loss", value=1.0)
+    assert subject_for(sample) == subjects.metric_subject(JOB, "w0", "loss")
     assert refusal(subject_for(sample), sample) is None
     other = MetricSampled(job=JOB, source="w0", worker_id="w1", name="loss", value=1.0)
     assert refusal(subject_for(other), other) is not None

@@ -26,6 +26,50 @@ def test_event_subjects_have_five_tokens_and_parse_back(job: str) -> None:
     assert subjects.parse_event_subject(subject) == (job, "barrier.timed_out")
 
 
+@given(job=ids, worker=ids)
+def test_a_request_subject_names_its_caller_and_parses_back(job: str, worker: str) -> None:
+    subject = subjects.rpc_subject("checkpoint", "ack", job, worker)
+    assert subject.count(".") == 5
+    assert subjects.parse_rpc_subject(subject) == ("checkpoint", "ack", job, worker)
+    assert subject.startswith(subjects.service_rpcs("checkpoint").removesuffix(">"))
+
+
+def test_an_operator_request_names_no_caller() -> None:
+    assert subjects.rpc_subject("registry", "members") == "strata.rpc.registry.members"
+    assert subjects.parse_rpc_subject("strata.rpc.registry.members") == (
+        "registry",
+        "members",
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "strata.rpc.registry",
+        "strata.rpc.registry.register.job",
+        "strata.rpc.registry.register.job.w.extra",
+        "strata.rpc.registry.register.job.-bad",
+        "strata.rpc.registry.Register.job.w",
+        "strata.evt.registry.register.job.w",
+    ],
+)
+def test_other_request_subjects_are_refused(subject: str) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - each case has its own message
+        subjects.parse_rpc_subject(subject)
+
+
+def test_a_worker_has_its_own_inbox_prefix_and_subject_patterns() -> None:
+    assert subjects.worker_inbox_prefix("a.b", "w-1") == "_INBOX_strata.a~b.w-1"
+    assert subjects.worker_inboxes("j", "*") == "_INBOX_strata.j.*.>"
+    assert subjects.caller_rpcs("j", "w") == "strata.rpc.*.*.j.w"
+    assert subjects.metric_subject("j", "w", "loss") == "strata.metric.j.w.loss"
+    assert subjects.worker_metrics("j", "*") == "strata.metric.j.*.*"
+    with pytest.raises(ValueError, match="both"):
+        subjects.rpc_subject("registry", "register", "j", None)
+
+
 def test_wildcards_and_names() -> None:
     assert subjects.job_events("a.b") == "strata.evt.a~b.>"
     assert subjects.area_events("*", "worker") == "strata.evt.*.worker.*"

@@ -23,14 +23,16 @@ from strata.bus.publish import (
     publish_events,
     publish_telemetry,
 )
-from strata.bus.rpc import RpcClient, RpcServer
+from strata.bus.rpc import Caller, RpcClient, RpcServer
 from strata.bus.streams import StreamSpec, ensure_stream, ensure_streams, strata_streams
 from strata.config import Settings
+from strata.events import subjects
 from strata.events.models import Event
 
 __all__ = [
     "AckJournal",
     "Bus",
+    "Caller",
     "ConnectOptions",
     "Delivered",
     "DurableConsumer",
@@ -49,11 +51,17 @@ __all__ = [
 class Bus:
     """A NATS connection with JetStream, and Strata's ways of using it."""
 
-    def __init__(self, nc: NATS, *, publish_options: PublishOptions = DEFAULT_PUBLISH) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        publish_options: PublishOptions = DEFAULT_PUBLISH,
+        caller: Caller | None = None,
+    ) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.publish_options = publish_options
-        self.rpc = RpcClient(nc)
+        self.rpc = RpcClient(nc, caller=caller)
 
     @classmethod
     async def connect(
@@ -63,23 +71,30 @@ class Bus:
         settings: Settings | None = None,
         name: str = "strata",
         deadline: float = 30.0,
+        caller: Caller | None = None,
     ) -> Bus:
         """Connect to `servers` (or the settings' `STRATA_NATS_URL`), retrying until `deadline`.
 
-        With the settings' `STRATA_ACK_JOURNAL`, acknowledged event ids go to that file.
+        With a `caller` (a worker), requests are sent as that worker and replies come to its own
+        inbox prefix. With the settings' `STRATA_ACK_JOURNAL`, acknowledged event ids go to that
+        file.
         """
         options = ConnectOptions(
             name=name,
             deadline=deadline,
             user=settings.nats_user if settings else None,
             password=settings.nats_password if settings else None,
+            inbox_prefix=(
+                subjects.worker_inbox_prefix(caller.job, caller.worker) if caller else None
+            ),
         )
         if servers is None:
             servers = settings.nats_servers if settings else "nats://127.0.0.1:4222"
         nc = await connect(servers, options)
         if settings is None or settings.ack_journal is None:
-            return cls(nc)
-        return cls(nc, publish_options=PublishOptions(journal=AckJournal(settings.ack_journal)))
+            return cls(nc, caller=caller)
+        journal = PublishOptions(journal=AckJournal(settings.ack_journal))
+        return cls(nc, publish_options=journal, caller=caller)
 
     async def close(self) -> None:
         try:

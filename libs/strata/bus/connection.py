@@ -18,6 +18,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.client import DEFAULT_INBOX_PREFIX
 from nats.aio.client import Client as NATS
 
 from strata.errors import BusError, ConfigError
@@ -39,6 +40,9 @@ class ConnectOptions:
     reconnect_wait: float = 0.25
     ping_interval: float = 10.0
     max_outstanding_pings: int = 3
+    inbox_prefix: str | None = None
+    """Where replies to this connection's requests come (None: NATS's shared `_INBOX`). A worker's
+    is its own, so its credential may be let read its replies and nobody else's."""
 
 
 T = TypeVar("T")
@@ -161,6 +165,7 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
                     reconnected_cb=on_reconnect,
                     # Publishes made while reconnecting are buffered up to this size, not lost.
                     pending_size=64 * 1024 * 1024,
+                    inbox_prefix=opts.inbox_prefix or DEFAULT_INBOX_PREFIX,
                 ),
                 timeout=max(0.001, deadline - time.monotonic()),
             )

@@ -1,10 +1,15 @@
 """Request/reply over NATS with typed requests, typed results and an answer for every request.
 
-`RpcServer` subscribes once per service to `strata.rpc.<service>.*` in the service's queue group (so
-replicas share the load) and dispatches by verb. Bytes that don't decode, requests that don't
-validate, unknown verbs and handlers that raise all get `{ok: false, error: {code, message}}`; the
-server never goes silent and never dies on a message. `RpcClient` turns error replies back into the
-matching `StrataError` subclass.
+`RpcServer` subscribes once per service to `strata.rpc.<service>.>` in the service's queue group
+(so replicas share the load) and dispatches by verb. The caller is the job and worker the subject
+ends with (`strata.rpc.<service>.<verb>.<job>.<worker>`), which NATS permissions tie to the
+caller's credential: a request whose body names another job, or for a verb a worker sends about
+itself another worker, is refused with `forbidden` before any handler runs, so a worker speaks
+only for itself. A subject without a caller is an operator's (the services' credential, or an
+unsecured NATS). Bytes that don't decode, requests that don't validate, unknown verbs and
+handlers that raise all get `{ok: false, error: {code, message}}`; the server never goes silent
+and never dies on a message. `RpcClient` sends as the caller it is bound to and turns error
+replies back into the matching `StrataError` subclass.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from strata.bus.connection import backoff_delays
 from strata.errors import (
     BusError,
     CodecError,
+    Forbidden,
     InvalidRequest,
     RpcTimeout,
     ServiceUnavailable,
@@ -38,7 +44,8 @@ from strata.errors import (
 )
 from strata.events import subjects
 from strata.events.codec import pack, unpack, validation_error
-from strata.events.rpc import STATUS_INTERVAL_S, PingRequest, PingResult
+from strata.events.rpc import STATUS_INTERVAL_S, PingRequest, PingResult, RpcEndpoint, Scope
+from strata.logs import Throttle
 from strata.metrics import MESSAGES_REJECTED, RPC_LATENCY, RPC_REQUESTS
 
 log = structlog.get_logger("strata.rpc")
@@ -49,9 +56,18 @@ HandlerResult = pydantic.BaseModel | dict[str, Any] | list[Any] | None
 
 
 @dataclass(frozen=True)
+class Caller:
+    """Who sends a request: a worker of a job. The SDK's client is bound to its worker's."""
+
+    job: str
+    worker: str
+
+
+@dataclass(frozen=True)
 class _Route(Generic[Req]):
     request: type[Req]
     handler: Callable[[Req], Awaitable[HandlerResult]]
+    scope: Scope
 
 
 def _ok(result: HandlerResult) -> bytes:
@@ -81,13 +97,35 @@ class RpcServer:
         # Metric children looked up once: a labels() call per request costs more than the handler.
         self._latency = RPC_LATENCY.labels(service)
         self._counted: dict[tuple[str, str], Any] = {}
-        self.route("ping", PingRequest, self._ping)
+        # One warning per verb and caller every few seconds: forged requests come at their
+        # sender's pace, log lines must not.
+        self._forbidden_log = Throttle()
+        self.route("ping", PingRequest, self._ping, scope="open")
 
     def route(
-        self, verb: str, request: type[Req], handler: Callable[[Req], Awaitable[HandlerResult]]
+        self,
+        verb: str,
+        request: type[Req],
+        handler: Callable[[Req], Awaitable[HandlerResult]],
+        *,
+        scope: Scope,
     ) -> None:
+        """Answer `verb` with `handler`; `scope` says whom its requests may speak for."""
         subjects.rpc_subject(self.service, verb)  # validates the verb
-        self._routes[verb] = _Route(request, handler)
+        fields = request.model_fields
+        if scope != "open" and "job" not in fields:
+            raise TypeError(f"{request.__name__} has no job: {verb} cannot be scoped to one")
+        if scope == "worker" and "worker_id" not in fields:
+            raise TypeError(f"{request.__name__} has no worker_id: {verb} cannot be per worker")
+        self._routes[verb] = _Route(request, handler, scope)
+
+    def serve(
+        self, endpoint: RpcEndpoint, handler: Callable[[Any], Awaitable[HandlerResult]]
+    ) -> None:
+        """Answer a catalogued endpoint of this service, with the scope the catalogue gives it."""
+        if endpoint.service != self.service:
+            raise ValueError(f"{endpoint.service}.{endpoint.verb} is not a verb of {self.service}")
+        self.route(endpoint.verb, endpoint.request, handler, scope=endpoint.scope)
 
     async def _ping(self, _: PingRequest) -> PingResult:
         return self.status()
@@ -159,8 +197,14 @@ class RpcServer:
 
     async def _serve(self, msg: Msg) -> None:
         started = time.perf_counter()
-        verb = msg.subject.rsplit(".", 1)[-1]
-        reply, outcome = await self._reply_for(msg, verb)
+        try:
+            address = subjects.parse_rpc_subject(msg.subject)
+        except ValueError as exc:
+            verb = "?"
+            reply, outcome = _error(InvalidRequest.code, str(exc)), InvalidRequest.code
+        else:
+            verb = address.verb
+            reply, outcome = await self._reply_for(msg, address)
         key = (verb if verb in self._routes else "?", outcome)
         counter = self._counted.get(key)
         if counter is None:
@@ -185,7 +229,8 @@ class RpcServer:
             log.warning("rpc_reply_failed", service=self.service, verb=verb, error=str(exc))
         self._latency.observe(time.perf_counter() - started)
 
-    async def _reply_for(self, msg: Msg, verb: str) -> tuple[bytes, str]:
+    async def _reply_for(self, msg: Msg, address: subjects.RpcAddress) -> tuple[bytes, str]:
+        verb = address.verb
         route = self._routes.get(verb)
         if route is None:
             known = ", ".join(sorted(self._routes))
@@ -199,6 +244,11 @@ class RpcServer:
             invalid = validation_error(exc, f"{self.service}.{verb} request")
             return _error(InvalidRequest.code, invalid.message), InvalidRequest.code
         try:
+            request = self._as_caller(route, request, address)
+        except Forbidden as exc:
+            self._warn_forbidden(address, exc)
+            return _error(exc.code, exc.message), exc.code
+        try:
             return _ok(await route.handler(request)), "ok"
         except StrataError as exc:
             return _error(exc.code, exc.message), exc.code
@@ -210,13 +260,58 @@ class RpcServer:
             )
             return _error("internal", message), "internal"
 
+    def _as_caller(self, route: _Route[Req], request: Req, address: subjects.RpcAddress) -> Req:
+        """The request as its caller may send it, or `Forbidden` when it speaks for another job or
+        worker. An operator's request (no caller on the subject) may speak for anyone."""
+        if route.scope == "open" or address.job is None or address.worker is None:
+            return request
+        job = getattr(request, "job", None)
+        if job != address.job:
+            raise Forbidden(
+                f"{self.service}.{address.verb} for job {job!r} was sent by worker "
+                f"{address.worker!r} of job {address.job!r}: a worker acts in its own job only "
+                "(its NATS credential decides which job that is)"
+            )
+        if route.scope != "worker":
+            return request
+        worker = getattr(request, "worker_id", None)
+        if worker is None:
+            return request.model_copy(update={"worker_id": address.worker})
+        if worker != address.worker:
+            raise Forbidden(
+                f"{self.service}.{address.verb} for worker {worker!r} was sent by worker "
+                f"{address.worker!r} of job {address.job!r}: a worker speaks only for itself "
+                "(its NATS credential decides who it is)"
+            )
+        return request
+
+    def _warn_forbidden(self, address: subjects.RpcAddress, exc: Forbidden) -> None:
+        held_back = self._forbidden_log((address.verb, address.job, address.worker))
+        if held_back is None:
+            return
+        log.warning(
+            "rpc_forbidden",
+            service=self.service,
+            verb=address.verb,
+            caller_job=address.job,
+            caller_worker=address.worker,
+            error=exc.message,
+            held_back=held_back,
+        )
+
 
 class RpcClient:
-    """Typed calls to `strata.rpc.<service>.<verb>`."""
+    """Typed calls to `strata.rpc.<service>.<verb>`, sent as `caller` when it is bound to one
+    (the SDK binds it to its worker), else as an operator."""
 
-    def __init__(self, nc: NATS, *, timeout: float = 5.0) -> None:
+    def __init__(self, nc: NATS, *, timeout: float = 5.0, caller: Caller | None = None) -> None:
         self._nc = nc
         self._timeout = timeout
+        self.caller = caller
+
+    def bound(self, caller: Caller) -> RpcClient:
+        """A client on the same connection that sends as `caller`."""
+        return RpcClient(self._nc, timeout=self._timeout, caller=caller)
 
     @overload
     async def call(
@@ -260,7 +355,12 @@ class RpcClient:
         With `retry_for`, a call that finds no responder (a service restarting) is retried with
         backoff for that long; an `idempotent` call is also retried after a timeout.
         """
-        subject = subjects.rpc_subject(service, verb)
+        caller = self.caller
+        subject = (
+            subjects.rpc_subject(service, verb)
+            if caller is None
+            else subjects.rpc_subject(service, verb, caller.job, caller.worker)
+        )
         if isinstance(request, pydantic.BaseModel):
             payload = pack(request.__pydantic_serializer__.to_python(request))
         else:

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--worker-credentials", type=int, default=16, help="worker users made by --secure (16)"
     )
+    up.add_argument(
+        "--job",
+        default=None,
+        help="the job --secure makes worker users for, worker-N@JOB ($STRATA_JOB, default)",
+    )
 
     demo = verbs.add_parser(
         "demo", help="run a real PyTorch training job on a local stack, killing a worker midway"

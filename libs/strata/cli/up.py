@@ -5,7 +5,9 @@ available service as its own process (as in Kubernetes, so one can be killed alo
 any that dies. On Ctrl-C or SIGTERM it stops the services, then NATS; no child outlives it, even
 if `strata up` itself is SIGKILLed (children carry a parent-death signal). Every port it opens,
 the children's probe ports included, binds `--host` only; with `--secure` the gateway asks for an
-API token, kept beside the NATS credentials in files only their owner can read.
+API token, kept beside the NATS credentials in files only their owner can read. The worker
+credentials `--secure` makes belong to one job (`--job`): each is `worker-N@<job>`, and a worker
+that connects with one is that worker of that job and can act for no other.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from strata.security import (
     api_token,
     authorization_config,
     by_role,
-    generate_credentials,
     load_credentials,
     save_credentials,
+    service_credentials,
+    worker_credentials,
 )
 
 log = structlog.get_logger("strata.up")
@@ -123,14 +126,23 @@ async def _provision(url: str, settings: Settings) -> None:
         await bus.ensure_streams(settings.stream_replicas)
 
 
-def _credentials(data_dir: Path, workers: int) -> list[Credential]:
-    """Reuse the credentials of an earlier `strata up --secure`, or make them."""
+def _credentials(data_dir: Path, workers: int, job: str) -> list[Credential]:
+    """Reuse the credentials of an earlier `strata up --secure`, adding worker credentials for
+    `job` if it has none yet (so one data directory can serve several jobs), or make them."""
     path = data_dir / CREDENTIALS_FILE
-    if path.exists():
-        return load_credentials(path)
-    made = generate_credentials([f"worker-{i}" for i in range(workers)])
-    save_credentials(path, made)
-    return made
+    found = load_credentials(path) if path.exists() else []
+    # A worker user that names no job (made before credentials were bound to one) cannot be
+    # confined to a job: it is dropped, and the job's workers get new ones.
+    kept = [c for c in found if c.role != "worker" or c.identity is not None]
+    if len(kept) != len(found):
+        log.warning("worker_credentials_replaced", dropped=len(found) - len(kept), job=job)
+    if not by_role(kept, "services") or not by_role(kept, "gateway"):
+        kept = service_credentials() + [c for c in kept if c.role == "worker"]
+    if not any(c.identity is not None and c.identity[0] == job for c in kept):
+        kept += worker_credentials(job, [f"worker-{i}" for i in range(workers)])
+    if kept != found:
+        save_credentials(path, kept)
+    return kept
 
 
 class LocalStack:
@@ -146,6 +158,7 @@ class LocalStack:
         host: str = "127.0.0.1",
         secure: bool = False,
         worker_credentials: int = 16,
+        job: str = "default",
         env: dict[str, str] | None = None,
     ) -> None:
         self.data_dir = data_dir.resolve()
@@ -153,10 +166,11 @@ class LocalStack:
         self.http_port = http_port or procutil.free_port()
         self.host = host
         self.secure = secure
+        self.job = job
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         _check_port_free(host, nats_port, "NATS", "--nats-port")
         _check_port_free(host, self.http_port, "HTTP", "--http-port")
-        self.credentials = _credentials(self.data_dir, worker_credentials) if secure else []
+        self.credentials = _credentials(self.data_dir, worker_credentials, job) if secure else []
         self.api_token = api_token(self.data_dir / API_TOKEN_FILE) if secure else None
         self.nats = NatsServer(
             store_dir=self.data_dir / "nats",
@@ -232,7 +246,9 @@ def install_stop_signals() -> threading.Event:
 
 
 def up(args: argparse.Namespace) -> int:
-    settings = load_settings(data_dir=args.data_dir, http_port=args.http_port)
+    settings = load_settings(
+        data_dir=args.data_dir, http_port=args.http_port, job=getattr(args, "job", None)
+    )
     configure_logging(settings.log_format, settings.log_level)
     stack = LocalStack(
         settings.data_dir,
@@ -241,6 +257,7 @@ def up(args: argparse.Namespace) -> int:
         host=args.host,
         secure=bool(getattr(args, "secure", False)),
         worker_credentials=int(getattr(args, "worker_credentials", 16)),
+        job=settings.job,
     )
     stop = install_stop_signals()
     try:
@@ -311,8 +328,8 @@ def _print_summary(stack: LocalStack) -> None:
     if stack.secure:
         table.add_row(
             "credentials",
-            f"{stack.data_dir / CREDENTIALS_FILE} "
-            "(workers: STRATA_NATS_USER=worker-N, their worker id)",
+            f"{stack.data_dir / CREDENTIALS_FILE} (workers of job {stack.job}: "
+            f"STRATA_NATS_USER=worker-N@{stack.job}, their worker id and job)",
         )
     if stack.api_token is not None:
         # Shown here, once per start, and nowhere else: the logs never carry it.

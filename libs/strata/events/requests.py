@@ -122,10 +122,19 @@ class MembersResult(StrictModel):
 
 
 REGISTER = endpoint(
-    "registry", "register", RegisterRequest, Registration, "Join a job; get rank and world size."
+    "registry",
+    "register",
+    RegisterRequest,
+    Registration,
+    "Join a job; get rank and world size.",
+    scope="worker",
 )
-LEAVE = endpoint("registry", "leave", LeaveRequest, LeaveResult, "Leave a job gracefully.")
-MEMBERS = endpoint("registry", "members", MembersRequest, MembersResult, "The membership of a job.")
+LEAVE = endpoint(
+    "registry", "leave", LeaveRequest, LeaveResult, "Leave a job gracefully.", scope="worker"
+)
+MEMBERS = endpoint(
+    "registry", "members", MembersRequest, MembersResult, "The membership of a job.", scope="job"
+)
 
 
 class WorkerNotice(StrictModel):
@@ -274,9 +283,17 @@ REGISTER_DATASET = endpoint(
     RegisterDatasetRequest,
     DatasetInfo,
     "Register a dataset's sharding (idempotent for the same parameters).",
+    scope="job",
 )
+# `job`, not `worker`: the SDK's `get_shard_for_worker(dataset, worker_id)` reads any member's
+# shards of its job, and what it records (the epoch's plan) is the job's, not a worker's.
 GET_SHARDS = endpoint(
-    "sharding", "get_shards", GetShardsRequest, ShardAssignment, "A worker's shards of an epoch."
+    "sharding",
+    "get_shards",
+    GetShardsRequest,
+    ShardAssignment,
+    "A worker's shards of an epoch.",
+    scope="job",
 )
 REPORT_PROGRESS = endpoint(
     "sharding",
@@ -284,14 +301,18 @@ REPORT_PROGRESS = endpoint(
     ReportProgressRequest,
     ProgressResult,
     "Record shards (or parts of shards) a worker has consumed.",
+    scope="worker",
 )
-PLAN = endpoint("sharding", "plan", PlanRequest, PlanSummary, "Loads of an epoch's plan.")
+PLAN = endpoint(
+    "sharding", "plan", PlanRequest, PlanSummary, "Loads of an epoch's plan.", scope="job"
+)
 RESTORE_PROGRESS = endpoint(
     "sharding",
     "restore_progress",
     RestoreProgressRequest,
     ProgressResult,
     "Reset an epoch's progress to a committed checkpoint's cursors (idempotent).",
+    scope="worker",
 )
 
 
@@ -339,6 +360,7 @@ ARRIVE = endpoint(
     ArriveRequest,
     BarrierOutcome,
     "Arrive at a barrier (idempotent); the answer says whether it is released already.",
+    scope="worker",
 )
 
 
@@ -499,6 +521,7 @@ BEGIN_CHECKPOINT = endpoint(
     BeginCheckpointRequest,
     CheckpointInfo,
     "Declare a rank's shard of a step before writing it; the first opens the step for its world.",
+    scope="worker",
 )
 ACK_SHARD = endpoint(
     "checkpoint",
@@ -506,6 +529,7 @@ ACK_SHARD = endpoint(
     AckShardRequest,
     AckShardResult,
     "A rank's shard is stored: the service records checkpoint.shard_saved (idempotent).",
+    scope="worker",
 )
 CHECKPOINT_STATUS = endpoint(
     "checkpoint",
@@ -513,4 +537,5 @@ CHECKPOINT_STATUS = endpoint(
     CheckpointQuery,
     CheckpointAnswer,
     "A checkpoint's state, or the latest committed one with its manifest.",
+    scope="job",
 )

@@ -7,9 +7,10 @@ from strata.events.models import Event, MetricSampled, WorkerHeartbeat
 
 
 def subject_for(event: Event) -> str:
-    """Heartbeats and samples go to the telemetry subjects, everything else to the event stream."""
+    """Heartbeats and samples go to the telemetry subjects (a sample under the worker it is of, or
+    else its source), everything else to the event stream."""
     if isinstance(event, WorkerHeartbeat):
         return subjects.heartbeat_subject(event.job, event.worker_id)
     if isinstance(event, MetricSampled):
-        return subjects.metric_subject(event.job, event.name)
+        return subjects.metric_subject(event.job, event.worker_id or event.source, event.name)
     return subjects.event_subject(event.job, event.type)

@@ -1,8 +1,9 @@
 """Request/reply contracts: the reply envelope and the catalogue of every RPC endpoint.
 
-Requests go to `strata.rpc.<service>.<verb>` as msgpack maps; every request gets a reply,
-`{ok: true, result: ...}` or `{ok: false, error: {code, message}}`. Services add their endpoints to
-`RPC_ENDPOINTS` (through `endpoint`) so the AsyncAPI document lists every subject.
+Requests go to `strata.rpc.<service>.<verb>.<job>.<worker>` (the caller) as msgpack maps; every
+request gets a reply, `{ok: true, result: ...}` or `{ok: false, error: {code, message}}`. Services
+add their endpoints to `RPC_ENDPOINTS` (through `endpoint`) so the AsyncAPI document lists every
+subject, with whom each verb's requests may speak for (its `scope`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ RPC_SERVICES: Final = ("registry", "sharding", "barrier", "checkpoint")
 """The services that answer requests (and announce their status); the gateway only reads."""
 
 ErrorCode = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z_]{0,63}$")]
+
+Scope = Literal["open", "job", "worker"]
+"""Whom a verb's requests may speak for. `open`: anyone (ping). `job`: the caller's own job only
+(reads such as members, plan, status). `worker`: the calling worker only (register, leave,
+arrive, begin, ack, progress): a body's `worker_id` must be the caller's, or is filled in with it
+when left out."""
 
 
 class ErrorBody(StrictModel):
@@ -58,19 +65,28 @@ class RpcEndpoint:
     request: type[StrictModel]
     result: type[StrictModel]
     summary: str
+    scope: Scope
 
 
 RPC_ENDPOINTS: list[RpcEndpoint] = [
-    RpcEndpoint(service, "ping", PingRequest, PingResult, f"Liveness of the {service} service.")
+    RpcEndpoint(
+        service, "ping", PingRequest, PingResult, f"Liveness of the {service} service.", "open"
+    )
     for service in RPC_SERVICES
 ]
 
 
 def endpoint(
-    service: str, verb: str, request: type[StrictModel], result: type[StrictModel], summary: str
+    service: str,
+    verb: str,
+    request: type[StrictModel],
+    result: type[StrictModel],
+    summary: str,
+    *,
+    scope: Scope,
 ) -> RpcEndpoint:
     """Declare an RPC endpoint (once, at import of the service's contract module)."""
-    declared = RpcEndpoint(service, verb, request, result, summary)
+    declared = RpcEndpoint(service, verb, request, result, summary, scope)
     if all((e.service, e.verb) != (service, verb) for e in RPC_ENDPOINTS):
         RPC_ENDPOINTS.append(declared)
     return declared

@@ -64,8 +64,12 @@ def _event_channel(model: type[Event]) -> tuple[str, dict[str, Any]]:
         address = f"{subjects.HEARTBEATS}.{{job}}.{{worker}}"
         params = {"job": {"description": "Job id ('.' written as '~')."}, "worker": {}}
     elif event_type == "metric.sampled":
-        address = f"{subjects.METRICS}.{{job}}.{{metric}}"
-        params = {"job": {"description": "Job id ('.' written as '~')."}, "metric": {}}
+        address = f"{subjects.METRICS}.{{job}}.{{worker}}.{{metric}}"
+        params = {
+            "job": {"description": "Job id ('.' written as '~')."},
+            "worker": {"description": "The worker sampled (else the source)."},
+            "metric": {},
+        }
     else:
         address = f"{subjects.EVENTS}.{{job}}.{area}.{name}"
         params = {"job": {"description": "Job id ('.' written as '~')."}}
@@ -83,10 +87,26 @@ def _event_channel(model: type[Event]) -> tuple[str, dict[str, Any]]:
 def _rpc_channel(endpoint: RpcEndpoint) -> tuple[str, dict[str, Any]]:
     channel_id = f"rpc_{endpoint.service}_{endpoint.verb}"
     group = subjects.rpc_queue_group(endpoint.service)
+    who = {
+        "open": "Anyone may ask.",
+        "job": "A worker may ask about its own job only (else `forbidden`).",
+        "worker": "A worker may ask for itself only: the body's job and worker_id must be the "
+        "subject's (else `forbidden`; a worker_id left out is the subject's).",
+    }[endpoint.scope]
     return channel_id, {
-        "address": subjects.rpc_subject(endpoint.service, endpoint.verb),
+        "address": f"{subjects.rpc_subject(endpoint.service, endpoint.verb)}.{{job}}.{{worker}}",
         "title": f"{endpoint.service}.{endpoint.verb}",
-        "description": f"{endpoint.summary} Queue group {group}.",
+        "description": (
+            f"{endpoint.summary} Queue group {group}. The subject ends with the caller, which "
+            f"NATS permissions tie to its credential; {who} Without the caller, "
+            f"{subjects.rpc_subject(endpoint.service, endpoint.verb)} is an operator's request "
+            "(the services' credential, or an unsecured NATS)."
+        ),
+        "parameters": {
+            "job": {"description": "The caller's job ('.' written as '~')."},
+            "worker": {"description": "The calling worker ('.' written as '~')."},
+        },
+        "x-strata-scope": endpoint.scope,
         "messages": {
             "request": {"$ref": f"#/components/messages/{channel_id}_request"},
             "reply": {"$ref": f"#/components/messages/{channel_id}_reply"},

@@ -1,16 +1,24 @@
 """Every NATS subject, stream and queue-group name Strata uses is built here and nowhere else.
 
 Layout: events on `strata.evt.<job>.<area>.<event>` (stream STRATA_EVENTS), heartbeats on
-`strata.hb.<job>.<worker>` and samples on `strata.metric.<job>.<name>` (stream STRATA_TELEMETRY),
-requests on `strata.rpc.<service>.<verb>`. Ids may contain `.`, which separates subject tokens, so
-ids are encoded into tokens with `.` -> `~` (ids never contain `~`, so the mapping is reversible).
+`strata.hb.<job>.<worker>` and samples on `strata.metric.<job>.<worker>.<name>` (stream
+STRATA_TELEMETRY), requests on `strata.rpc.<service>.<verb>.<job>.<worker>`: the last two tokens
+are the caller, and NATS permissions tie a worker's credential to its own, so the subject a request
+arrives on says who sent it. (`strata.rpc.<service>.<verb>` without them is an operator's request,
+which only the services' credential, or anyone on an unsecured NATS, may send.) A worker's replies
+come to its own inbox prefix, `_INBOX_strata.<job>.<worker>`, so no other worker may read them.
+Ids may contain `.`, which separates subject tokens, so ids are encoded into tokens with `.` -> `~`
+(ids never contain `~`, so the mapping is reversible). Where a function says a part may be `*`, it
+also builds the wildcard pattern that NATS permissions are written in.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Final
+from typing import Final, NamedTuple
+
+from strata.events.models import ID_PATTERN
 
 EVENTS_STREAM: Final = "STRATA_EVENTS"
 TELEMETRY_STREAM: Final = "STRATA_TELEMETRY"
@@ -24,14 +32,16 @@ RPC: Final = f"{ROOT}.rpc"
 CONTROL: Final = f"{ROOT}.ctl"
 WORLD: Final = f"{ROOT}.world"
 STATUS: Final = f"{ROOT}.status"
+WORKER_INBOXES: Final = f"_INBOX_{ROOT}"
 
 EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
 _EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_ID = re.compile(ID_PATTERN)
 
 
 def token(identifier: str) -> str:
-    """The subject token for a validated id (job, worker, dataset...)."""
+    """The subject token for a validated id (job, worker, dataset...); `*` stays a wildcard."""
     return identifier.replace(".", "~")
 
 
@@ -88,6 +98,7 @@ def parse_event_subject(subject: str) -> tuple[str, str]:
 
 
 def heartbeat_subject(job: str, worker_id: str) -> str:
+    """Where one worker heartbeats; `worker_id` may be `*`."""
     return f"{HEARTBEATS}.{token(job)}.{token(worker_id)}"
 
 
@@ -109,8 +120,14 @@ def parse_heartbeat_subject(subject: str) -> tuple[str, str]:
     return untoken(parts[2]), untoken(parts[3])
 
 
-def metric_subject(job: str, name: str) -> str:
-    return f"{METRICS}.{token(job)}.{_check_name('metric', name)}"
+def metric_subject(job: str, worker_id: str, name: str) -> str:
+    """One figure sampled by one worker (or a service: then `worker_id` is its name)."""
+    return f"{METRICS}.{token(job)}.{token(worker_id)}.{_check_name('metric', name)}"
+
+
+def worker_metrics(job: str, worker_id: str) -> str:
+    """Every figure one worker samples; `worker_id` may be `*`."""
+    return f"{METRICS}.{token(job)}.{token(worker_id)}.*"
 
 
 def all_metrics() -> str:
@@ -118,7 +135,7 @@ def all_metrics() -> str:
 
 
 def control_subject(job: str, worker_id: str) -> str:
-    """Notices from the services to one worker (core NATS, not stored)."""
+    """Notices from the services to one worker (core NATS, not stored); `worker_id` may be `*`."""
     return f"{CONTROL}.{token(job)}.{token(worker_id)}"
 
 
@@ -127,17 +144,68 @@ def world_subject(job: str) -> str:
     return f"{WORLD}.{token(job)}"
 
 
+def worker_inbox_prefix(job: str, worker_id: str) -> str:
+    """The inbox prefix of one worker's connection: its replies come to subjects under it."""
+    return f"{WORKER_INBOXES}.{token(job)}.{token(worker_id)}"
+
+
+def worker_inboxes(job: str, worker_id: str) -> str:
+    """Every subject under one worker's inbox prefix; `worker_id` may be `*`."""
+    return f"{worker_inbox_prefix(job, worker_id)}.>"
+
+
 # -- requests -------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1024)
-def rpc_subject(service: str, verb: str) -> str:
-    return f"{RPC}.{_check_name('service', service)}.{_check_name('verb', verb)}"
+class RpcAddress(NamedTuple):
+    """What a request subject says: the service and verb asked, and who asks (job and worker,
+    both None for an operator's request)."""
+
+    service: str
+    verb: str
+    job: str | None
+    worker: str | None
+
+
+@functools.lru_cache(maxsize=4096)
+def rpc_subject(service: str, verb: str, job: str | None = None, worker: str | None = None) -> str:
+    """`strata.rpc.<service>.<verb>.<job>.<worker>` for a request of one worker; without a job and
+    worker, the operator's `strata.rpc.<service>.<verb>`."""
+    base = f"{RPC}.{_check_name('service', service)}.{_check_name('verb', verb)}"
+    if job is None and worker is None:
+        return base
+    if job is None or worker is None:
+        raise ValueError("a request names both its job and its worker, or neither")
+    return f"{base}.{token(job)}.{token(worker)}"
+
+
+def caller_rpcs(job: str, worker_id: str) -> str:
+    """Every request one worker may send: any service and verb, as itself; `worker_id` may be
+    `*` (any worker of the job)."""
+    return f"{RPC}.*.*.{token(job)}.{token(worker_id)}"
 
 
 def service_rpcs(service: str) -> str:
-    """Every request subject of one service."""
-    return f"{RPC}.{_check_name('service', service)}.*"
+    """Every request subject of one service, whoever sends it."""
+    return f"{RPC}.{_check_name('service', service)}.>"
+
+
+@functools.lru_cache(maxsize=16384)
+def parse_rpc_subject(subject: str) -> RpcAddress:
+    """The service, verb and caller of a request subject; ValueError for anything else."""
+    parts = subject.split(".")
+    if len(parts) not in (4, 6) or f"{parts[0]}.{parts[1]}" != RPC:
+        raise ValueError(
+            f"{subject[:200]!r} is not a request subject ({RPC}.<service>.<verb>.<job>.<worker>)"
+        )
+    service, verb = _check_name("service", parts[2]), _check_name("verb", parts[3])
+    if len(parts) == 4:
+        return RpcAddress(service, verb, None, None)
+    job, worker = untoken(parts[4]), untoken(parts[5])
+    for kind, identifier in (("job", job), ("worker", worker)):
+        if not _ID.match(identifier) or "\n" in identifier:
+            raise ValueError(f"the {kind} of request subject {subject[:200]!r} is not a valid id")
+    return RpcAddress(service, verb, job, worker)
 
 
 def status_subject(service: str) -> str:

@@ -106,8 +106,8 @@ single server; for an external NATS the operator says.
 {{- end }}
 
 {{/*
-NATS user names. A worker user is shared by the workers of one job and starts with "strata-", so
-the SDK does not take it for a worker id (per-worker user names are worker ids).
+NATS user names. A workers user is shared by the workers of one job; its name has no "@", so the
+SDK does not take it for one worker's (per-worker user names are <worker>@<job>).
 */}}
 {{- define "strata.nats.workerUser" -}}
 {{- printf "strata-workers-%s" . }}
@@ -235,8 +235,11 @@ failureThreshold: 3
 {{- end }}
 
 {{/*
-The NATS users, as JSON: user name, role, job (workers only), the key of its password in the auth
-Secret and the environment variable the NATS server reads it from.
+The NATS users, as JSON: user name, role, job (workers only), worker (per-worker users only), the
+key of its password in the auth Secret and the environment variable the NATS server reads it from.
+A "workers" user is shared by every worker of its job; a "worker" user (nats.auth.workerUsers)
+is one worker's, named <worker>@<job> as `strata up --secure` names them, so the SDK takes its
+job and worker id from it.
 */}}
 {{- define "strata.nats.users" -}}
 {{- $users := list
@@ -249,6 +252,15 @@ Secret and the environment variable the NATS server reads it from.
   "job" $job
   "key" (printf "workers-%s-password" $job)
   "env" (printf "STRATA_WORKERS_%d_PASSWORD" $index)) }}
+{{- end }}
+{{- range $index, $each := .Values.nats.auth.workerUsers }}
+{{- $users = append $users (dict
+  "user" (printf "%s@%s" $each.worker $each.job)
+  "role" "worker"
+  "job" $each.job
+  "worker" $each.worker
+  "key" (printf "worker-%s-%s-password" $each.job $each.worker)
+  "env" (printf "STRATA_WORKER_%d_PASSWORD" $index)) }}
 {{- end }}
 {{- toJson $users }}
 {{- end }}
