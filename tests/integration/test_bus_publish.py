@@ -12,11 +12,18 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from uuid import uuid4
 
+import nats.js.errors
 import pytest
 import strata
-from nats.js.api import StorageType
-from strata.bus import Bus, ConnectOptions, EventFeed, PublishOptions, connect
+from nats.js.api import DiscardPolicy, StorageType
+from strata.bus import Bus, ConnectOptions, EventFeed, PublishOptions, connect, ensure_stream
 from strata.bus.server import NatsServer
+from strata.bus.streams import (
+    TELEMETRY_MAX_BYTES,
+    TELEMETRY_MAX_MSG_SIZE,
+    TELEMETRY_MAX_MSGS_PER_SUBJECT,
+    strata_streams,
+)
 from strata.config import Env, load_settings
 from strata.events import WorkerStateChanged, subject_for, subjects
 from strata.procutil import free_port
@@ -111,6 +118,46 @@ async def test_provisioning_twice_changes_nothing(own_bus: Bus) -> None:
     assert after[EVENTS].subjects == ["strata.evt.>"]
     assert sorted(after[TELEMETRY].subjects or []) == ["strata.hb.>", "strata.metric.>"]
     assert after[EVENTS].duplicate_window == pytest.approx(120.0)
+    # What workers write to is bounded every way they could grow it, and drops its oldest.
+    telemetry = after[TELEMETRY]
+    assert telemetry.discard == DiscardPolicy.OLD
+    assert telemetry.max_bytes == TELEMETRY_MAX_BYTES
+    assert telemetry.max_msgs_per_subject == TELEMETRY_MAX_MSGS_PER_SUBJECT
+    assert telemetry.max_msg_size == TELEMETRY_MAX_MSG_SIZE
+    assert telemetry.max_age == pytest.approx(6 * 3600)
+    assert (after[EVENTS].max_bytes, after[EVENTS].max_msgs_per_subject) == (-1, -1)
+
+
+async def test_a_full_telemetry_stream_drops_old_messages_and_events_are_still_stored(
+    own_bus: Bus,
+) -> None:
+    small = 64 * 1024
+    for spec in strata_streams(telemetry_max_bytes=small):
+        await ensure_stream(own_bus.js, spec)
+    job = new_job()
+    subject = subjects.heartbeat_subject(job, "w-0")
+    flood = 2_000  # about 1 MB, sixteen times the bound, sent as workers send: no ack awaited
+    for _ in range(flood):
+        await own_bus.nc.publish(subject, b"x" * 512)
+    await own_bus.nc.flush()
+
+    async def took_all() -> bool:
+        return (await own_bus.js.stream_info(TELEMETRY)).state.last_seq >= flood
+
+    deadline = time.monotonic() + 10
+    while not await took_all():
+        assert time.monotonic() < deadline, "the telemetry stream never took the flood"
+        await asyncio.sleep(0.01)
+    state = (await own_bus.js.stream_info(TELEMETRY)).state
+    assert state.bytes <= small
+    assert 0 < state.messages < flood
+    with pytest.raises(nats.js.errors.APIError):
+        await own_bus.js.publish(subject, b"x" * (TELEMETRY_MAX_MSG_SIZE + 1))
+    # The services' decisions go to the other stream, which the flood left its room.
+    decision = state_changed(job)
+    ack = await own_bus.publish(decision)
+    assert ack.stream == EVENTS
+    assert await read_job(own_bus, job) == {ack.seq: decision.id}
 
 
 async def test_drifted_stream_is_brought_back(own_bus: Bus) -> None:

@@ -2,6 +2,12 @@
 
 Running it twice changes nothing; running it against a stream whose settings drifted updates what
 JetStream allows to be updated and refuses, with a clear error, what it does not (storage type).
+
+Workers write only to STRATA_TELEMETRY (their heartbeats and samples), and it is bounded every
+way a sender could grow it: by age, by total bytes, by messages per subject (one subject per
+worker), and by message size, discarding the oldest when full. Its byte bound is reserved from
+JetStream's store when the stream is created, so however fast workers send, STRATA_EVENTS, where
+the services record their decisions and nothing else is written, keeps the rest of the store.
 """
 
 from __future__ import annotations
@@ -17,8 +23,14 @@ from strata.errors import ConfigError
 from strata.events import subjects
 
 DUPLICATE_WINDOW_S = 120.0
-TELEMETRY_MAX_AGE_S = 6 * 3600.0
 MAX_MSG_SIZE = 8 * 1024 * 1024
+TELEMETRY_MAX_AGE_S = 6 * 3600.0
+TELEMETRY_MAX_BYTES = 1024**3
+"""1 GiB, reserved from the JetStream store: well below the chart's 8 GB file store."""
+TELEMETRY_MAX_MSGS_PER_SUBJECT = 50_000
+"""Per worker's heartbeat subject (and per sampled figure): 6 hours at 2.3 beats a second."""
+TELEMETRY_MAX_MSG_SIZE = 64 * 1024
+"""A heartbeat is a few hundred bytes, a sample with every label at its longest some 10 KiB."""
 
 Outcome = Literal["created", "updated", "unchanged"]
 
@@ -32,6 +44,8 @@ class StreamSpec:
     max_age: float = 0.0
     duplicate_window: float = DUPLICATE_WINDOW_S
     max_msg_size: int = MAX_MSG_SIZE
+    max_bytes: int = -1
+    max_msgs_per_subject: int = -1
     description: str = ""
 
     def config(self) -> StreamConfig:
@@ -46,11 +60,15 @@ class StreamSpec:
             max_age=self.max_age,
             duplicate_window=self.duplicate_window,
             max_msg_size=self.max_msg_size,
+            max_bytes=self.max_bytes,
+            max_msgs_per_subject=self.max_msgs_per_subject,
         )
 
 
 def strata_streams(
-    replicas: int = 1, telemetry_max_age: float = TELEMETRY_MAX_AGE_S
+    replicas: int = 1,
+    telemetry_max_age: float = TELEMETRY_MAX_AGE_S,
+    telemetry_max_bytes: int = TELEMETRY_MAX_BYTES,
 ) -> list[StreamSpec]:
     """The streams every Strata deployment has."""
     return [
@@ -65,13 +83,26 @@ def strata_streams(
             subjects=(subjects.all_heartbeats(), subjects.all_metrics()),
             replicas=replicas,
             max_age=telemetry_max_age,
-            description="Worker heartbeats and metric samples, kept for a limited age.",
+            max_bytes=telemetry_max_bytes,
+            max_msgs_per_subject=TELEMETRY_MAX_MSGS_PER_SUBJECT,
+            max_msg_size=TELEMETRY_MAX_MSG_SIZE,
+            description="Worker heartbeats and metric samples, kept for a limited age and size.",
         ),
     ]
 
 
 def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
-    fields = ("subjects", "num_replicas", "max_age", "duplicate_window", "max_msg_size", "storage")
+    fields = (
+        "subjects",
+        "num_replicas",
+        "max_age",
+        "duplicate_window",
+        "max_msg_size",
+        "max_bytes",
+        "max_msgs_per_subject",
+        "discard",
+        "storage",
+    )
     changed = []
     for name in fields:
         have, want = getattr(current, name), getattr(wanted, name)
@@ -79,6 +110,9 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
             have, want = sorted(have or []), sorted(want or [])
         elif name in ("max_age", "duplicate_window"):
             have, want = round(float(have or 0), 3), round(float(want or 0), 3)
+        elif name in ("max_bytes", "max_msgs_per_subject"):
+            # The server reports "no limit" as -1; an unset field reads back as None.
+            have, want = have if have is not None else -1, want if want is not None else -1
         if have != want:
             changed.append(name)
     return changed
