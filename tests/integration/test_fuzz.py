@@ -1,11 +1,15 @@
-"""10,000+ malformed or random messages to every RPC and event subject of running services.
+"""10,000+ malformed or random messages to every RPC and event subject of running services, and
+well-formed forgeries from a worker of another job.
 
 Payloads come from hypothesis: random bytes, random msgpack values, valid requests and events with
 one field changed (to another valid value, a random one or one of a near type, dropped, or joined by
 an unknown field), and now and then a bulky one (a list or map of up to a million bad items).
 Every request must be answered at once with `ok` or an error code, no service (the gateway, which
 reads the streams, included) may stop or stall, and every rejection must show in the consumers'
-`strata_messages_rejected_total`, exactly.
+`strata_messages_rejected_total`, exactly. A forgery (a valid event of the wrong type, job, source
+or worker, on every subject a worker credential may publish and on the event stream an unsecured
+NATS leaves open, and a request about another job or worker) must be refused with its code,
+counted, and change nothing any service says about the job it was aimed at.
 """
 
 from __future__ import annotations
@@ -26,22 +30,42 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
-from strata.bus import RpcClient
+from strata.bus import Caller, RpcClient
 from strata.bus.server import NatsServer
 from strata.config import Env
-from strata.errors import StrataError
-from strata.events import EVENT_TYPES, decode_event, subject_for, subjects, unpack
+from strata.errors import Forbidden, StrataError
+from strata.events import (
+    EVENT_TYPES,
+    TELEMETRY_TYPES,
+    CheckpointShardSaved,
+    WorkerHeartbeat,
+    decode_event,
+    encode_event,
+    subject_for,
+    subjects,
+    unpack,
+)
+from strata.events.provenance import AREA_OWNERS
 from strata.events.requests import (
+    AckShardRequest,
     ArriveRequest,
     BarrierOutcome,
+    BeginCheckpointRequest,
     CheckpointAnswer,
+    CheckpointInfo,
     CheckpointQuery,
     DatasetInfo,
+    GetShardsRequest,
+    MembersRequest,
+    PlanRequest,
     RegisterDatasetRequest,
     RegisterRequest,
     Registration,
+    ReportProgressRequest,
+    ShardAssignment,
 )
 from strata.events.rpc import RPC_ENDPOINTS, RPC_SERVICES, ErrorReply, PingRequest, PingResult
+from strata.storage import open_storage, shard_key
 
 from tests.strategies import from_json_schema, simplest
 from tests.support import POLL, ServiceProcess, new_job
@@ -482,3 +506,231 @@ def test_random_and_malformed_messages_are_refused_counted_and_never_stall_a_ser
         f"pings after the flood: {', '.join(f'{n} {s * 1000:.0f} ms' for n, s in ping_s.items())}; "
         f"replies {dict(tally.replies)}"
     )
+
+
+# -- well-formed forgeries from a worker of another job -------------------------------------------
+
+VICTIM = "fuzz-victim"
+VICTIMS = ("v-0", "v-1")
+INTRUDER = Caller("fuzz-intruder", "mallory")
+DATASET = "d"
+FORGED_CODES = frozenset(
+    {"forbidden", "wrong_source", "wrong_subject", "not_a_heartbeat", "subject_mismatch"}
+)
+
+
+def _forged(model: type[BaseModel], job: str, worker: str, source: str) -> BaseModel:
+    """A valid instance of `model` about `worker` of `job`, claiming `source`."""
+    message = simplest(model).model_dump(mode="python")
+    pinned = {"job": job, "worker_id": worker, "source": source}
+    message.update({name: value for name, value in pinned.items() if name in model.model_fields})
+    return model.model_validate(message)
+
+
+def _owner(event_type: str) -> str:
+    """The source that may emit `event_type` about the victim's first worker."""
+    if event_type in TELEMETRY_TYPES:
+        return VICTIMS[0]
+    return AREA_OWNERS[event_type.split(".")[0]][0]
+
+
+async def _set_up_victim(url: str, root: Path) -> None:
+    """Two workers of the victim's job, a dataset planned and begun, a barrier passed and a
+    checkpoint committed: state that forgeries could change."""
+    nc = await nats.connect(url)
+    try:
+        clients = [RpcClient(nc, timeout=PROMPT, caller=Caller(VICTIM, w)) for w in VICTIMS]
+        for worker, client in zip(VICTIMS, clients, strict=True):
+            await client.call(
+                "registry", "register", RegisterRequest(job=VICTIM, instance=f"i-{worker}")
+            )
+        await clients[0].call(
+            "sharding",
+            "register_dataset",
+            RegisterDatasetRequest(job=VICTIM, dataset_id=DATASET, total_samples=40, shard_size=4),
+        )
+        for worker, client in zip(VICTIMS, clients, strict=True):
+            shards = await client.call(
+                "sharding",
+                "get_shards",
+                GetShardsRequest(job=VICTIM, dataset_id=DATASET, worker_id=worker, epoch=0),
+                result=ShardAssignment,
+            )
+            done = [shards.shards[0].shard_id]
+            await client.call(
+                "sharding",
+                "report_progress",
+                ReportProgressRequest(
+                    job=VICTIM, dataset_id=DATASET, epoch=0, worker_id=worker, completed=done
+                ),
+            )
+        arrivals = [
+            client.call(
+                "barrier", "arrive", ArriveRequest(job=VICTIM, name="b", worker_id=w, arrival=0)
+            )
+            for w, client in zip(VICTIMS, clients, strict=True)
+        ]
+        await asyncio.gather(*arrivals)
+        storage = open_storage(root.as_uri())
+        for rank, (worker, client) in enumerate(zip(VICTIMS, clients, strict=True)):
+            info = await client.call(
+                "checkpoint",
+                "begin",
+                BeginCheckpointRequest(
+                    job=VICTIM,
+                    worker_id=worker,
+                    step=1,
+                    epoch=0,
+                    root_uri=storage.root_uri,
+                    world_size=len(VICTIMS),
+                    instance=f"i-{worker}",
+                ),
+                result=CheckpointInfo,
+            )
+            written = await storage.write(shard_key(VICTIM, 1, rank, info.attempt), b"shard")
+            await client.call(
+                "checkpoint",
+                "ack",
+                AckShardRequest(
+                    job=VICTIM,
+                    worker_id=worker,
+                    step=1,
+                    epoch=0,
+                    rank=rank,
+                    bytes=written.bytes,
+                    checksum=written.checksum,
+                    instance=f"i-{worker}",
+                ),
+            )
+        operator = RpcClient(nc, timeout=PROMPT)
+        deadline = time.monotonic() + SETTLE
+        while True:
+            answer = await operator.call(
+                "checkpoint", "status", CheckpointQuery(job=VICTIM), result=CheckpointAnswer
+            )
+            if answer.found:
+                break
+            assert time.monotonic() < deadline, "the victim's checkpoint never committed"
+            await asyncio.sleep(POLL)
+        await storage.close()
+    finally:
+        await nc.close()
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+async def _victim_state(url: str, root: Path) -> dict[str, Any]:
+    """What every service says about the victim's job (as an operator asks), and its files."""
+    nc = await nats.connect(url)
+    operator = RpcClient(nc, timeout=PROMPT)
+    try:
+        return {
+            "members": await operator.call(
+                "registry", "members", MembersRequest(job=VICTIM, include_gone=True)
+            ),
+            "plan": await operator.call(
+                "sharding", "plan", PlanRequest(job=VICTIM, dataset_id=DATASET, epoch=0)
+            ),
+            "checkpoint": await operator.call("checkpoint", "status", CheckpointQuery(job=VICTIM)),
+            "files": await asyncio.to_thread(_files, root),
+        }
+    finally:
+        await nc.close()
+
+
+async def _forge(url: str, root: Path) -> Counter[tuple[str, str]]:
+    """Every well-formed forgery, sent from the intruder's own subjects (as its credential
+    allows) and, as an unsecured NATS allows anyone, on the event stream; what each consumer
+    must count."""
+    expected: Counter[tuple[str, str]] = Counter()
+    nc = await nats.connect(url)
+    intruder = RpcClient(nc, timeout=PROMPT, caller=INTRUDER)
+    try:
+        # Requests about the victim's job, and for another worker of its own: refused.
+        for endpoint in RPC_ENDPOINTS:
+            if endpoint.service not in SERVICES or endpoint.scope == "open":
+                continue
+            bodies = [_forged(endpoint.request, VICTIM, VICTIMS[0], "-")]
+            if endpoint.scope == "worker":
+                bodies.append(_forged(endpoint.request, INTRUDER.job, VICTIMS[0], "-"))
+            for body in bodies:
+                with pytest.raises(Forbidden):
+                    await intruder.call(endpoint.service, endpoint.verb, body)
+                expected[(f"rpc.{endpoint.service}", "forbidden")] += 1
+        own_beat = subjects.heartbeat_subject(INTRUDER.job, INTRUDER.worker)
+        own_sample = subjects.metric_subject(INTRUDER.job, INTRUDER.worker, "x")
+        for event_type, model in EVENT_TYPES.items():
+            owned = _forged(model, VICTIM, VICTIMS[0], _owner(event_type))
+            data = encode_event(owned)  # type: ignore[arg-type]
+            # On its own telemetry subjects: stored, and left unfolded.
+            await nc.publish(own_beat, data)
+            await nc.publish(own_sample, data)
+            code = "subject_mismatch" if event_type == "worker.heartbeat" else "not_a_heartbeat"
+            expected[(HEARTBEAT_CONSUMER, code)] += 1
+            expected[(GATEWAY, "not_a_heartbeat")] += 1
+            if event_type in TELEMETRY_TYPES:
+                continue
+            # On the event stream: as itself on the event's own subject, as the owner on its
+            # own job's subject or on the subject workers once published acks on.
+            stray = owned.model_copy(update={"source": INTRUDER.worker})
+            wrong_subjects = [subjects.event_subject(INTRUDER.job, event_type)]
+            if event_type != "checkpoint.shard_saved":
+                wrong_subjects.append(subjects.event_subject(VICTIM, "checkpoint.shard_saved"))
+            await nc.publish(subject_for(stray), encode_event(stray))  # type: ignore[arg-type]
+            for subject in wrong_subjects:
+                await nc.publish(subject, data)
+            for consumer in (*SERVICES, GATEWAY):
+                expected[(consumer, "wrong_source")] += 1
+                expected[(consumer, "wrong_subject")] += len(wrong_subjects)
+        # Its own heartbeat, claiming another source.
+        beat = _forged(WorkerHeartbeat, INTRUDER.job, INTRUDER.worker, VICTIMS[0])
+        await nc.publish(own_beat, encode_event(beat))  # type: ignore[arg-type]
+        expected[(HEARTBEAT_CONSUMER, "wrong_source")] += 1
+        expected[(GATEWAY, "not_a_heartbeat")] += 1
+        # The ack that once made the checkpoint service delete the file it named.
+        precious = shard_key(VICTIM, 1, 0)
+        ack = CheckpointShardSaved(
+            job=VICTIM,
+            source=INTRUDER.worker,
+            step=999,
+            epoch=0,
+            rank=0,
+            worker_id=INTRUDER.worker,
+            uri=(root / precious).as_uri(),
+            key=precious,
+            bytes=5,
+            checksum="xxh128:" + "0" * 32,
+        )
+        await nc.publish(subject_for(ack), encode_event(ack))
+        for consumer in (*SERVICES, GATEWAY):
+            expected[(consumer, "wrong_source")] += 1
+        await nc.flush()
+    finally:
+        await nc.close()
+    return expected
+
+
+def test_well_formed_forgeries_are_refused_counted_and_change_nothing(stack: Stack) -> None:
+    root = stack.checkpoints / "victim-root"
+    root.mkdir(parents=True)
+    asyncio.run(_set_up_victim(stack.url, root))
+    state_before = asyncio.run(_victim_state(stack.url, root))
+    assert state_before["checkpoint"]["found"]
+    before = stack.rejected()
+    expected = asyncio.run(_forge(stack.url, root))
+
+    deadline = time.monotonic() + SETTLE
+    while True:
+        counts = stack.rejected() - before
+        forged = Counter({key: n for key, n in counts.items() if key[1] in FORGED_CODES})
+        if all(forged[key] >= n for key, n in expected.items()):
+            break
+        if time.monotonic() >= deadline:
+            pytest.fail(f"after {SETTLE}s, forgeries counted {forged}, sent {expected}")
+        time.sleep(POLL)
+    assert forged == expected
+    assert not [key for key in counts if key not in expected], counts
+    stack.alive()
+    assert asyncio.run(_victim_state(stack.url, root)) == state_before
