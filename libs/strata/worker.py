@@ -29,6 +29,7 @@ from strata.config import Env, Settings
 from strata.errors import StrataError, ValidationError
 from strata.events import LiveState
 from strata.events.requests import MembersResult, Registration
+from strata.security import worker_identity
 
 __all__ = ["Worker", "default_worker"]
 
@@ -296,12 +297,15 @@ _implicit_lock = threading.Lock()
 def _launcher_identity() -> tuple[int | None, str | None]:
     """Under torchrun (or any launcher that sets RANK and WORLD_SIZE), when STRATA_RANK is not
     set: torch's rank as the rank, and `rank-N` as the worker id, so a process the launcher
-    restarts supersedes its dead predecessor instead of waiting for its heartbeat timeout."""
+    restarts supersedes its dead predecessor instead of waiting for its heartbeat timeout. With
+    a worker credential (`STRATA_NATS_USER=<worker>@<job>`) the credential names the worker."""
     if os.environ.get(Env.RANK) or not os.environ.get("WORLD_SIZE"):
         return None, None
     raw = os.environ.get("RANK", "")
     if not raw.isdigit():
         return None, None
+    if worker_identity(os.environ.get(Env.NATS_USER)) is not None:
+        return int(raw), None
     return int(raw), f"rank-{int(raw)}"
 
 

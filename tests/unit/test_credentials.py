@@ -1,0 +1,63 @@
+"""A worker credential names its job and worker: what the SDK takes from it, and what NATS lets it
+do (the permissions `strata up --secure` writes; `tests/integration/test_security.py` runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import strata.aio
+from strata import worker as sync_worker
+from strata.config import Env, load_settings
+from strata.errors import ConfigError
+from strata.events import subjects
+from strata.security import permissions, worker_identity, worker_permissions, worker_user
+
+
+def test_a_worker_user_names_its_worker_and_job() -> None:
+    assert worker_user("resnet.a", "rank-3") == "rank-3@resnet.a"
+    assert worker_identity("rank-3@resnet.a") == ("resnet.a", "rank-3")
+    for user in (None, "", "worker-0", "strata-workers-j", "a@b@c", "@j", "w@", "w@bad job"):
+        assert worker_identity(user) is None, user
+
+
+def test_a_worker_may_publish_and_hear_only_as_itself_in_its_job() -> None:
+    mine = permissions("worker", "w-1@job")
+    assert mine.publish_allow == (
+        subjects.heartbeat_subject("job", "w-1"),
+        subjects.worker_metrics("job", "w-1"),
+        subjects.caller_rpcs("job", "w-1"),
+    )
+    assert not any(p.startswith(subjects.EVENTS) for p in mine.publish_allow)
+    assert subjects.worker_inboxes("job", "w-1") in mine.subscribe_allow
+    assert "_INBOX.>" not in mine.subscribe_allow
+    shared = worker_permissions("job", "*")
+    assert subjects.caller_rpcs("job", "*") in shared.publish_allow
+    with pytest.raises(ConfigError, match="names no job and worker"):
+        permissions("worker", "worker-0")
+
+
+def test_the_sdk_takes_its_job_and_id_from_its_credential(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = load_settings(nats_user="w-7@llm", nats_password="x")
+    worker = strata.aio.Worker(settings=settings)
+    assert (worker.job, worker.id) == ("llm", "w-7")
+    assert strata.aio.Worker("llm", worker_id="w-7", settings=settings).id == "w-7"
+    with pytest.raises(ConfigError, match="is for worker 'w-7' of job 'llm'"):
+        strata.aio.Worker("other", settings=settings)
+    with pytest.raises(ConfigError, match="worker id 'w-8' was asked for"):
+        strata.aio.Worker(worker_id="w-8", settings=settings)
+    # STRATA_JOB set to another job contradicts it too; left at its default, it does not.
+    with pytest.raises(ConfigError, match="job 'elsewhere' was asked for"):
+        strata.aio.Worker(settings=load_settings(nats_user="w-7@llm", job="elsewhere"))
+
+
+def test_under_torchrun_the_credential_names_the_implicit_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(Env.RANK, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv(Env.NATS_USER, raising=False)
+    assert sync_worker._launcher_identity() == (3, "rank-3")
+    monkeypatch.setenv(Env.NATS_USER, "w-7@llm")
+    assert sync_worker._launcher_identity() == (3, None)
