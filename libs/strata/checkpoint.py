@@ -193,6 +193,9 @@ class AsyncCheckpointManager:
         """Step -> the rank this manager declared a shard of (each step is saved once)."""
         self.saved: list[AckShardResult] = []
         """The service's answers to this worker's acks, in order (what it has made durable)."""
+        self.refused: list[StrataError] = []
+        """Acks the service refused because their step had ended without them (or another
+        process held the rank): written shards that do not count."""
 
     @property
     def storage(self) -> StorageBackend:
@@ -364,15 +367,26 @@ class AsyncCheckpointManager:
         )
         # The same ack again is the same answer (and one recorded event): retried through a
         # checkpoint service restart for as long as a save may take.
-        answer = await worker.bus.rpc.call(
-            SERVICE,
-            "ack",
-            ack,
-            result=AckShardResult,
-            timeout=10.0,
-            retry_for=self.timeout,
-            idempotent=True,
-        )
+        try:
+            answer = await worker.bus.rpc.call(
+                SERVICE,
+                "ack",
+                ack,
+                result=AckShardResult,
+                timeout=10.0,
+                retry_for=self.timeout,
+                idempotent=True,
+            )
+        except (ConflictError, NotFound) as exc:
+            # The step ended without this shard (a participant failed, the deadline passed) or
+            # another process holds the rank now. The shard is written, and does not count: that
+            # is the step's outcome, which `wait_committed()` and `latest()` tell, not a failure
+            # of this save to raise from the next call.
+            self.refused.append(exc)
+            log.warning(
+                "checkpoint_ack_refused", step=step, rank=rank, code=exc.code, reason=exc.message
+            )
+            return
         self.saved.append(answer)
         seconds = time.perf_counter() - started
         log.info(

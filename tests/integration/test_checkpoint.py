@@ -402,6 +402,28 @@ async def test_the_commit_happens_after_a_checkpoint_service_restart(
     assert await managers[3].load() == payload(3, 5)
 
 
+async def test_a_shard_whose_step_ended_before_its_ack_does_not_count_nor_fail_the_save(
+    workers: list[strata.aio.Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    managers = [strata.aio.CheckpointManager(w, str(root)) for w in workers]
+    gated = GatedStorage(managers[0].storage)
+    managers[0]._storage = gated
+    await managers[0].save(payload(0, 3), step=3)  # declared; its write waits on the gate
+    await workers[3].stop()  # a participant leaves before saving: the step aborts
+    assert "'rank3' (rank 3) left the job" in await aborted_reason(managers[1], 3)
+    gated.gate.set()
+    # The shard is written and its ack refused: the step's outcome, not a failed save.
+    await managers[0].wait()
+    assert managers[0].saved == []
+    (refused,) = managers[0].refused
+    assert isinstance(refused, strata.ConflictError)
+    assert "aborted" in refused.message
+    with pytest.raises(strata.ConflictError, match="aborted"):
+        await managers[0].wait_committed(3, timeout=5)
+    await managers[0].save(payload(0, 4), step=4)  # the next save goes on as usual
+
+
 async def test_save_state_snapshots_at_the_call_and_reuses_its_buffers(
     workers: list[strata.aio.Worker], tmp_path: Path
 ) -> None:
