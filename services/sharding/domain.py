@@ -269,7 +269,17 @@ def _plan_event(
         version = current.plan.version + 1
         _, moved = replan(current.plan, members)
     return ShardPlanChanged(
-        id=event_id("plan", job.job, dataset_id, epoch, version, job.restored.get(dataset_id)),
+        # The restore count too: versions of far-off epochs are forgotten, and a plan made again
+        # after another restore must not carry the id of one the stream already holds.
+        id=event_id(
+            "plan",
+            job.job,
+            dataset_id,
+            epoch,
+            version,
+            job.restored.get(dataset_id),
+            job.restores.get(dataset_id, 0),
+        ),
         job=job.job,
         source=SOURCE,
         ts=int(now * 1e9),

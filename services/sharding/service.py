@@ -13,6 +13,7 @@ import numpy as np
 import structlog
 from strata.bus import Bus, RpcServer
 from strata.config import Settings
+from strata.errors import ConflictError
 from strata.events import WorkerFailed, WorkerLeft, WorkerRegistered
 from strata.events.models import Event
 from strata.events.requests import (
@@ -126,7 +127,14 @@ class Sharding(Projection[ShardingState]):
         await self.sync()
         async with self.lock:
             await self._decided(domain.restore_progress(self.state, request, self.clock()))
-            plan = self.state.job(request.job).plans[(request.dataset_id, request.epoch)].plan
+            epoch_plan = self.state.job(request.job).plans.get((request.dataset_id, request.epoch))
+            if epoch_plan is None:  # no live member to plan the epoch over
+                raise ConflictError(
+                    f"epoch {request.epoch} of {request.dataset_id!r} was restored but has no "
+                    "plan: no live worker of the job to read it; register workers, then ask "
+                    "for shards"
+                )
+            plan = epoch_plan.plan
             return ProgressResult(
                 job=request.job,
                 dataset_id=request.dataset_id,

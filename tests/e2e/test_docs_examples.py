@@ -245,8 +245,9 @@ def test_barriers_demo_releases_four_processes_together(stack: str, workdir: Pat
     line = re.compile(
         r"rank (\d): step (\d) released as generation (\d+) after waiting (\d+\.\d{3})s"
     )
-    releases = [line.fullmatch(text) for text in done.stdout.splitlines()]
-    assert all(releases), done.stdout
+    # Four processes print to one pipe: a line may reach it run together with another's.
+    releases = list(line.finditer(done.stdout))
+    assert len(releases) == 20, done.stdout
     seen = Counter((int(m[1]), int(m[2])) for m in releases if m)
     assert seen == Counter({(rank, step): 1 for rank in range(4) for step in range(5)})
     # Each rank's n-th call at "step" is released as generation n, the same one everywhere.
