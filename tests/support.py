@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from uuid import uuid4
 
@@ -128,6 +128,30 @@ class ServiceProcess:
     def stop(self) -> None:
         if self.proc is not None:
             procutil.terminate(self.proc, timeout=10)
+
+
+SERVICES: tuple[str, ...] = ("registry", "sharding", "checkpoint", "barrier")
+"""Every stateful service: what a training job needs running."""
+
+
+@contextlib.contextmanager
+def running_services(
+    nats_url: str,
+    log_dir: Path,
+    names: tuple[str, ...] = SERVICES,
+    env: dict[str, str] | None = None,
+) -> Iterator[list[ServiceProcess]]:
+    """The services started together (launched at once, then each waited for), stopped after."""
+    services = [ServiceProcess(name, nats_url, log_dir, env=env) for name in names]
+    for service in services:
+        service.launch()
+    try:
+        for service in services:
+            service.wait_ready()
+        yield services
+    finally:
+        for service in services:
+            service.stop()
 
 
 def numbered(count: int) -> list[str]:

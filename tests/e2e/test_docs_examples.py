@@ -45,11 +45,17 @@ from strata.services.gateway.app import API_TOKEN_ENV
 
 from tests.docs import DOCUMENTS, ROOT, Block, blocks, commands, example, write_example
 from tests.e2e.test_torchrun import RESULT
-from tests.support import ServiceProcess, job_events, new_job, wait_until
+from tests.support import (
+    SERVICES,
+    ServiceProcess,
+    job_events,
+    new_job,
+    running_services,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
-SERVICES = ("registry", "sharding", "checkpoint", "barrier")
 BIN = Path(sys.executable).parent  # the `strata` and `torchrun` of this environment
 TIMELINE = re.compile(r"^\S+Z\s+(\d+)\s+([a-z_]+\.[a-z_]+)\s", re.M)
 
@@ -193,18 +199,8 @@ def timeline(output: str) -> list[tuple[int, str]]:
 def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
     """The four services on a server of the test's own; its NATS URL."""
     env = {Env.DATA_DIR: str(tmp_path / "data")}
-    services = [
-        ServiceProcess(name, own_nats_server.url, tmp_path / "logs", env=env) for name in SERVICES
-    ]
-    for service in services:
-        service.launch()
-    try:
-        for service in services:
-            service.wait_ready()
+    with running_services(own_nats_server.url, tmp_path / "logs", env=env):
         yield own_nats_server.url
-    finally:
-        for service in services:
-            service.stop()
 
 
 @pytest.fixture

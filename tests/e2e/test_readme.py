@@ -13,25 +13,14 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import write_example
-from tests.support import ServiceProcess, new_job
-
-SERVICES = ("registry", "sharding", "checkpoint", "barrier")
+from tests.support import new_job, running_services
 
 
 @pytest.fixture
 def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
     """A stack of the test's own: the examples name their job ("resnet") as a user would."""
-    nats_url = own_nats_server.url
-    services = [ServiceProcess(name, nats_url, tmp_path / "logs") for name in SERVICES]
-    for service in services:
-        service.launch()
-    try:
-        for service in services:
-            service.wait_ready()
-        yield nats_url
-    finally:
-        for service in services:
-            service.stop()
+    with running_services(own_nats_server.url, tmp_path / "logs"):
+        yield own_nats_server.url
 
 
 def run(example: str, nats_url: str, directory: Path) -> str:

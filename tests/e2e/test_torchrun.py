@@ -20,11 +20,10 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import write_example
-from tests.support import ServiceProcess, new_job, wait_until
+from tests.support import new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
-SERVICES = ("registry", "sharding", "checkpoint", "barrier")
 EPOCHS = 2
 # Not anchored to lines: the ranks' last lines can reach torchrun's output run together.
 RESULT = re.compile(r"rank (\d+): every sample (\d+) times: (True|False), weights (\[[^\]]*\])")
@@ -32,16 +31,8 @@ RESULT = re.compile(r"rank (\d+): every sample (\d+) times: (True|False), weight
 
 @pytest.fixture
 def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
-    services = [ServiceProcess(name, own_nats_server.url, tmp_path / "logs") for name in SERVICES]
-    for service in services:
-        service.launch()
-    try:
-        for service in services:
-            service.wait_ready()
+    with running_services(own_nats_server.url, tmp_path / "logs"):
         yield own_nats_server.url
-    finally:
-        for service in services:
-            service.stop()
 
 
 def children(pid: int) -> list[int]:

@@ -17,24 +17,14 @@ from pathlib import Path
 import pytest
 from strata.config import Env
 
-from tests.support import ServiceProcess, new_job
-
-SERVICES = ("registry", "sharding", "checkpoint")
+from tests.support import new_job, running_services
 
 
 @pytest.fixture(scope="module")
 def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_dir = tmp_path_factory.mktemp("sdk-library-logs")
-    services = [ServiceProcess(name, nats_url, log_dir) for name in SERVICES]
-    for service in services:
-        service.launch()
-    try:
-        for service in services:
-            service.wait_ready()
+    with running_services(nats_url, log_dir, ("registry", "sharding", "checkpoint")):
         yield nats_url
-    finally:
-        for service in services:
-            service.stop()
 
 
 def run_script(
