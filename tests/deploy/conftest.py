@@ -16,20 +16,6 @@ from tests.deploy.chart import REPO, Render, Rendered, helm_template
 
 
 @pytest.fixture(scope="session")
-def helm() -> Path:
-    done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "helm.sh")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"scripts/helm.sh failed:\n{done.stderr}")
-    return Path(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="session")
 def render(helm: Path) -> Render:
     """Render the chart with `--set` settings; the same settings are rendered once a session."""
     cache: dict[tuple[str, ...], Rendered] = {}

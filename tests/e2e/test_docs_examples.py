@@ -638,20 +638,6 @@ def test_operations_replay_and_export(history: History, workdir: Path) -> None:
 # -- docs/deployment.md: the chart ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def helm() -> Path:
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "helm.sh")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"scripts/helm.sh failed:\n{done.stderr}")
-    return Path(done.stdout.strip().splitlines()[-1])
-
-
 class Objects(list[dict[str, Any]]):
     """What `helm template` rendered."""
 
