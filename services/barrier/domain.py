@@ -13,7 +13,7 @@ restart. No I/O; the clock is passed in (ns).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
@@ -145,6 +145,22 @@ class BarrierState:
 
 
 # -- evolve ---------------------------------------------------------------------------------------
+
+
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    BarrierOpened,
+    BarrierArrived,
+    BarrierReleased,
+    BarrierBrokenEvent,
+    BarrierTimedOut,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (BarrierArrived,)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
 
 
 def evolve(state: BarrierState, event: Event) -> BarrierState:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
@@ -148,6 +149,23 @@ def _participants(mapping: dict[str, int]) -> list[Participant]:
 
 
 # -- evolve ---------------------------------------------------------------------------------------
+
+
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    CheckpointStarted,
+    CheckpointShardStarted,
+    CheckpointShardSaved,
+    CheckpointCommitted,
+    CheckpointAborted,
+    CheckpointPruned,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (CheckpointShardSaved,)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
 
 
 def evolve(state: CheckpointState, event: Event) -> CheckpointState:

@@ -50,18 +50,8 @@ from strata.errors import (
 from strata.events import EVENT_TYPES, ID_PATTERN, WorkerState, subjects
 from strata.events.codec import unpack
 from strata.events.rpc import RPC_SERVICES, STATUS_INTERVAL_S, PingResult
-from strata.replay import (
-    JobState,
-    LiveRates,
-    ReplayLimits,
-    dumps,
-    fold_history,
-    job_history,
-    render_dashboard,
-    stream_records,
-    summarize,
-)
-from strata.services.gateway.api import Dashboard, EventPage, JobList, WorkerPage
+from strata.history import ReplayLimits, dumps, job_history, stream_records, summarize
+from strata.services.gateway.api import Dashboard, EventPage, JobList, WorkerPage, WorkerView
 from strata.services.gateway.assets import (
     BUILD_HINT,
     docs_assets_dir,
@@ -69,6 +59,7 @@ from strata.services.gateway.assets import (
     missing_dashboard_message,
 )
 from strata.services.gateway.live import LiveModel
+from strata.services.readmodel import JobState, LiveRates, fold_history, render_dashboard
 
 DASHBOARD_DIST: Final = find_dashboard()
 """The built dashboard this process serves at "/" (None: none is built)."""
@@ -318,7 +309,7 @@ def create_app(
         ] = None,
     ) -> Response:
         """A page of a job's workers in rank order, optionally of some statuses only."""
-        rows: list[dict[str, Any]] = live().static_dashboard(job_state(job))["workers"]
+        rows: list[WorkerView] = live().static_dashboard(job_state(job))["workers"]
         if status:
             wanted = {s.strip() for s in status.split(",") if s.strip()}
             unknown = wanted - WORKER_STATUSES

@@ -143,6 +143,18 @@ class RegistryState:
 # -- evolve ---------------------------------------------------------------------------------------
 
 
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    WorkerStateChanged,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (WorkerRegistered, WorkerLeft)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
+
+
 def evolve(state: RegistryState, event: Event) -> RegistryState:
     """Fold one event into the state; events this projection does not use are ignored."""
     if isinstance(event, WorkerRegistered):

@@ -132,6 +132,21 @@ def _spec(event: DatasetRegistered | RegisterDatasetRequest) -> DatasetSpec:
 # -- evolve ---------------------------------------------------------------------------------------
 
 
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    DatasetRegistered,
+    ShardPlanChanged,
+    ShardProgressRestored,
+    ShardProgress,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (DatasetRegistered, ShardProgress)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
+
+
 def evolve(state: ShardingState, event: Event) -> ShardingState:
     if isinstance(event, WorkerRegistered):
         job = state.job(event.job)

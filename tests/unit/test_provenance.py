@@ -20,7 +20,7 @@ from strata.events import (
 )
 from strata.events.provenance import AREA_OWNERS, WRONG_SOURCE, WRONG_SUBJECT, refusal
 from strata.events.rpc import RPC_SERVICES
-from strata.replay import JobState
+from strata.services.readmodel import JobState
 
 JOB = "victim"
 
