@@ -22,6 +22,7 @@ from typing import Any, Final, NamedTuple
 
 from strata.errors import DeadlineExceeded, TooLarge
 from strata.events import (
+    EVENT_MODELS,
     AnyEvent,
     BarrierArrived,
     BarrierReleased,
@@ -67,13 +68,17 @@ def event_type(model: type[Event]) -> str:
     return str(model.model_fields["type"].default)
 
 
+ROUTES: Final[dict[str, tuple[str, ...]]] = {
+    event_type(model): tuple(name for name, domain in DOMAINS.items() if model in domain.FOLDS)
+    for model in EVENT_MODELS
+}
+"""Which domains each event type of the catalogue goes to, from the domains' declarations."""
+
+
 def routes_for(event_type_name: str) -> tuple[str, ...]:
-    """The domains whose `evolve` an event of this type goes through: those declaring it."""
-    return tuple(
-        name
-        for name, domain in DOMAINS.items()
-        if any(event_type(model) == event_type_name for model in domain.FOLDS)
-    )
+    """The domains whose `evolve` an event of this type goes through: those declaring it (none
+    for a type no domain folds, such as `metric.sampled`)."""
+    return ROUTES.get(event_type_name, ())
 
 
 REQUEST_TYPES: Final = frozenset(
@@ -119,13 +124,15 @@ class JobState:
         self.sharding = sharding_domain.ShardingState()
         self.barriers = barrier_domain.BarrierState()
         self.checkpoints = checkpoint_domain.CheckpointState()
-        self._evolvers: dict[str, tuple[Evolve, Any]] = {
-            "registry": (registry_domain.evolve, self.registry),
-            "sharding": (sharding_domain.evolve, self.sharding),
-            "barrier": (barrier_domain.evolve, self.barriers),
-            "checkpoint": (checkpoint_domain.evolve, self.checkpoints),
+        states = {
+            "registry": self.registry,
+            "sharding": self.sharding,
+            "barrier": self.barriers,
+            "checkpoint": self.checkpoints,
         }
-        assert set(self._evolvers) == set(DOMAINS)
+        self._evolvers: dict[str, tuple[Evolve, Any]] = {
+            name: (domain.evolve, states[name]) for name, domain in DOMAINS.items()
+        }
         self._routes: dict[str, list[tuple[Evolve, Any]]] = {}
         self.seq = 0
         """Stream sequence (STRATA_EVENTS) of the last event folded."""
