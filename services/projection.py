@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 import nats.errors
@@ -213,6 +213,12 @@ class Projection(Generic[S]):
         for event in events:
             ack = await self.bus.publish(event)
             await self.wait_applied(ack.seq)
+
+    async def publish_all(self, events: Sequence[Event]) -> None:
+        """Publish `events` pipelined, in order, then wait once until the last is folded in."""
+        if events:
+            acks = await self.bus.publish_many(events)
+            await self.wait_applied(max(ack.seq for ack in acks))
 
     async def sync(self, deadline_s: float = SYNC_DEADLINE_S) -> None:
         """Wait until every event stored so far is folded in (read-your-writes across services).

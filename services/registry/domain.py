@@ -9,7 +9,8 @@ tests drive the clock instead of sleeping. No I/O here.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, NamedTuple
 
 from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
@@ -117,6 +118,14 @@ class Job:
         self.ranks.pop(rank, None)
         self._free_from = min(self._free_from, rank)
 
+    def fork(self) -> Job:
+        """A copy to decide on without changing this job: its maps are copied, its members
+        shared (the events a decision folds, registrations, leaves and failures, replace a
+        member rather than change it)."""
+        return replace(
+            self, members=dict(self.members), ranks=dict(self.ranks), gone=dict(self.gone)
+        )
+
     def live_members(self) -> list[Member]:
         return [self.members[w] for _, w in sorted(self.ranks.items())]
 
@@ -180,7 +189,10 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
         job = state.job(event.job)
         member = job.members.get(event.worker_id)
         if member is not None and member.live:
-            member.status = "failed" if isinstance(event, WorkerFailed) else "left"
+            # A new member, not a change to the old one: a fork of the job (`decide_all`)
+            # shares its members with the state it was forked from.
+            status: WorkerState = "failed" if isinstance(event, WorkerFailed) else "left"
+            member = job.members[event.worker_id] = replace(member, status=status)
             if job.ranks.get(member.rank) == event.worker_id:
                 job.free_rank(member.rank)
             job.mark_gone(event.worker_id)
@@ -218,6 +230,8 @@ Command = Register | Leave | DetectFailures
 class Decision:
     events: list[Event] = field(default_factory=list)
     error: StrataError | None = None
+    rejoined: bool = False
+    """A registration that takes over an id another registration held before (`takes_over`)."""
 
 
 def decide(state: RegistryState, command: Command, now: float, policy: Policy) -> Decision:
@@ -226,6 +240,28 @@ def decide(state: RegistryState, command: Command, now: float, policy: Policy) -
     if isinstance(command, Leave):
         return _leave(state, command.request, now)
     return Decision(detect_failures(state, now, policy))
+
+
+def decide_all(
+    state: RegistryState, commands: Sequence[Register | Leave], now: float, policy: Policy
+) -> list[Decision]:
+    """Decide `commands` in order, each against the state the previous ones' events make: one
+    batch of a group commit. `state` itself is left as it is (it changes only by folding what
+    the stream stored): the batch works on forks of the jobs it touches."""
+    scratch = RegistryState(dict(state.jobs))
+    forked: set[str] = set()
+    decisions: list[Decision] = []
+    for command in commands:
+        name = command.request.job
+        if name not in forked:
+            forked.add(name)
+            if name in scratch.jobs:
+                scratch.jobs[name] = scratch.jobs[name].fork()
+        decision = decide(scratch, command, now, policy)
+        for event in decision.events:
+            evolve(scratch, event)
+        decisions.append(decision)
+    return decisions
 
 
 def worker_id_for(request: RegisterRequest) -> str:
@@ -250,6 +286,7 @@ def _register(
     job = state.jobs.get(request.job) or Job(request.job)
     worker_id = worker_id_for(request)
     existing = job.members.get(worker_id)
+    rejoined = takes_over(state, request)
     if existing is not None and existing.live and existing.instance == request.instance:
         if request.rank is not None and request.rank != existing.rank:
             return Decision(
@@ -335,7 +372,7 @@ def _register(
             heartbeat_timeout=policy.heartbeat_timeout,
         )
     )
-    return Decision(events)
+    return Decision(events, rejoined=rejoined)
 
 
 def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:

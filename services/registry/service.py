@@ -55,6 +55,7 @@ from strata.events.requests import (
     WorldNotice,
 )
 from strata.metrics import MESSAGES_REJECTED
+from strata.services.commit import GroupCommit
 from strata.services.projection import Projection
 from strata.services.registry import domain
 from strata.services.registry.domain import Leave, Policy, Register, RegistryState
@@ -65,6 +66,8 @@ HEARTBEATS = "registry.heartbeats"
 NoticeKind = Literal["reregister", "superseded"]
 NOTIFIED_KEPT = 65_536
 """Re-registration notices remembered (to send one per interval) before old ones are dropped."""
+RPC_CONCURRENCY = 4096
+"""Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
 WORLD_COALESCE_S = 0.05
 """How long a burst of membership changes is gathered into one world notice."""
 WORLD_REPEAT_S = 2.0
@@ -119,6 +122,9 @@ class Registry(Projection[RegistryState]):
         self._notified_limit = NOTIFIED_KEPT
         self._worlds_changed: set[str] = set()
         self._world_wakeup = asyncio.Event()
+        self._commits: GroupCommit[Register | Leave, domain.Decision] = GroupCommit(
+            self, self._decide_all
+        )
 
     def initial_state(self) -> RegistryState:
         return RegistryState()
@@ -158,11 +164,14 @@ class Registry(Projection[RegistryState]):
             subjects.job_heartbeats("*"), cb=self._on_heartbeat, pending_msgs_limit=1_000_000
         )
         await self._hb_nc.flush()
-        self._rpc = RpcServer(bus.nc, self.name)
+        # Requests are taken concurrently and decided in batches (group commit): a job's start
+        # is a few round trips to the stream, not one per worker.
+        self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER, self._register)
         self._rpc.serve(LEAVE, self._leave)
         self._rpc.serve(MEMBERS, self._members)
         await self._rpc.start()
+        self.spawn(self._commits.run(), "commits")
         self.spawn(self._detect_failures(), "detector")
         self.spawn(self._drain_outbox(), "outbox")
         self.spawn(self._announce_worlds(), "worlds")
@@ -177,37 +186,36 @@ class Registry(Projection[RegistryState]):
             with contextlib.suppress(Exception):
                 await self._hb_nc.close()
 
-    async def _run(self, command: domain.Command) -> domain.Decision:
-        decision = domain.decide(self.state, command, self.clock(), self.policy)
-        if decision.error is not None:
-            raise decision.error
-        await self.publish_and_apply(decision.events)
-        return decision
+    def _decide_all(self, commands: list[Register | Leave]) -> list[domain.Decision]:
+        return domain.decide_all(self.state, commands, self.clock(), self.policy)
 
     # -- commands ---------------------------------------------------------------------------------
 
     async def _register(self, request: RegisterRequest) -> Registration:
-        async with self.lock:
-            worker_id = domain.worker_id_for(request)
-            rejoined = domain.takes_over(self.state, request)
-            decision = await self._run(Register(request))
+        worker_id = domain.worker_id_for(request)
+
+        def answer(decision: domain.Decision) -> Registration:
             for event in decision.events:
                 if isinstance(event, WorkerFailed):
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             job = self.state.job(request.job)
-            log.info(
-                "worker_registered",
-                job=request.job,
-                worker=worker_id,
-                rank=job.members[worker_id].rank,
-                world_size=job.world_size,
-            )
-            return domain.registration(job, worker_id, self.policy, rejoined)
+            if decision.events:
+                log.info(
+                    "worker_registered",
+                    job=request.job,
+                    worker=worker_id,
+                    rank=job.members[worker_id].rank,
+                    world_size=job.world_size,
+                )
+            return domain.registration(job, worker_id, self.policy, decision.rejoined)
+
+        return await self._commits.submit(Register(request), answer)
 
     async def _leave(self, request: LeaveRequest) -> LeaveResult:
-        async with self.lock:
-            await self._run(Leave(request))
+        def answer(_: domain.Decision) -> LeaveResult:
             return domain.leave_result(self.state.job(request.job), request.worker_id)
+
+        return await self._commits.submit(Leave(request), answer)
 
     async def _members(self, request: MembersRequest) -> MembersResult:
         return domain.members(self.state, request.job, request.include_gone)
@@ -238,10 +246,8 @@ class Registry(Projection[RegistryState]):
                     decision = domain.decide(
                         self.state, domain.DetectFailures(), heard_until, self.policy
                     )
-                    if decision.events:
-                        # All at once, then one wait: a rack going down is one round trip.
-                        acks = await self.bus.publish_many(decision.events)
-                        await self.wait_applied(max(ack.seq for ack in acks))
+                    # All at once, then one wait: a rack going down is one round trip.
+                    await self.publish_all(decision.events)
                 for event in decision.events:
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             except (StrataError, TimeoutError) as exc:

@@ -482,3 +482,63 @@ def test_detection_boundary_for_any_timeout(timeout: float) -> None:
     )
     assert domain.detect_failures(state, 50.0 + timeout, policy) == []
     assert len(domain.detect_failures(state, 50.0 + timeout * 1.0001, policy)) == 1
+
+
+# -- group commit ---------------------------------------------------------------------------------
+
+_batch_command = st.one_of(
+    st.builds(
+        lambda w, p, r: Register(
+            RegisterRequest(job=JOB, worker_id=f"w{w}", instance=f"p{p}", rank=r)
+        ),
+        st.integers(0, 5),
+        st.integers(0, 2),
+        st.one_of(st.none(), st.integers(0, 4)),
+    ),
+    st.builds(
+        lambda w, p: Leave(LeaveRequest(job=JOB, worker_id=f"w{w}", instance=f"p{p}")),
+        st.integers(0, 5),
+        st.integers(0, 2),
+    ),
+)
+
+
+def _outcome(decision: domain.Decision) -> tuple[object, ...]:
+    error = decision.error
+    return (decision.events, error and (type(error), str(error)), decision.rejoined)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.lists(_batch_command, max_size=8), batch=st.lists(_batch_command, max_size=12))
+def test_a_batch_decides_as_the_same_commands_one_at_a_time_and_leaves_the_state_alone(
+    before: list[Register | Leave], batch: list[Register | Leave]
+) -> None:
+    state = RegistryState()
+    for command in before:
+        run(state, command, 10.0)
+    untouched = copy.deepcopy(state)
+    one_at_a_time = copy.deepcopy(state)
+
+    decisions = domain.decide_all(state, batch, 11.0, POLICY)
+
+    expected = [run(one_at_a_time, command, 11.0) for command in batch]
+    assert [_outcome(d) for d in decisions] == [_outcome(d) for d in expected]
+    assert state == untouched
+    for decision in decisions:
+        for event in decision.events:
+            domain.evolve(state, event)
+    assert state == one_at_a_time
+
+
+def test_a_job_start_in_one_batch_gives_every_worker_its_own_rank_and_epoch() -> None:
+    state = RegistryState()
+    batch: list[Register | Leave] = [
+        Register(RegisterRequest(job=JOB, worker_id=f"w{i}", instance=f"p{i}")) for i in range(50)
+    ]
+    decisions = domain.decide_all(state, batch, 1.0, POLICY)
+    registered = [event for d in decisions for event in d.events]
+    assert [e.rank for e in registered] == list(range(50))  # type: ignore[attr-defined]
+    assert [e.membership_epoch for e in registered] == list(range(1, 51))  # type: ignore[attr-defined]
+    assert [e.world_size for e in registered] == list(range(1, 51))  # type: ignore[attr-defined]
+    assert len({e.id for e in registered}) == 50
+    assert state.jobs == {}
