@@ -302,6 +302,21 @@ def test_restart_grace_fails_nobody() -> None:
     assert run(restored, DetectFailures(), 106.0).events != []
 
 
+def test_a_snapshot_of_the_seconds_era_restores_in_ns() -> None:
+    state = RegistryState()
+    register(state, "w0", 12.5)
+    snapshot = domain.snapshot(state)
+    assert snapshot["v"] == 2
+    assert snapshot["jobs"][0]["members"][0][10] == ns(12.5)
+    # Version 1 kept the last sign of life in wall seconds.
+    old = copy.deepcopy(snapshot)
+    old["v"] = 1
+    old["jobs"][0]["members"][0][10] = 12.5
+    assert domain.restore(old).jobs[JOB].members["w0"].last_seen_ns == ns(12.5)
+    with pytest.raises(ValueError, match="version 3"):
+        domain.restore({**snapshot, "v": 3})
+
+
 def test_a_job_forgets_its_oldest_gone_members_past_the_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
