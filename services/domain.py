@@ -9,7 +9,7 @@ answer with the result or the error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from strata.errors import StrataError
 from strata.events.models import Event
@@ -31,5 +31,5 @@ class Decision(Generic[R]):
     result: R | None = None
 
 
-NS_PER_S: int = 1_000_000_000
+NS_PER_S: Final = 1_000_000_000
 """Nanoseconds per second: durations configured in seconds meet `now_ns` through this."""
