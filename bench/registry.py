@@ -18,7 +18,6 @@ import platform
 import select
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -360,15 +359,7 @@ class RegistryProcess:
             Env.LOG_FORMAT: "json",
         }
         profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-        with self.log_file.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, *profile, "-m", "strata.services.registry"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=procutil.child_preexec,
-            )
+        self.proc = procutil.spawn_service("registry", env, self.log_file, python_args=profile)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
