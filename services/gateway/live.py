@@ -23,8 +23,8 @@ from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
 from strata.bus import Bus, Delivered, EventFeed
 from strata.errors import StrataError
-from strata.events import WorkerHeartbeat, decode_event, subjects
-from strata.history import dumps, heartbeat_belongs
+from strata.events import WorkerHeartbeat, decode_event, provenance, subjects
+from strata.history import dumps
 from strata.metrics import MESSAGES_REJECTED
 from strata.services.readmodel import (
     REQUEST_TYPES,
@@ -222,7 +222,10 @@ class LiveModel:
         except StrataError as exc:
             MESSAGES_REJECTED.labels(CONSUMER, exc.code).inc()
             return
-        if not isinstance(event, WorkerHeartbeat) or not heartbeat_belongs(message.subject, event):
+        if (
+            not isinstance(event, WorkerHeartbeat)
+            or provenance.heartbeat_refusal(message.subject, event) is not None
+        ):
             MESSAGES_REJECTED.labels(CONSUMER, "not_a_heartbeat").inc()
             return
         self.model.job(event.job).apply_heartbeat(event)

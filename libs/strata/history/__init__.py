@@ -6,7 +6,6 @@ and reading from JetStream. What the history folds into (the read model the gate
 from strata.history.reading import (
     REPLAY_CONSUMER,
     ReplayLimits,
-    heartbeat_belongs,
     job_history,
     stream_records,
 )
@@ -19,7 +18,6 @@ __all__ = [
     "ReplayLimits",
     "Stream",
     "dumps",
-    "heartbeat_belongs",
     "job_history",
     "read_records",
     "record_from_json",

@@ -32,12 +32,6 @@ REPLAY_CONSUMER: Final = "replay"
 """How reads of history name themselves in `strata_messages_rejected_total`."""
 
 
-def heartbeat_belongs(subject: str, heartbeat: WorkerHeartbeat) -> bool:
-    """A heartbeat counts only on its own subject and from its own worker (the registry applies
-    the same rule)."""
-    return provenance.refusal(subject, heartbeat) is None
-
-
 async def stream_records(
     js: JetStreamContext,
     stream: Stream,

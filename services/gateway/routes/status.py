@@ -56,5 +56,5 @@ async def subject_layout() -> dict[str, str]:
         "events": subjects.all_events(),
         "heartbeats": subjects.all_heartbeats(),
         "metrics": subjects.all_metrics(),
-        "rpc": f"{subjects.RPC}.<service>.<verb>.<job>.<worker>",
+        "rpc": subjects.rpc_layout(),
     }
