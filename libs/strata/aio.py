@@ -28,6 +28,7 @@ from nats.aio.subscription import Subscription
 from strata import _signals
 from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int
+from strata._metrics import MetricBatcher, check_metrics
 from strata.bus import Bus, Caller
 from strata.config import Settings, load_settings
 from strata.errors import (
@@ -41,6 +42,7 @@ from strata.errors import (
 from strata.events import (
     LIVE_STATES,
     LiveState,
+    MetricSampled,
     WorkerHeartbeat,
     decode_model,
     subjects,
@@ -306,6 +308,7 @@ class Worker:
         self._heartbeats_suspended = False
         self._sampler = _ProcessSampler()
         self._barriers: BarrierClient | None = None
+        self._metrics = MetricBatcher(self._job, lambda: self._worker_id, self._publish_sample)
         self._log = log.bind(job=self._job, worker=self._worker_id)
 
     def __repr__(self) -> str:
@@ -476,6 +479,7 @@ class Worker:
                 raise
             self._apply_registration(registration)
             self._started = True
+            self._metrics.start()
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name=f"strata-heartbeat-{self._worker_id}"
             )
@@ -524,6 +528,7 @@ class Worker:
                 return
             self._stopping = True
             try:
+                await self._metrics.close()  # the last samples go out before the worker leaves
                 await self._cancel_background()
                 if self._barriers is not None:
                     await self._barriers.close()
@@ -649,6 +654,41 @@ class Worker:
             self._barriers = BarrierClient(self)
         outcome = await self._barriers.wait(name, timeout, expected)
         return outcome.generation
+
+    # -- training metrics -------------------------------------------------------------------------
+
+    async def log_metrics(self, metrics: dict[str, float], *, step: int | None = None) -> None:
+        """Record training figures, e.g. `{"loss": 0.31, "samples_per_s": 812}`, at `step` (by
+        default the step last given to `set_state`). Never waits on the network: samples are
+        buffered and published as `metric.sampled` events about once a second (sooner when many
+        wait) and when the worker stops. Names are 1 to 64 of `a-z0-9_` starting with a letter,
+        values finite numbers, at most 64 per call; anything else raises
+        `strata.ValidationError` naming the metric."""
+        self._add_metrics(metrics, step)
+
+    def _add_metrics(self, metrics: object, step: object) -> None:
+        pairs, checked_step = check_metrics(metrics, step)
+        if not self._started:
+            raise WorkerNotStarted(
+                f"worker {self._worker_id!r} is not started: call start() before log_metrics() "
+                "(or use the worker as a context manager)"
+            )
+        self._metrics.add(pairs, self._progress[1] if checked_step is None else checked_step)
+
+    @property
+    def metrics_published(self) -> int:
+        """Samples of `log_metrics` published so far."""
+        return self._metrics.published
+
+    async def flush_metrics(self) -> int:
+        """Publish the samples `log_metrics` buffered now rather than at the next tick; returns
+        how many were sent."""
+        self._registered("flush_metrics()")
+        return await self._metrics.flush()
+
+    async def _publish_sample(self, sample: MetricSampled) -> None:
+        if self._superseded is None:  # the id is another process's now
+            await self.bus.publish_telemetry(sample)
 
     # -- state and heartbeats ---------------------------------------------------------------------
 

@@ -753,7 +753,7 @@ async def stream_records(
                 MESSAGES_REJECTED.labels(REPLAY_CONSUMER, exc.code).inc()
                 event = None
             if event is not None:
-                if stream == "telemetry" and not isinstance(event, WorkerHeartbeat):
+                if stream == "telemetry" and not isinstance(event, WorkerHeartbeat | MetricSampled):
                     refused: provenance.Refusal | None = provenance.Refusal("not_a_heartbeat", "")
                 else:
                     refused = provenance.refusal(msg.subject, event)
