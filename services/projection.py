@@ -27,7 +27,7 @@ from strata.config import Settings
 from strata.errors import BusError, ServiceUnavailable, StrataError
 from strata.events import subjects
 from strata.events.models import Event
-from strata.metrics import MESSAGES_REJECTED
+from strata.metrics import MESSAGES_REJECTED, observe_decided
 
 S = TypeVar("S")
 
@@ -212,6 +212,7 @@ class Projection(Generic[S]):
         """Publish each event and wait until the feed has folded it in."""
         for event in events:
             ack = await self.bus.publish(event)
+            observe_decided(event)
             await self.wait_applied(ack.seq)
 
     async def sync(self, deadline_s: float = SYNC_DEADLINE_S) -> None:
