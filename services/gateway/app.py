@@ -69,6 +69,7 @@ from strata.services.gateway.assets import (
     missing_dashboard_message,
 )
 from strata.services.gateway.live import LiveModel
+from strata.services.gateway.metrics_history import metric_routes
 
 DASHBOARD_DIST: Final = find_dashboard()
 """The built dashboard this process serves at "/" (None: none is built)."""
@@ -452,6 +453,7 @@ def create_app(
             "rpc": f"{subjects.RPC}.<service>.<verb>.<job>.<worker>",
         }
 
+    api.include_router(metric_routes(live))
     app.include_router(api)
     _add_docs(app)
     if dashboard_dir is not None and (dashboard_dir / "index.html").is_file():

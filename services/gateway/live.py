@@ -34,6 +34,7 @@ from strata.replay import (
     heartbeat_belongs,
 )
 from strata.replay import render_dashboard as render
+from strata.services.gateway.metrics_history import MetricHistory, follow_samples
 
 log = structlog.get_logger("strata.gateway")
 
@@ -127,6 +128,7 @@ class LiveModel:
         self.signals: dict[str, ChangeSignal] = {}
         self.caught_up = asyncio.Event()
         """Set once every event stored when the gateway started is folded."""
+        self.metric_history = MetricHistory()
         self._static: dict[str, tuple[int, dict[str, Any]]] = {}
         self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
         self._feed: EventFeed | None = None
@@ -158,6 +160,7 @@ class LiveModel:
             pending_msgs_limit=1_000_000,
         )
         self._spawn(self._follow_heartbeats(self._telemetry), "heartbeats")
+        self._spawn(follow_samples(bus, self.metric_history), "metrics")
         return self
 
     async def stop(self) -> None:
