@@ -104,6 +104,11 @@ def test_history_per_rank_survives_a_restart_and_travels_in_time(
         refused = gateway.metrics(job, until_ns=-1)
         assert refused.status_code == 422
         assert refused.json()["code"] == "invalid_field"
+        openapi = httpx.get(f"http://127.0.0.1:{gateway.http_port}/openapi.json").json()
+        route = openapi["paths"]["/api/jobs/{job}/metrics"]["get"]
+        assert route["responses"]["200"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/MetricsHistoryView"
+        }
         missing = gateway.metrics(new_job("none"))
         assert missing.status_code == 404
         assert missing.json()["code"] == "not_found"
