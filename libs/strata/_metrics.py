@@ -37,6 +37,9 @@ MAX_PENDING: Final = 100_000
 MAX_METRICS_PER_CALL: Final = 64
 
 _NAME: Final = re.compile(METRIC_NAME_PATTERN)
+_GOOD_NAMES: Final[set[str]] = set()
+"""Names already found valid (a training loop logs the same few every step)."""
+MAX_GOOD_NAMES: Final = 4096
 
 log = structlog.get_logger("strata.metrics")
 
@@ -69,6 +72,10 @@ def check_metrics(metrics: object, step: object) -> tuple[list[tuple[str, float]
         )
     pairs: list[tuple[str, float]] = []
     for name, value in metrics.items():
+        # The common case, checked first and cheaply: a training loop calls this every step.
+        if type(value) is float and name in _GOOD_NAMES and math.isfinite(value):
+            pairs.append((name, value))
+            continue
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValidationError(
                 f"metric name {name!r} is not valid: use 1 to 64 lower-case letters, digits or "
@@ -76,6 +83,8 @@ def check_metrics(metrics: object, step: object) -> tuple[list[tuple[str, float]
                 field=f"metrics.{name}",
             )
         pairs.append((name, _number(name, value)))
+        if len(_GOOD_NAMES) < MAX_GOOD_NAMES:
+            _GOOD_NAMES.add(name)
     checked_step = None if step is None else check_int("step", step, 0, MAX_STEP)
     return pairs, checked_step
 

@@ -179,6 +179,11 @@ class Worker:
         # Buffered on the caller's thread: logging every training step costs no round trip.
         self._aio._add_metrics(metrics, step)
 
+    @property
+    def metrics_published(self) -> int:
+        """Samples of `log_metrics` published so far."""
+        return self._aio.metrics_published
+
     def flush_metrics(self) -> int:
         """Publish the samples `log_metrics` buffered now; returns how many were sent."""
         return self._runner.run(self._aio.flush_metrics())

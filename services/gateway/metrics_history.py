@@ -152,22 +152,25 @@ class MetricHistory:
         self.version = 0
         self.dropped = 0
 
-    def fold(self, sample: MetricSampled, stored_ns: int, seq: int = 0) -> None:
-        """One sample that passed the provenance rule (it is its worker's own)."""
+    def fold(self, sample: MetricSampled, stored_ns: int, seq: int = 0) -> bool:
+        """One sample that passed the provenance rule (it is its worker's own); False when it
+        was dropped: its job already has `MAX_METRICS_PER_JOB` metrics, or its metric
+        `MAX_WORKERS_PER_METRIC` workers."""
         self.last_seq = max(self.last_seq, seq)
         metrics = self.jobs.setdefault(sample.job, {})
         series = metrics.get(sample.name)
         if series is None:
             if len(metrics) >= MAX_METRICS_PER_JOB:
                 self.dropped += 1
-                return
+                return False
             series = metrics[sample.name] = MetricSeries()
         worker = sample.worker_id or sample.source
         step = sample.step if sample.step is not None else 0
-        if series.add(worker, sample.value, step, stored_ns):
-            self.version += 1
-        else:
+        if not series.add(worker, sample.value, step, stored_ns):
             self.dropped += 1
+            return False
+        self.version += 1
+        return True
 
     def view(
         self,
@@ -217,7 +220,9 @@ async def follow_samples(bus: Bus, history: MetricHistory) -> None:
                 MESSAGES_REJECTED.labels(CONSUMER, refused.code).inc()
                 continue
             meta = message.metadata
-            history.fold(event, int(meta.timestamp.timestamp() * 1e9), meta.sequence.stream)
+            stored_ns = int(meta.timestamp.timestamp() * 1e9)
+            if not history.fold(event, stored_ns, meta.sequence.stream):
+                MESSAGES_REJECTED.labels(CONSUMER, "over_limit").inc()
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import strata
@@ -49,6 +48,7 @@ async def test_sync_worker_logs_batched_samples_with_their_step(
             worker.log_metrics({"loss": 1.0 / (step + 1), "samples_per_s": 800 + step}, step=step)
             slowest = max(slowest, time.perf_counter() - began)
         batches_while_training = worker.aio._metrics.batches
+    assert worker.metrics_published == 2 * steps
     # Never a round trip per call: the training thread only appends to a buffer.
     assert slowest < 0.05, f"a log_metrics call took {slowest * 1000:.1f} ms"
     # 600 samples in at most a few flushes (a tick may fall inside the loop), then one at stop.
@@ -82,7 +82,7 @@ async def test_async_worker_publishes_within_a_second_without_a_flush(
         assert worker.metrics_published == 2
 
 
-async def test_log_metrics_before_start_says_to_start(nats_url: str, tmp_path: Path) -> None:
+async def test_log_metrics_before_start_says_to_start(nats_url: str) -> None:
     worker = strata.aio.Worker(support.new_job("metrics"), nats_url, worker_id="w2")
     with pytest.raises(strata.aio.WorkerNotStarted, match="start"):
         await worker.log_metrics({"loss": 1.0}, step=1)

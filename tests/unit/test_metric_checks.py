@@ -41,3 +41,9 @@ def test_bad_samples_are_refused_with_what_to_pass(
         check_metrics(metrics, step)
     assert refused.value.field == field
     assert refused.value.code == "invalid_field"
+
+
+def test_a_name_seen_before_still_gets_its_value_checked() -> None:
+    check_metrics({"accuracy": 0.5}, 1)
+    with pytest.raises(ValidationError, match="finite"):
+        check_metrics({"accuracy": math.inf}, 2)
