@@ -89,6 +89,9 @@ def _type(schema: Schema, origin: str) -> str:
     if schema.get("type") == "array":
         return f"ReadonlyArray<{_type(schema.get('items', {}), origin)}>"
     if schema.get("type") == "object" and "properties" not in schema:
+        values = schema.get("additionalProperties")
+        if isinstance(values, dict) and values:
+            return f"Readonly<Record<string, {_type(values, origin)}>>"
         return f"Readonly<{ts_type(schema, origin)}>"
     return ts_type(schema, origin)
 

@@ -29,7 +29,7 @@ from strata.config import Settings
 from strata.errors import BusError, ServiceUnavailable, StrataError
 from strata.events import subjects
 from strata.events.models import Event
-from strata.metrics import MESSAGES_REJECTED
+from strata.metrics import MESSAGES_REJECTED, observe_decided
 
 S = TypeVar("S")
 
@@ -218,12 +218,15 @@ class Projection(Generic[S]):
         """Publish each event and wait until the feed has folded it in."""
         for event in events:
             ack = await self.bus.publish(event)
+            observe_decided(event)
             await self.wait_applied(ack.seq)
 
     async def publish_all(self, events: Sequence[Event]) -> None:
         """Publish `events` pipelined, in order, then wait once until the last is folded in."""
         if events:
             acks = await self.bus.publish_many(events)
+            for event in events:
+                observe_decided(event)
             await self.wait_applied(max(ack.seq for ack in acks))
 
     def apply_before_storage(self, events: list[Event]) -> None:

@@ -30,6 +30,7 @@ from strata.events import (
 )
 from strata.events.models import Event
 from strata.events.requests import ARRIVE, ArriveRequest, BarrierOutcome
+from strata.metrics import observe_decided
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
 from strata.services.projection import Projection
@@ -87,6 +88,8 @@ class Barrier(Projection[BarrierState]):
             await self.bus.publish(event)
         except StrataError as exc:
             log.error("barrier_event_not_published", event=event.type, error=str(exc))
+            return
+        observe_decided(event)
 
     def _conclude(self, events: list[Event], arrivals: Sequence[Event] = ()) -> None:
         """Send each conclusion, in the background, once the arrivals of its generation are

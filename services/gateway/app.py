@@ -38,7 +38,7 @@ from strata.services.gateway.context import (
     add_error_handlers,
     authorize,
 )
-from strata.services.gateway.routes import history, jobs, probes, status, stream
+from strata.services.gateway.routes import history, jobs, metrics, probes, status, stream
 
 __all__ = ["API_TOKEN_ENV", "DASHBOARD_DIST", "DOCS_ASSETS_URL", "GatewayState", "create_app"]
 
@@ -71,7 +71,7 @@ def create_app(
 
     app.include_router(probes.router)
     api = APIRouter(prefix="/api", dependencies=[Depends(authorize)])
-    for routes in (jobs, history, stream, status):
+    for routes in (jobs, history, metrics, stream, status):
         api.include_router(routes.router)
     app.include_router(api)
     _add_docs(app)

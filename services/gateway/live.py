@@ -26,6 +26,7 @@ from strata.errors import StrataError
 from strata.events import WorkerHeartbeat, decode_event, provenance, subjects
 from strata.history import dumps
 from strata.metrics import MESSAGES_REJECTED
+from strata.services.gateway.metrics_history import MetricHistory, follow_samples
 from strata.services.readmodel import (
     REQUEST_TYPES,
     JobState,
@@ -128,6 +129,7 @@ class LiveModel:
         self.signals: dict[str, ChangeSignal] = {}
         self.caught_up = asyncio.Event()
         """Set once every event stored when the gateway started is folded."""
+        self.metric_history = MetricHistory()
         self._static: dict[str, tuple[int, Dashboard]] = {}
         self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
         self._feed: EventFeed | None = None
@@ -159,6 +161,7 @@ class LiveModel:
             pending_msgs_limit=1_000_000,
         )
         self._spawn(self._follow_heartbeats(self._telemetry), "heartbeats")
+        self._spawn(follow_samples(bus, self.metric_history), "metrics")
         return self
 
     async def stop(self) -> None:

@@ -51,7 +51,7 @@ from strata.events.requests import (
     WorkerNotice,
     WorldNotice,
 )
-from strata.metrics import MESSAGES_REJECTED
+from strata.metrics import MESSAGES_REJECTED, WORKERS_BY_STATUS
 from strata.services.commit import GroupCommit
 from strata.services.domain import Decision
 from strata.services.projection import Projection
@@ -112,6 +112,7 @@ class Registry(Projection[RegistryState]):
         self.heartbeats = 0
         self.applied = 0
         HEARTBEAT_COUNTS.registries.add(self)
+        WORKERS_BY_STATUS.add(self)
         self._rpc: RpcServer | None = None
         self._hb_nc: NATS | None = None
         self._hb_sub: Subscription | None = None
@@ -138,6 +139,16 @@ class Registry(Projection[RegistryState]):
             member = state.job(event.job).members[event.worker_id]
             member.last_seen_ns = max(member.last_seen_ns, self.now_ns())
         return state
+
+    def worker_statuses(self) -> dict[str, list[str]]:
+        """Each job's workers' statuses now (`strata_workers`), once this registry is live: one
+        still replaying its history would report a membership of the past."""
+        if not self.live:
+            return {}
+        return {
+            job.job: [member.status for member in job.members.values()]
+            for job in self.state.jobs.values()
+        }
 
     def snapshot(self, state: RegistryState) -> dict[str, Any]:
         return domain.snapshot(state)

@@ -384,6 +384,36 @@ def test_sdk_torchrun_command(stack: str, workdir: Path) -> None:
     assert len({m[4] for m in results.values()}) == 1, "ranks ended with other weights"
 
 
+# -- docs/sdk.md and docs/dashboard.md: training metrics ------------------------------------------
+
+
+def test_training_metrics_logged_then_read_from_the_gateway(
+    own_nats_server: NatsServer, stack: str, workdir: Path, tools: None
+) -> None:
+    port = procutil.free_port()
+    gateway = ServiceProcess(
+        "gateway", stack, workdir / "logs", env={Env.HTTP_PORT: str(port)}
+    ).start()
+    try:
+        done = run_python("docs/sdk.md", "metrics.py", workdir, stack)
+        assert done.stdout == (
+            "[invalid_field] metric 'loss' is nan: only finite values can be logged; skip the "
+            "sample or log a finite one\n"
+        )
+        script = example("docs/dashboard.md", "training_metrics.sh")
+        documented = json.loads(documented_output(script, "{"))
+        (command,) = commands(script.replace("localhost:8080", f"localhost:{port}"))
+
+        def all_steps() -> bool:
+            answer = shell(command, workdir, environment())
+            return bool(answer.strip()) and json.loads(answer)["steps"] == [0, 1, 2]
+
+        wait_until(all_steps, 15, "the gateway to fold the example's samples")
+        assert json.loads(shell(command, workdir, environment())) == documented
+    finally:
+        gateway.stop()
+
+
 # -- a job's history, for the gateway and the command line ----------------------------------------
 
 HISTORY_WORKER = """

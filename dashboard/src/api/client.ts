@@ -74,7 +74,7 @@ async function request(path: string, init: RequestInit = {}): Promise<Response> 
   return response;
 }
 
-async function getJson<T>(path: string, signal?: AbortSignal): Promise<T> {
+export async function getJson<T>(path: string, signal?: AbortSignal): Promise<T> {
   const response = await request(path, signal ? { signal } : {});
   return (await response.json()) as T;
 }

@@ -79,12 +79,28 @@ export interface JobList {
   readonly jobs: ReadonlyArray<JobSummary>;
 }
 
+export interface JobSeries {
+  /** The newest step of each bucket */
+  readonly steps: ReadonlyArray<number>;
+  /** Mean over the workers with a point in the bucket */
+  readonly mean: ReadonlyArray<number>;
+  /** Sum over them (throughputs add up) */
+  readonly total: ReadonlyArray<number>;
+}
+
 export interface JobSummary {
   readonly job: string;
   readonly workers: number;
   readonly live: number;
   readonly last_event_ts: number;
   readonly events: number;
+}
+
+export interface MetricView {
+  /** Steps per bucket (doubles as the history grows) */
+  readonly stride: number;
+  readonly job: JobSeries;
+  readonly workers: ReadonlyArray<WorkerSeries>;
 }
 
 export interface Metrics {
@@ -99,6 +115,13 @@ export interface Metrics {
   /** p99 of last-arrival-to-release latency over the last 1000 releases */
   readonly barrier_p99_ms: number | null;
   readonly shard_distribution: ShardDistribution;
+}
+
+export interface MetricsHistoryView {
+  readonly job: string;
+  /** Only buckets whose newest sample was stored by then */
+  readonly until_ns: number | null;
+  readonly metrics: Readonly<Record<string, MetricView>>;
 }
 
 export interface RecentEvent {
@@ -117,6 +140,15 @@ export interface ShardDistribution {
 export interface WorkerPage {
   readonly total: number;
   readonly items: ReadonlyArray<WorkerView>;
+}
+
+export interface WorkerSeries {
+  readonly worker: string;
+  /** Its rank in the job (None: not registered) */
+  readonly rank: number | null;
+  readonly steps: ReadonlyArray<number>;
+  /** Mean of the worker's samples in each bucket */
+  readonly values: ReadonlyArray<number>;
 }
 
 /** The values of `WorkerView.status`. */

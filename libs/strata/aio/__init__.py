@@ -5,8 +5,9 @@ background event loop. Later SDK parts (datasets, checkpoints, barriers) reuse i
 
 The worker is built in layers, one module per concern: its identity, settings and registration
 (`_core`), what a heartbeat reports about the process (`_sampling`), its heartbeats
-(`_heartbeats`), its membership and re-registration (`_membership`), and its life and barriers
-(`worker`). This module is the public face: import from `strata.aio`, not from those.
+(`_heartbeats`), its membership and re-registration (`_membership`), its training metrics
+(`_training`), and its life and barriers (`worker`). This module is the public face: import
+from `strata.aio`, not from those.
 """
 
 from __future__ import annotations

@@ -20,11 +20,12 @@ from nats.aio.subscription import Subscription
 
 from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int
+from strata._metrics import MetricBatcher
 from strata.aio._sampling import ProcessSampler
 from strata.bus import Bus
 from strata.config import Settings, load_settings
 from strata.errors import ConfigError, ConflictError, NotFound, StrataError, ValidationError
-from strata.events import LIVE_STATES, LiveState
+from strata.events import LIVE_STATES, LiveState, MetricSampled
 from strata.events.codec import validation_error
 from strata.events.models import MAX_RANK
 from strata.events.requests import LeaveRequest, LeaveResult, RegisterRequest, Registration
@@ -193,6 +194,7 @@ class _WorkerCore:
         self._heartbeats_suspended = False
         self._sampler = ProcessSampler()
         self._barriers: BarrierClient | None = None
+        self._metrics = MetricBatcher(self._job, lambda: self._worker_id, self._publish_sample)
         self._log = log.bind(job=self._job, worker=self._worker_id)
 
     def __repr__(self) -> str:
@@ -201,6 +203,11 @@ class _WorkerCore:
         return f"<strata.aio.Worker {self._job}/{self._worker_id} {where} state={state}>"
 
     # -- properties -------------------------------------------------------------------------------
+
+    async def _publish_sample(self, sample: MetricSampled) -> None:
+        """One batch's sample of `log_metrics`, unless the worker id is another process's now."""
+        if self._superseded is None:
+            await self.bus.publish_telemetry(sample)
 
     def _registered(self, what: str) -> Registration:
         if self._registration is None:

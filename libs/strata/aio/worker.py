@@ -1,5 +1,5 @@
 """`strata.aio.Worker`: the worker's life (start, stop, leave on SIGTERM) and its barriers, on top
-of its registration, heartbeats and membership."""
+of its registration, heartbeats, membership and training metrics."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Self
 from strata import _signals
 from strata._barrier import BarrierClient
 from strata.aio._core import CLOSE_TIMEOUT_S, _Saver, log
-from strata.aio._membership import _Membership
+from strata.aio._training import _TrainingMetrics
 from strata.bus import Bus, Caller
 from strata.errors import StrataError
 from strata.events import subjects
 
 
-class Worker(_Membership):
+class Worker(_TrainingMetrics):
     """One training process's membership of a job, for asyncio code.
 
     `start()` registers with the registry (retrying while it restarts) and heartbeats in the
@@ -69,6 +69,7 @@ class Worker(_Membership):
                 raise
             self._apply_registration(registration)
             self._started = True
+            self._metrics.start()
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name=f"strata-heartbeat-{self._worker_id}"
             )
@@ -117,6 +118,7 @@ class Worker(_Membership):
                 return
             self._stopping = True
             try:
+                await self._metrics.close()  # the last samples go out before the worker leaves
                 await self._cancel_background()
                 if self._barriers is not None:
                     await self._barriers.close()

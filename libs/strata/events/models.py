@@ -18,6 +18,7 @@ from typing import Annotated, Final, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+METRIC_NAME_PATTERN: Final = r"^[a-z][a-z0-9_]{0,63}$"
 CHECKSUM_PATTERN: Final = r"^(sha256|crc32c|xxh64|xxh128|blake2b):[0-9a-f]{8,128}$"
 
 MAX_WORKERS: Final = 10_000
@@ -537,9 +538,12 @@ class MetricSampled(Event):
 
     type: Literal["metric.sampled"] = "metric.sampled"
     v: Literal[1] = 1
-    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+    name: Annotated[str, StringConstraints(pattern=METRIC_NAME_PATTERN)]
     value: Annotated[float, Field(allow_inf_nan=False)]
     worker_id: Id | None = None
+    step: Step | None = Field(
+        default=None, description="The training step the figure is of (`log_metrics(step=...)`)."
+    )
     labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS, fail_fast=True)] = (
         Field(default_factory=dict)
     )

@@ -19,7 +19,14 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from strata.errors import StrataError
-from strata.events import AnyEvent, WorkerHeartbeat, decode_event, provenance, subjects
+from strata.events import (
+    AnyEvent,
+    MetricSampled,
+    WorkerHeartbeat,
+    decode_event,
+    provenance,
+    subjects,
+)
 from strata.history.records import Record, Stream
 from strata.metrics import MESSAGES_REJECTED
 
@@ -93,7 +100,7 @@ async def stream_records(
                 MESSAGES_REJECTED.labels(REPLAY_CONSUMER, exc.code).inc()
                 event = None
             if event is not None:
-                if stream == "telemetry" and not isinstance(event, WorkerHeartbeat):
+                if stream == "telemetry" and not isinstance(event, WorkerHeartbeat | MetricSampled):
                     refused: provenance.Refusal | None = provenance.Refusal("not_a_heartbeat", "")
                 else:
                     refused = provenance.refusal(msg.subject, event)
