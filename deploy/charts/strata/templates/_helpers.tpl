@@ -58,12 +58,17 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- end }}
 
+{{/*
+The workers' image: workers.image when set; otherwise the example image, the coordinator image's
+repository with "-example" after its tag (deploy/docker/Dockerfile, target example: CPU PyTorch).
+*/}}
 {{- define "strata.workerImage" -}}
 {{- $image := .Values.workers.image -}}
 {{- if $image.repository }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- else }}
-{{- include "strata.image" . }}
+{{- $coordinator := .Values.coordinator.image -}}
+{{- printf "%s:%s" $coordinator.repository (default (printf "%s-example" (default .Chart.AppVersion $coordinator.tag)) $image.tag) }}
 {{- end }}
 {{- end }}
 
@@ -301,5 +306,33 @@ cluster of its own and nats.routeAuth.enabled.
 
 {{/* The Strata pods' components: the NATS client port is theirs alone. */}}
 {{- define "strata.clientComponents" -}}
-{{- toJson (list "registry" "sharding" "barrier" "checkpoint" "gateway" "worker") }}
+{{- toJson (list "registry" "sharding" "barrier" "checkpoint" "gateway" "worker" "test") }}
+{{- end }}
+
+{{/*
+Where the workers of workers.job keep their checkpoints (STRATA_CHECKPOINTS): under the shared
+volume's mount, or under the bucket, in a directory of the job's own.
+*/}}
+{{- define "strata.checkpoints.uri" -}}
+{{- if eq .Values.storage.backend "s3" }}
+{{- printf "s3://%s/%s" .Values.storage.s3.bucket .Values.workers.job }}
+{{- else }}
+{{- printf "/data/checkpoints/%s" .Values.workers.job }}
+{{- end }}
+{{- end }}
+
+{{/* The demo job's arguments: the chart's settings through $(VAR), the sizes from values. */}}
+{{- define "strata.demoArgs" -}}
+{{- $demo := .Values.workers.demo -}}
+- --job=$(STRATA_JOB)
+- --nats-url=$(STRATA_NATS_URL)
+- --checkpoints=$(STRATA_CHECKPOINTS)
+- --world-size=$(STRATA_WORLD_SIZE)
+- {{ printf "--epochs=%d" (int $demo.epochs) | quote }}
+- {{ printf "--samples=%d" (int $demo.samples) | quote }}
+- {{ printf "--shard-size=%d" (int $demo.shardSize) | quote }}
+- {{ printf "--batch-size=%d" (int $demo.batchSize) | quote }}
+- {{ printf "--round-batches=%d" (int $demo.roundBatches) | quote }}
+- {{ printf "--barrier-timeout=%v" $demo.barrierTimeout | quote }}
+- {{ printf "--keep-count=%d" (int $demo.keepCount) | quote }}
 {{- end }}
