@@ -310,14 +310,14 @@ cluster of its own and nats.routeAuth.enabled.
 {{- end }}
 
 {{/*
-Where the workers of workers.job keep their checkpoints (STRATA_CHECKPOINTS): under the shared
-volume's mount, or under the bucket, in a directory of the job's own.
+Where the workers keep their checkpoints (STRATA_CHECKPOINTS): the shared volume's mount, or the
+bucket's checkpoints/ prefix. The SDK puts each job in a directory of its own below it.
 */}}
 {{- define "strata.checkpoints.uri" -}}
 {{- if eq .Values.storage.backend "s3" }}
-{{- printf "s3://%s/%s" .Values.storage.s3.bucket .Values.workers.job }}
+{{- printf "s3://%s/checkpoints" .Values.storage.s3.bucket }}
 {{- else }}
-{{- printf "/data/checkpoints/%s" .Values.workers.job }}
+{{- print "/data/checkpoints" }}
 {{- end }}
 {{- end }}
 
