@@ -1232,3 +1232,35 @@ def test_options_that_cannot_work_are_refused(
     done = helm_template(helm, settings)
     assert done.returncode != 0, f"{settings} rendered"
     assert complaint in done.stderr, done.stderr
+
+
+@pytest.mark.usefixtures("_schemas_read_once")
+def test_the_seeds_values_file_installs_as_written(helm: Path) -> None:
+    done = helm_template(helm, extra=["-f", str(Path(__file__).parent / "seed-values.yaml")])
+    assert done.returncode == 0, done.stderr
+    rendered = Rendered([o for o in yaml.safe_load_all(done.stdout) if o])
+    for obj in rendered.objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSIONS[-1], strict=True)
+    job = rendered.get("Job", _name("worker"))
+    assert job["spec"]["completions"] == 4
+    (worker,) = _containers(job)
+    assert worker["image"] == "syrilj/strata-worker:latest"  # one string: repository:tag
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "COORDINATOR_URL", "value": "strata-coordinator:50051"} in worker["env"]
+    assert _env(worker)["STRATA_CHECKPOINTS"] == "s3://my-ml-checkpoints/checkpoints"
+    for name in STRATA_SERVICES:
+        deployment = rendered.get("Deployment", _name(name))
+        assert deployment["spec"]["replicas"] == 1  # coordinator.replicaCount
+        (container,) = _containers(deployment)
+        assert container["resources"]["limits"] == {"cpu": 2, "memory": "4Gi"}
+    assert not rendered.of_kind("PersistentVolumeClaim")  # S3: no checkpoints volume
+
+
+def test_coordinator_replica_count_applies_to_every_service_unless_one_says(
+    render: Render,
+) -> None:
+    rendered = render("coordinator.replicaCount=2", "coordinator.services.gateway.replicaCount=3")
+    replicas = {
+        n: rendered.get("Deployment", _name(n))["spec"]["replicas"] for n in STRATA_SERVICES
+    }
+    assert replicas == {"registry": 2, "sharding": 2, "barrier": 2, "checkpoint": 2, "gateway": 3}

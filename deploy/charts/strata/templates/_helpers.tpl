@@ -63,12 +63,32 @@ The workers' image: workers.image when set; otherwise the example image, the coo
 repository with "-example" after its tag (deploy/docker/Dockerfile, target example: CPU PyTorch).
 */}}
 {{- define "strata.workerImage" -}}
-{{- $image := .Values.workers.image -}}
+{{- $image := include "strata.workerImageValues" . | fromJson -}}
 {{- if $image.repository }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- else }}
 {{- $coordinator := .Values.coordinator.image -}}
 {{- printf "%s:%s" $coordinator.repository (default (printf "%s-example" (default .Chart.AppVersion $coordinator.tag)) $image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+workers.image as {repository, tag, pullPolicy}: the seeds' values give it as one string,
+"repository[:tag]" (a colon after the last slash starts the tag).
+*/}}
+{{- define "strata.workerImageValues" -}}
+{{- $image := .Values.workers.image -}}
+{{- if kindIs "string" $image }}
+{{- $last := last (splitList "/" $image) }}
+{{- $tag := "" }}
+{{- $repository := $image }}
+{{- if contains ":" $last }}
+{{- $tag = last (splitList ":" $last) }}
+{{- $repository = trimSuffix (printf ":%s" $tag) $image }}
+{{- end }}
+{{- toJson (dict "repository" $repository "tag" $tag "pullPolicy" "IfNotPresent") }}
+{{- else }}
+{{- toJson $image }}
 {{- end }}
 {{- end }}
 
