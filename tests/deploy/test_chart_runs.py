@@ -7,7 +7,8 @@ service's Deployment runs its container's command and environment; the workers' 
 one process per completion index with its pod's command and environment, restarted with the same
 index when it fails (restartPolicy OnFailure); the `helm test` pod checks the installation.
 Service DNS names become 127.0.0.1 ports and the checkpoints claim a directory (tests/deploy/
-localpods.py). One worker is SIGKILLed midway: the job must still finish, from a checkpoint.
+localpods.py); with S3 configured instead, the bucket is on a real S3 server (moto). One worker is
+SIGKILLed midway: the job must still finish, from a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from strata import procutil
 
 from tests.deploy.chart import NAMESPACE, Render, Rendered
 from tests.deploy.localpods import Cluster, Process, answers, get_json, name, wait_until
+from tests.s3 import S3Endpoint, moto_server  # noqa: F401
 
 pytestmark = [pytest.mark.nats, pytest.mark.cluster, pytest.mark.slow]
 
@@ -40,6 +42,8 @@ SMALL_JOB = (
     "coordinator.heartbeatTimeout=3",
 )
 SERVICES = ("registry", "sharding", "barrier", "checkpoint", "gateway")
+S3_SERVICE = "minio.storage.svc:9000"
+"""The S3-compatible store's Service, as an operator would give storage.s3.endpoint."""
 KILL_AFTER_ROUND = 2
 RESTART_DELAY_S = 0.5
 """The kubelet waits 10 s before the first restart of a failed container; less here."""
@@ -124,15 +128,54 @@ class IndexedJob:
         return all(index.succeeded for index in self.indexes)
 
 
-@pytest.fixture
-def cluster(render: Render, tmp_path: Path) -> Iterator[Cluster]:
-    rendered = render(*SMALL_JOB)
-    local = Cluster(rendered, tmp_path)
-    # The checkpoints claim, mounted by the workers and the checkpoint service alike.
-    local.paths["/data/checkpoints"] = tmp_path / "checkpoints-pvc"
-    local.paths["/data/checkpoints"].mkdir()
+@dataclass
+class Storage:
+    """Where the run's checkpoints went, to look for the committed manifests."""
+
+    claim: Path | None = None
+    s3: S3Endpoint | None = None
+    bucket: str = ""
+
+    def manifests(self) -> list[str]:
+        if self.claim is not None:
+            return [str(p) for p in self.claim.rglob("MANIFEST.json")]
+        assert self.s3 is not None
+        listing = self.s3.client().list_objects_v2(Bucket=self.bucket)
+        return [o["Key"] for o in listing.get("Contents", []) if o["Key"].endswith("MANIFEST.json")]
+
+
+@pytest.fixture(params=["pvc", "s3"])
+def installed(
+    request: pytest.FixtureRequest, render: Render, tmp_path: Path
+) -> Iterator[tuple[Cluster, Storage]]:
+    """The default values (PVC), or S3 as docs/deployment.md configures it: a bucket on an
+    S3-compatible store, credentials in a Secret made outside the chart."""
+    if request.param == "pvc":
+        local = Cluster(render(*SMALL_JOB), tmp_path)
+        # The checkpoints claim, mounted by the workers and the checkpoint service alike.
+        claim = local.paths["/data/checkpoints"] = tmp_path / "checkpoints-pvc"
+        claim.mkdir()
+        storage = Storage(claim=claim)
+    else:
+        endpoint: S3Endpoint = request.getfixturevalue("moto_server")
+        bucket = endpoint.new_bucket("chart")
+        rendered = render(
+            *SMALL_JOB,
+            "storage.backend=s3",
+            f"storage.s3.bucket={bucket}",
+            f"storage.s3.region={endpoint.region}",
+            f"storage.s3.endpoint=http://{S3_SERVICE}",
+            "storage.s3.existingSecret=aws-credentials",
+        )
+        local = Cluster(rendered, tmp_path)
+        local.hosts[S3_SERVICE] = endpoint.url.removeprefix("http://")
+        local.secrets["aws-credentials"] = {
+            "AWS_ACCESS_KEY_ID": endpoint.access_key,
+            "AWS_SECRET_ACCESS_KEY": endpoint.secret_key,
+        }
+        storage = Storage(s3=endpoint, bucket=bucket)
     try:
-        yield local
+        yield local, storage
     finally:
         local.stop()
         _collect_logs(local, tmp_path)
@@ -183,7 +226,10 @@ def _run_pod(cluster: Cluster, pod: dict[str, Any], timeout: float) -> None:
         assert code == 0, f"{label} exited with {code}:\n{process.tail()}"
 
 
-def test_default_install_trains_a_job_that_survives_a_killed_worker(cluster: Cluster) -> None:
+def test_the_install_trains_a_job_that_survives_a_killed_worker(
+    installed: tuple[Cluster, Storage],
+) -> None:
+    cluster, storage = installed
     rendered = cluster.rendered
     cluster.start_nats()
     wait_until(cluster.nats_ready, "the three NATS replicas to form a JetStream cluster", 30)
@@ -209,7 +255,11 @@ def test_default_install_trains_a_job_that_survives_a_killed_worker(cluster: Clu
         first["STRATA_NATS_PASSWORD"]
         == cluster.secrets[name("nats-auth")][f"workers-{JOB}-password"]
     )
-    assert first["STRATA_CHECKPOINTS"] == str(cluster.paths["/data/checkpoints"])
+    if storage.claim is not None:
+        assert first["STRATA_CHECKPOINTS"] == str(storage.claim)
+    else:
+        assert first["STRATA_CHECKPOINTS"] == f"s3://{storage.bucket}/checkpoints"
+        assert first["AWS_SECRET_ACCESS_KEY"] == storage.s3.secret_key  # type: ignore[union-attr]
 
     victim = job.indexes[1]
     killed_at: float | None = None
@@ -251,8 +301,9 @@ def test_default_install_trains_a_job_that_survives_a_killed_worker(cluster: Clu
     assert any(c["status"] == "aborted" for c in dashboard["checkpoints"]) or any(
         w["status"] == "failed" for w in dashboard["workers"]
     ), "the kill left no trace in the dashboard"
-    manifests = list((cluster.paths["/data/checkpoints"] / JOB).rglob("MANIFEST.json"))
-    assert manifests, "no checkpoint manifest on the claim"
+    manifests = storage.manifests()
+    assert len(manifests) >= len(committed), "committed checkpoints without their manifest"
+    assert all(f"/{JOB}/" in m for m in manifests), manifests
 
     # `helm test`: the hook pod, as rendered.
     (hook,) = [p for p in rendered.of_kind("Pod") if "helm.sh/hook" in p["metadata"]["annotations"]]
