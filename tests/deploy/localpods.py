@@ -138,11 +138,30 @@ class Process:
 
 @dataclass
 class NatsNode:
+    """One nats-server replica (or a server outside the chart), its ports on 127.0.0.1."""
+
     name: str
     client: int
     monitor: int
     cluster: int
     process: Process
+
+    def routed_to(self) -> set[str]:
+        """Names of the servers this one has an established route with."""
+        self.process.check_running()
+        try:
+            routes = get_json(f"http://127.0.0.1:{self.monitor}/routez").get("routes") or []
+        except (urllib.error.URLError, OSError, ValueError):
+            return set()
+        return {route.get("remote_name") for route in routes} - {None, ""}
+
+    def meta_leader(self) -> str | None:
+        try:
+            report = get_json(f"http://127.0.0.1:{self.monitor}/jsz")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        leader = (report.get("meta_cluster") or {}).get("leader")
+        return leader if isinstance(leader, str) and leader else None
 
 
 class Cluster:
@@ -158,6 +177,8 @@ class Cluster:
         """A volume's mount path -> the directory standing in for it (shared by all pods)."""
         self.processes: list[Process] = []
         self.nats: list[NatsNode] = []
+        self.routes_conf = ""
+        """routes.conf as the replicas here have it: the route Secret's, addresses swapped."""
 
     # -- what the kubelet resolves ----------------------------------------------------------------
 
@@ -264,10 +285,10 @@ class Cluster:
             (directory / "nats.conf").write_text(text)
             if "auth.conf" in config:
                 (directory / "auth.conf").write_text(config["auth.conf"])
-            routes_conf = routes_conf.replace(
-                f"{pod}.{name('nats-headless')}.{NAMESPACE}.svc.cluster.local:6222",
-                f"127.0.0.1:{cluster}",
-            )
+            if routes_conf:
+                # The replica's DNS name, as the headless Service gives it, becomes its port.
+                host = f"{pod}.{name('nats-headless')}.{NAMESPACE}.svc.cluster.local:6222"
+                routes_conf = swap(routes_conf, f"@{host}", f"@127.0.0.1:{cluster}")
             env = {
                 **self.resolve_env(container, pod, {}),
                 "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -279,6 +300,7 @@ class Cluster:
                 directory / "nats-server.log",
             )
             self.nats.append(NatsNode(pod, client, monitor, cluster, process))
+        self.routes_conf = routes_conf
         for node in self.nats:
             directory = node.process.log.parent
             if routes_conf:

@@ -183,14 +183,14 @@ def installed(
 
 def _collect_logs(cluster: Cluster, tmp_path: Path) -> None:
     # Where a failed run can be read: pytest keeps tmp_path; point at it.
-    print(f"process logs under {tmp_path / 'logs'} and {tmp_path / 'pods'}")
+    print(f"logs of {len(cluster.processes)} processes under {tmp_path}")
 
 
 def _deployment_container(rendered: Rendered, service: str) -> dict[str, Any]:
     deployment = rendered.get("Deployment", name(service))
     assert deployment["spec"]["replicas"] == 1
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container
+    return dict(container)
 
 
 def _start_services(cluster: Cluster) -> dict[str, tuple[Process, int]]:
