@@ -155,13 +155,13 @@ def _nats_auth(rendered: Rendered) -> dict[str, tuple[str, natsconf.Permissions]
 # -- the chart as a whole -------------------------------------------------------------------------
 
 
-def test_lint_strict(helm: Path) -> None:
-    for settings in (SCENARIOS["defaults"], SCENARIOS["s3-secret"]):
-        command = [str(helm), "lint", "--strict", str(CHART)]
-        for setting in settings:
-            command += ["--set", setting]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 0, done.stdout + done.stderr
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_lint_strict(helm: Path, scenario: str) -> None:
+    command = [str(helm), "lint", "--strict", str(CHART)]
+    for setting in SCENARIOS[scenario]:
+        command += ["--set", setting]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
