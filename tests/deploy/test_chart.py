@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import json
 import os
 import re
 import shutil
@@ -20,10 +21,11 @@ from typing import Any
 
 import kubernetes_validate
 import kubernetes_validate.utils
+import nats.errors
 import pytest
 import yaml
 from nats.aio.msg import Msg
-from strata import security
+from strata import procutil, security
 from strata.bus import Bus, ConnectOptions, EventFeed
 from strata.bus import connect as connect_nats
 from strata.bus.server import NatsServer, nats_server_binary
@@ -34,6 +36,7 @@ from strata.events.rpc import RPC_SERVICES
 from tests import natsprobe
 from tests.deploy import natsconf
 from tests.deploy.chart import CHART, NAMESPACE, RELEASE, Render, Rendered, helm_template
+from tests.deploy.localpods import Process
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 STRATA_SERVICES = ("registry", "sharding", "barrier", "checkpoint", "gateway")
@@ -1264,3 +1267,69 @@ def test_coordinator_replica_count_applies_to_every_service_unless_one_says(
         n: rendered.get("Deployment", _name(n))["spec"]["replicas"] for n in STRATA_SERVICES
     }
     assert replicas == {"registry": 2, "sharding": 2, "barrier": 2, "checkpoint": 2, "gateway": 3}
+
+
+@pytest.mark.nats
+async def test_a_nats_server_set_up_as_the_official_chart_values_say_admits_strata_users(
+    render: Render, tmp_path: Path
+) -> None:
+    """The layout the official NATS chart gives its pod with `nats-chart-values.yaml`: its own
+    nats.conf in /etc/nats-config including ours from the mounted ConfigMap, the passwords in the
+    environment from the operator's Secret. Every Strata user logs in; a wrong password does not."""
+    rendered = render(*SCENARIOS["external-nats"])
+    data = rendered.get("ConfigMap", _name("nats-auth"))["data"]
+    values = yaml.safe_load(data["nats-chart-values.yaml"])
+    (mount,) = [p["value"] for p in values["container"]["patch"]]
+    etc = tmp_path / "etc"
+    config_dir = etc / "nats-config"
+    auth_dir = etc / Path(mount["mountPath"]).relative_to("/etc")
+    config_dir.mkdir(parents=True)
+    auth_dir.mkdir(parents=True)
+    (auth_dir / "auth.conf").write_text(data["auth.conf"])
+    (port,) = procutil.free_ports(1)
+    # As the official chart renders config.merge: JSON-like, the include last.
+    (config_dir / "nats.conf").write_text(
+        "{\n"
+        f'  "port": {port},\n  "host": "127.0.0.1",\n'
+        f'  "jetstream": {{"store_dir": {json.dumps(str(tmp_path / "js"))}}},\n'
+        f"  include {values['config']['merge']['zzz$include']};\n"
+        "}\n"
+    )
+    secret = {  # the operator's Secret, nats.auth.existingSecret
+        key: f"password-{key}"
+        for key in ("services-password", "gateway-password", "workers-default-password")
+    }
+    env = {"PATH": "/usr/bin:/bin"}
+    for variable, source in values["container"]["env"].items():
+        reference = source["valueFrom"]["secretKeyRef"]
+        assert reference["name"] == "strata-nats-credentials"
+        env[variable] = secret[reference["key"]]
+    server = Process(
+        "nats",
+        [str(nats_server_binary()), "-c", str(config_dir / "nats.conf")],
+        env,
+        tmp_path / "nats.log",
+    ).start()
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        users = {
+            "strata-services": "services-password",
+            "strata-gateway": "gateway-password",
+            "strata-workers-default": "workers-default-password",
+        }
+        deadline = asyncio.get_running_loop().time() + 20
+        for user, key in users.items():
+            while True:
+                try:
+                    client = await natsprobe.connect(url, user, secret[key])
+                    break
+                except (OSError, nats.errors.NoServersError):
+                    server.check_running()
+                    assert asyncio.get_running_loop().time() < deadline, "nats-server not up"
+                    await asyncio.sleep(0.1)
+            assert client.nc.is_connected, user
+            await client.close()
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await natsprobe.connect(url, "strata-services", "wrong")
+    finally:
+        server.stop()
