@@ -1227,7 +1227,7 @@ def test_an_external_nats_gets_the_same_users_and_values_for_the_official_chart(
         (("metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"), "one of"),
         (("workers.kind=StatefulSet",), "workers.kind"),
         (("ingress.path=strata",), "ingress.path"),
-        (("workers.args={--epochs,3}",), "workers.args needs workers.command"),
+        (("workers.args={--epochs=3}",), "workers.args needs workers.command"),
     ],
 )
 def test_options_that_cannot_work_are_refused(
