@@ -1,0 +1,424 @@
+"""torch.distributed.checkpoint (DCP) through Strata's two-phase commit.
+
+`Writer(manager, step=N)` and `Reader(manager, step=N)` are DCP's `StorageWriter` and
+`StorageReader` on a `CheckpointManager`: `dcp.save`, `dcp.async_save` and `dcp.load` store every
+rank's items as that rank's Strata shard of step N, through the manager's storage backend (local
+disk or S3). The coordinator's shard also carries DCP's metadata and is acked last, so the step
+commits only once every rank's data and the metadata are stored: `latest()` never sees half a DCP
+checkpoint, and retention, replay and the dashboard treat it like any other checkpoint.
+
+A shard is the items' raw bytes, each at a 64-byte aligned offset and checksummed on its own (a
+load reads only the byte ranges it needs, and verifies each), then the pickled metadata (the
+coordinator's shard only), then a fixed footer saying where the metadata is. Tensors are stored
+as their raw bytes in their own dtype and shape, so a load into another world size (resharding)
+reads exactly the parts of the saved chunks it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import pickle
+import struct
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from strata.errors import ChecksumMismatch, StrataError, ValidationError
+from strata.events.requests import Manifest, ManifestShard
+from strata.storage import checksum_of
+
+if TYPE_CHECKING:
+    from strata.checkpoint import CheckpointManager, ShardSlot
+
+__all__ = ["ItemLocation", "Reader", "Writer"]
+
+_MAGIC: Final = b"STRATADCP1\0\0\0\0\0\0"
+_FOOTER: Final = struct.Struct("<16sQQ32s")
+"""magic, metadata offset, metadata length, metadata xxh128 digest (hex, 32 ASCII bytes)."""
+_ALIGN: Final = 64
+_READ_RUN: Final = 64 * 1024 * 1024
+"""Adjacent items of one shard are read together, up to this many bytes per request."""
+_READS_IN_FLIGHT: Final = 8
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where one DCP item is stored: in rank `rank`'s shard, `length` bytes from `offset`.
+
+    Tensors record their dtype and shape (the bytes are the tensor's, contiguous); a bytes item
+    has `dtype` None. `checksum` is the item's own `xxh128:` checksum.
+    """
+
+    rank: int
+    offset: int
+    length: int
+    checksum: str
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Writer(StorageWriter):
+    """DCP storage writer: this rank's items become its Strata shard of `step`.
+
+    Every rank declares its shard when DCP hands it its plan (so a rank that dies while saving
+    aborts the step), writes it and waits for the service's ack; the coordinator writes its
+    shard with the metadata appended once all ranks have written, then (with `wait_commit`)
+    waits until the step is committed, so `dcp.save` returning means `latest()` sees it.
+    A failure on any rank makes `dcp.save` raise on every rank, as DCP does.
+    """
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        step: int,
+        epoch: int = 0,
+        *,
+        wait_commit: bool = True,
+        commit_timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        self.manager = manager
+        self.step = step
+        self.epoch = epoch
+        self.wait_commit = wait_commit
+        self.commit_timeout = commit_timeout
+        self.is_coordinator = False
+        self._slot: ShardSlot | None = None
+        self._held: bytearray | None = None
+        """The coordinator's shard, written by `finish` with the metadata appended."""
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValidationError(
+                "strata.torch.dcp.Writer takes no checkpoint_id: the step names the checkpoint "
+                f"(Writer(manager, step=N)); got checkpoint_id={checkpoint_id!r}",
+                field="checkpoint_id",
+            )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._slot = self.manager._runner.run(self.manager.aio.declare(self.step, self.epoch))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        slot = self._declared()
+        blob, results = _pack(plan.items, planner, slot.rank)
+        if self.is_coordinator:
+            self._held = blob  # goes out with the metadata, in finish()
+        else:
+            blob += _footer(len(blob), b"")
+            self._write(blob)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        blob, self._held = self._held, None
+        if blob is None:
+            blob = bytearray()
+        metadata.storage_data = {
+            result.index: result.storage_data for rank_results in results for result in rank_results
+        }
+        encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        start = _aligned(len(blob))
+        blob += bytes(start - len(blob))
+        blob += encoded
+        blob += _footer(start, encoded)
+        self._write(blob)
+        if self.wait_commit:
+            self.manager.wait_committed(self.step, timeout=self.commit_timeout)
+
+    def _declared(self) -> ShardSlot:
+        if self._slot is None:
+            raise StrataError(
+                "the DCP plan was not prepared; pass the Writer to dcp.save/async_save",
+                code="dcp_order",
+            )
+        return self._slot
+
+    def _write(self, blob: bytearray) -> None:
+        manager = self.manager
+        manager._runner.run(
+            manager.aio.write_declared(memoryview(blob), self.step, self.epoch, self._declared())
+        )
+
+
+def _pack(
+    items: list[WriteItem], planner: SavePlanner, rank: int
+) -> tuple[bytearray, list[WriteResult]]:
+    """This rank's items laid out in one buffer, and where each one went."""
+    resolved: list[tuple[WriteItem, Any, int]] = []
+    end = 0
+    for item in items:
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else data.read()
+            resolved.append((item, raw, end))
+            end = _aligned(end + len(raw))
+        else:
+            tensor = data.detach()
+            resolved.append((item, tensor, end))
+            end = _aligned(end + tensor.numel() * tensor.element_size())
+    blob = bytearray(end)
+    results: list[WriteResult] = []
+    view = memoryview(blob)
+    try:
+        for item, data, offset in resolved:
+            if isinstance(data, bytes):
+                length = len(data)
+                view[offset : offset + length] = data
+                location = ItemLocation(rank, offset, length, checksum_of(data))
+            else:
+                length = data.numel() * data.element_size()
+                if length:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        target = torch.frombuffer(
+                            blob, dtype=torch.uint8, count=length, offset=offset
+                        )
+                    target.view(data.dtype).view(data.shape).copy_(data)
+                    del target
+                location = ItemLocation(
+                    rank,
+                    offset,
+                    length,
+                    checksum_of(view[offset : offset + length]),
+                    data.dtype,
+                    tuple(data.shape),
+                )
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=length, storage_data=location)
+            )
+    finally:
+        view.release()
+    return blob, results
+
+
+def _footer(metadata_offset: int, encoded: bytes) -> bytes:
+    digest = checksum_of(encoded).partition(":")[2].encode() if encoded else b"0" * 32
+    return _FOOTER.pack(_MAGIC, metadata_offset, len(encoded), digest)
+
+
+class Reader(StorageReader):
+    """DCP storage reader of step `step`'s committed checkpoint (None: the latest complete one).
+
+    Every rank reads only the byte ranges its plan needs, from whichever ranks' shards hold them,
+    so a checkpoint saved by N ranks loads into any other number; each item is checksum-verified.
+    """
+
+    def __init__(self, manager: CheckpointManager, step: int | None = None) -> None:
+        super().__init__()
+        self.manager = manager
+        self.step = step
+        self._manifest: Manifest | None = None
+        self._metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValidationError(
+                "strata.torch.dcp.Reader takes no checkpoint_id: pass the step to the Reader "
+                f"(Reader(manager, step=N)); got checkpoint_id={checkpoint_id!r}",
+                field="checkpoint_id",
+            )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    @property
+    def manifest(self) -> Manifest:
+        """The committed checkpoint being read (found on first use)."""
+        if self._manifest is None:
+            manager = self.manager
+            self._manifest = manager._runner.run(manager.aio._manifest(self.step))
+        return self._manifest
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            manager = self.manager
+            self._metadata = manager._runner.run(_read_metadata(manager, self.manifest))
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        metadata = self.read_metadata()
+        shards = {shard.rank: shard for shard in self.manifest.shards}
+        storage_data: dict[MetadataIndex, Any] = metadata.storage_data
+        located = [(item, _location(storage_data, item)) for item in plan.items]
+        manager = self.manager
+        for run in _runs(located):
+            shard = shards.get(run[0][1].rank)
+            if shard is None:
+                raise StrataError(
+                    f"checkpoint of step {self.manifest.step} has no shard of rank "
+                    f"{run[0][1].rank}, which its DCP metadata names",
+                    code="dcp_shard_missing",
+                )
+            data = manager._runner.run(_read_run(manager, shard, run))
+            for item, location, start in _split(run, data):
+                _apply(planner, item, location, data, start)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+
+def _location(storage_data: dict[MetadataIndex, Any], item: ReadItem) -> ItemLocation:
+    location = storage_data.get(item.storage_index)
+    if not isinstance(location, ItemLocation):
+        raise StrataError(
+            f"DCP item {item.storage_index.fqn!r} has no Strata location in the checkpoint's "
+            "metadata (was it saved with strata.torch.dcp.Writer?)",
+            code="dcp_format",
+        )
+    return location
+
+
+Run = list[tuple[ReadItem, ItemLocation]]
+
+
+def _runs(located: list[tuple[ReadItem, ItemLocation]]) -> Iterator[Run]:
+    """Items grouped into reads: the same shard, adjacent or overlapping, up to `_READ_RUN`."""
+    ordered = sorted(located, key=lambda pair: (pair[1].rank, pair[1].offset))
+    run: Run = []
+    for pair in ordered:
+        if run:
+            first, last = run[0][1], run[-1][1]
+            location = pair[1]
+            same = location.rank == first.rank
+            near = location.offset <= _aligned(last.offset + last.length)
+            small = location.offset + location.length - first.offset <= _READ_RUN
+            if not (same and near and small):
+                yield run
+                run = []
+        run.append(pair)
+    if run:
+        yield run
+
+
+def _split(run: Run, data: bytes) -> Iterator[tuple[ReadItem, ItemLocation, int]]:
+    base = run[0][1].offset
+    for item, location in run:
+        yield item, location, location.offset - base
+
+
+async def _read_run(manager: CheckpointManager, shard: ManifestShard, run: Run) -> bytes:
+    first = run[0][1].offset
+    end = max(location.offset + location.length for _, location in run)
+    data = await manager.aio.storage.read_range(shard.key, first, end - first)
+    for _, location in run:
+        start = location.offset - first
+        part = memoryview(data)[start : start + location.length]
+        if len(part) != location.length or checksum_of(part) != location.checksum:
+            raise ChecksumMismatch(
+                f"DCP item at {location.offset}+{location.length} of {shard.key!r} does not "
+                f"match its checksum {location.checksum}; the shard is damaged or was replaced",
+                key=shard.key,
+                expected=location.checksum,
+                actual=checksum_of(part),
+            )
+    return data
+
+
+def _apply(
+    planner: LoadPlanner, item: ReadItem, location: ItemLocation, data: bytes, start: int
+) -> None:
+    raw = memoryview(data)[start : start + location.length]
+    if item.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(item, io.BytesIO(raw.tobytes()))
+        return
+    if location.dtype is None:
+        raise StrataError(f"DCP item {item.storage_index.fqn!r} is not a tensor", code="dcp_format")
+    if location.length:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only bytes: the tensor is only copied from
+            stored = torch.frombuffer(raw, dtype=torch.uint8).view(location.dtype)
+        stored = stored.view(location.shape)
+    else:
+        stored = torch.empty(location.shape, dtype=location.dtype)
+    tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise StrataError(
+            f"DCP item {item.storage_index.fqn!r}: the checkpoint holds {tuple(tensor.size())} "
+            f"where the state dict has {tuple(target.size())}",
+            code="dcp_shape_mismatch",
+        )
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
+
+
+async def _read_metadata(manager: CheckpointManager, manifest: Manifest) -> Metadata:
+    """DCP's metadata, from the first shard (by rank) that carries it."""
+    storage = manager.aio.storage
+    for shard in sorted(manifest.shards, key=lambda shard: shard.rank):
+        footer = b""
+        if shard.bytes >= _FOOTER.size:
+            footer = await storage.read_range(shard.key, shard.bytes - _FOOTER.size, _FOOTER.size)
+        magic, offset, length, digest = _FOOTER.unpack(footer or bytes(_FOOTER.size))
+        if magic != _MAGIC:
+            raise StrataError(
+                f"checkpoint of step {manifest.step} is not a DCP checkpoint (rank {shard.rank}'s "
+                "shard has no DCP footer); load it with CheckpointManager.load()",
+                code="dcp_format",
+            )
+        if not length:
+            continue
+        encoded = await storage.read_range(shard.key, offset, length)
+        expected = "xxh128:" + digest.decode()
+        if checksum_of(encoded) != expected:
+            raise ChecksumMismatch(
+                f"DCP metadata in {shard.key!r} does not match its checksum; not loaded",
+                key=shard.key,
+                expected=expected,
+                actual=checksum_of(encoded),
+            )
+        metadata = await asyncio.to_thread(pickle.loads, encoded)
+        if not isinstance(metadata, Metadata):
+            raise StrataError(f"DCP metadata in {shard.key!r} is not DCP's", code="dcp_format")
+        return metadata
+    raise StrataError(
+        f"checkpoint of step {manifest.step} holds no DCP metadata in any shard",
+        code="dcp_format",
+    )
