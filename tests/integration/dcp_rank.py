@@ -9,7 +9,9 @@ DTensors (sharded on dim 0 and dim 1), a replicated plain tensor and a non-tenso
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--id", required=True)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # the test dumps every thread's stack on a hang
 
     with strata.Worker(args.job, args.nats_url, worker_id=args.id) as worker:
         deadline = time.monotonic() + 60

@@ -17,12 +17,16 @@ reads exactly the parts of the saved chunks it needs.
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
+import math
 import os
 import pickle
 import struct
+import threading
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -37,9 +41,10 @@ from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
     WriteItem,
-    WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from strata.errors import ChecksumMismatch, StrataError, ValidationError
@@ -80,7 +85,82 @@ def _aligned(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class Writer(StorageWriter):
+class _Buffers:
+    """Host memory for one shard, kept from one save of a manager to the next.
+
+    Copying into memory that is already mapped runs at memory speed; a fresh allocation costs a
+    page fault per 4 KiB as well (as `save_state`'s staging buffers avoid too). A save takes the
+    kept buffer if it is large enough and no other save holds it, and gives it back once its
+    shard is written, so at most one shard's worth is kept.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: bytearray | None = None
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            free, self._free = self._free, None
+        if free is not None and len(free) >= size:
+            return free
+        return bytearray(size)
+
+    def give_back(self, blob: bytearray) -> None:
+        with self._lock:
+            if self._free is None or len(blob) > len(self._free):
+                self._free = blob
+
+
+_BUFFERS: weakref.WeakKeyDictionary[Any, _Buffers] = weakref.WeakKeyDictionary()
+_BUFFERS_LOCK = threading.Lock()
+
+
+def _buffers(manager: CheckpointManager) -> _Buffers:
+    with _BUFFERS_LOCK:
+        return _BUFFERS.setdefault(manager, _Buffers())
+
+
+@dataclass
+class _Shard:
+    """A shard being built: its buffer, how much of it is used, and the data it was staged from."""
+
+    blob: bytearray
+    end: int = 0
+    staged_end: int = 0
+    """Bytes at the start of `blob` that hold tensors `stage` copied there (`async_save`)."""
+
+    def address(self) -> int:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe = torch.frombuffer(self.blob, dtype=torch.uint8, count=1)
+        return int(probe.data_ptr())
+
+    def tensor_at(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        length = math.prod(shape) * _element_size(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            raw = torch.frombuffer(self.blob, dtype=torch.uint8, count=length, offset=offset)
+        return raw.view(dtype).view(tuple(shape))
+
+    def put(self, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Copy `tensor` to the end of the used part; its offset and the copy (a view)."""
+        offset = _aligned(self.end)
+        view = self.tensor_at(offset, tensor.dtype, tensor.shape) if tensor.numel() else tensor
+        if tensor.numel():
+            view.copy_(tensor)
+        self.end = offset + tensor.numel() * tensor.element_size()
+        return offset, view
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_RESERVE: Final = 4 * 1024 * 1024
+"""Room kept after the data for the footer and (the coordinator's) metadata."""
+
+
+class Writer(StorageWriter, AsyncStager):
     """DCP storage writer: this rank's items become its Strata shard of `step`.
 
     Every rank declares its shard when DCP hands it its plan (so a rank that dies while saving
@@ -88,7 +168,12 @@ class Writer(StorageWriter):
     shard with the metadata appended once all ranks have written, then (with `wait_commit`)
     waits until the step is committed, so `dcp.save` returning means `latest()` sees it.
     A failure on any rank makes `dcp.save` raise on every rank, as DCP does.
+
+    For `dcp.async_save` it is also the stager: the caller blocks only while the tensors are
+    copied into this manager's kept host buffer, which is then written as it is.
     """
+
+    _synchronize_after_execute = False  # staging is done when stage() returns
 
     def __init__(
         self,
@@ -107,7 +192,8 @@ class Writer(StorageWriter):
         self.commit_timeout = commit_timeout
         self.is_coordinator = False
         self._slot: ShardSlot | None = None
-        self._held: bytearray | None = None
+        self._staged: _Shard | None = None
+        self._held: _Shard | None = None
         """The coordinator's shard, written by `finish` with the metadata appended."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -122,6 +208,23 @@ class Writer(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of `state_dict` whose tensors live in this manager's kept host buffer."""
+        size = sum(
+            _aligned(_local(t).numel() * _local(t).element_size()) for t in _tensors(state_dict)
+        )
+        shard = _Shard(_buffers(self.manager).take(size + _RESERVE))
+        staged: dict[str, Any] = _copy_structure(state_dict, shard)
+        shard.staged_end = shard.end
+        self._staged = shard
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
@@ -134,29 +237,24 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         slot = self._declared()
-        blob, results = _pack(plan.items, planner, slot.rank)
+        staged, self._staged = self._staged, None
+        shard, results = _pack(plan.items, planner, slot.rank, staged, _buffers(self.manager))
         if self.is_coordinator:
-            self._held = blob  # goes out with the metadata, in finish()
+            self._held = shard  # goes out with the metadata, in finish()
         else:
-            blob += _footer(len(blob), b"")
-            self._write(blob)
+            self._write(shard, b"")
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        blob, self._held = self._held, None
-        if blob is None:
-            blob = bytearray()
+        shard, self._held = self._held, None
+        if shard is None:
+            shard = _Shard(bytearray(_RESERVE))
         metadata.storage_data = {
             result.index: result.storage_data for rank_results in results for result in rank_results
         }
-        encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        start = _aligned(len(blob))
-        blob += bytes(start - len(blob))
-        blob += encoded
-        blob += _footer(start, encoded)
-        self._write(blob)
+        self._write(shard, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
         if self.wait_commit:
             self.manager.wait_committed(self.step, timeout=self.commit_timeout)
 
@@ -168,48 +266,116 @@ class Writer(StorageWriter):
             )
         return self._slot
 
-    def _write(self, blob: bytearray) -> None:
+    def _write(self, shard: _Shard, metadata: bytes) -> None:
+        """Write the shard with `metadata` and the footer after its data, and wait for the ack."""
+        start = _aligned(shard.end)
+        tail = metadata + _footer(start, metadata)
+        if start + len(tail) <= len(shard.blob):
+            shard.blob[start : start + len(tail)] = tail
+            data: bytes | memoryview = memoryview(shard.blob)[: start + len(tail)]
+        else:  # metadata larger than the room kept for it: one copy more
+            data = bytes(shard.blob[: shard.end]) + bytes(start - shard.end) + tail
         manager = self.manager
         manager._runner.run(
-            manager.aio.write_declared(memoryview(blob), self.step, self.epoch, self._declared())
+            manager.aio.write_declared(data, self.step, self.epoch, self._declared())
         )
+        if isinstance(data, memoryview):
+            data.release()
+        _buffers(manager).give_back(shard.blob)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _copy_structure(value: Any, shard: _Shard) -> Any:
+    """`value` with every tensor copied into `shard` (DTensors keep their mesh and placements);
+    everything else deep-copied, so the training loop may change the original at once."""
+    if isinstance(value, DTensor):
+        _, local = shard.put(value.to_local().detach())
+        return DTensor.from_local(
+            local,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if isinstance(value, torch.Tensor):
+        return shard.put(value.detach())[1]
+    if isinstance(value, Mapping):
+        copied = {key: _copy_structure(item, shard) for key, item in value.items()}
+        return type(value)(copied) if isinstance(value, dict) else copied
+    if isinstance(value, list):
+        return [_copy_structure(item, shard) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_copy_structure(item, shard) for item in value)
+    return copy.deepcopy(value)
 
 
 def _pack(
-    items: list[WriteItem], planner: SavePlanner, rank: int
-) -> tuple[bytearray, list[WriteResult]]:
-    """This rank's items laid out in one buffer, and where each one went."""
-    resolved: list[tuple[WriteItem, Any, int]] = []
-    end = 0
+    items: list[WriteItem],
+    planner: SavePlanner,
+    rank: int,
+    staged: _Shard | None,
+    buffers: _Buffers,
+) -> tuple[_Shard, list[WriteResult]]:
+    """This rank's items laid out in one buffer, and where each one went.
+
+    Tensors `stage` already copied into the buffer stay where they are; the rest are copied in.
+    """
+    resolved: list[tuple[WriteItem, Any]] = []
     for item in items:
         data = planner.resolve_data(item)
-        if not isinstance(data, torch.Tensor):
-            raw = data.getvalue() if isinstance(data, io.BytesIO) else data.read()
-            resolved.append((item, raw, end))
-            end = _aligned(end + len(raw))
+        if isinstance(data, torch.Tensor):
+            resolved.append((item, data.detach()))
         else:
-            tensor = data.detach()
-            resolved.append((item, tensor, end))
-            end = _aligned(end + tensor.numel() * tensor.element_size())
-    blob = bytearray(end)
+            resolved.append(
+                (item, data.getvalue() if isinstance(data, io.BytesIO) else data.read())
+            )
+    sizes = [_aligned(len(d) if isinstance(d, bytes) else _nbytes(d)) for _, d in resolved]
+    placed: dict[int, int] = {}
+    if staged is not None:
+        base = staged.address()
+        for position, (_, data) in enumerate(resolved):
+            offset = _resident(data, staged, base) if isinstance(data, torch.Tensor) else None
+            if offset is not None:
+                placed[position] = offset
+    missing = sum(size for position, size in enumerate(sizes) if position not in placed)
+    if staged is None:
+        shard = _Shard(buffers.take(sum(sizes) + _RESERVE))
+    elif staged.end + missing + _RESERVE > len(staged.blob):
+        # The staged copy is still read from: a buffer of its own, not the kept one.
+        shard, placed = _Shard(bytearray(sum(sizes) + _RESERVE)), {}
+    else:
+        shard = staged
     results: list[WriteResult] = []
-    view = memoryview(blob)
+    view = memoryview(shard.blob)
     try:
-        for item, data, offset in resolved:
+        for position, (item, data) in enumerate(resolved):
             if isinstance(data, bytes):
+                offset = _aligned(shard.end)
                 length = len(data)
                 view[offset : offset + length] = data
+                shard.end = offset + length
                 location = ItemLocation(rank, offset, length, checksum_of(data))
             else:
-                length = data.numel() * data.element_size()
-                if length:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        target = torch.frombuffer(
-                            blob, dtype=torch.uint8, count=length, offset=offset
-                        )
-                    target.view(data.dtype).view(data.shape).copy_(data)
-                    del target
+                if position in placed:
+                    offset = placed[position]
+                else:
+                    offset, _ = shard.put(data)
+                length = _nbytes(data)
                 location = ItemLocation(
                     rank,
                     offset,
@@ -223,10 +389,25 @@ def _pack(
             )
     finally:
         view.release()
-    return blob, results
+    return shard, results
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _resident(tensor: torch.Tensor, shard: _Shard, base: int) -> int | None:
+    """The offset of `tensor`'s bytes in the staged part of `shard`, if they are there whole."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+        return None
+    offset = int(tensor.data_ptr()) - base
+    if offset >= 0 and offset + _nbytes(tensor) <= shard.staged_end:
+        return offset
+    return None
 
 
 def _footer(metadata_offset: int, encoded: bytes) -> bytes:
+    """The fixed-size end of every shard: where its metadata is (length 0: none)."""
     digest = checksum_of(encoded).partition(":")[2].encode() if encoded else b"0" * 32
     return _FOOTER.pack(_MAGIC, metadata_offset, len(encoded), digest)
 
