@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"      dcp.async_save blocks, FS writer {bp * 1000:7.0f} ms    "
                 f"(rounds {spread(blocking['plain'], 1000)} ms)   ratio {b / bp:.2f}",
                 f"      strata: blocking / dcp.save      {b / save:7.2f}",
-                f"      strata: async_save until committed {statistics.median(durable) * 1000:5.0f} ms",
+                f"      strata: until committed          {statistics.median(durable):9.2f} s",
             ]
     finally:
         shutil.rmtree(base, ignore_errors=True)
