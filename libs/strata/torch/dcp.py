@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -229,8 +230,17 @@ class Writer(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._slot = self.manager._runner.run(self.manager.aio.declare(self.step, self.epoch))
+        self._slot = self.manager._runner.run(self._declare())
         return plan
+
+    async def _declare(self) -> ShardSlot:
+        worker = self.manager.aio._worker
+        # The step is opened for this worker's view of the world; right after the ranks met
+        # (init_process_group, a barrier) the registry's notice of the last join may still be
+        # on its way, so a view that differs from torch's world is asked for afresh.
+        if dist.is_initialized() and worker.world_size != dist.get_world_size():
+            await worker.members()
+        return await self.manager.aio.declare(self.step, self.epoch)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
