@@ -68,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     plain_dir.mkdir()
     try:
         with stack(base) as url, strata.Worker(job="bench-dcp", nats_url=url) as worker:
-            manager = strata.CheckpointManager(worker, str(base / "ckpt"), keep_count=1)
+            # Old steps are removed untimed before each round (below), not by retention in the
+            # background of the next measurement.
+            manager = strata.CheckpointManager(worker, str(base / "ckpt"), keep_count=10_000)
             steps = [0]
 
             def run_strata(number: int) -> None:
@@ -84,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             def before() -> None:
                 clean(plain_dir)
+                clean(base / "ckpt")
                 os.sync()
 
             strata_times: list[float] = []
