@@ -64,6 +64,8 @@ _ALIGN: Final = 64
 _READ_RUN: Final = 64 * 1024 * 1024
 """Adjacent items of one shard are read together, up to this many bytes per request."""
 _READS_IN_FLIGHT: Final = 8
+_READ_WINDOW: Final = 256 * 1024 * 1024
+"""Bytes read before they are copied into the state dict being loaded (bounds the memory)."""
 
 
 @dataclass(frozen=True)
@@ -448,6 +450,14 @@ class Reader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
+    def _read_window(self, window: list[tuple[ManifestShard, Run]], planner: LoadPlanner) -> None:
+        manager = self.manager
+        for (_, run), data in zip(
+            window, manager._runner.run(_read_all(manager, window)), strict=True
+        ):
+            for item, location, start in _split(run, data):
+                _apply(planner, item, location, data, start)
+
     @property
     def manifest(self) -> Manifest:
         """The committed checkpoint being read (found on first use)."""
@@ -478,7 +488,7 @@ class Reader(StorageReader):
         shards = {shard.rank: shard for shard in self.manifest.shards}
         storage_data: dict[MetadataIndex, Any] = metadata.storage_data
         located = [(item, _location(storage_data, item)) for item in plan.items]
-        manager = self.manager
+        reads: list[tuple[ManifestShard, Run]] = []
         for run in _runs(located):
             shard = shards.get(run[0][1].rank)
             if shard is None:
@@ -487,12 +497,36 @@ class Reader(StorageReader):
                     f"{run[0][1].rank}, which its DCP metadata names",
                     code="dcp_shard_missing",
                 )
-            data = manager._runner.run(_read_run(manager, shard, run))
-            for item, location, start in _split(run, data):
-                _apply(planner, item, location, data, start)
+            reads.append((shard, run))
+        # Reads go out several at a time (S3 wants that), a window of up to _READ_WINDOW bytes,
+        # which is applied to the state dict before the next one is read.
+        window: list[tuple[ManifestShard, Run]] = []
+        size = 0
+        for position, read in enumerate(reads):
+            window.append(read)
+            size += _run_bytes(read[1])
+            if size >= _READ_WINDOW or position == len(reads) - 1:
+                self._read_window(window, planner)
+                window, size = [], 0
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+
+def _run_bytes(run: Run) -> int:
+    return max(loc.offset + loc.length for _, loc in run) - run[0][1].offset
+
+
+async def _read_all(
+    manager: CheckpointManager, reads: list[tuple[ManifestShard, Run]]
+) -> list[bytes]:
+    room = asyncio.Semaphore(_READS_IN_FLIGHT)
+
+    async def one(shard: ManifestShard, run: Run) -> bytes:
+        async with room:
+            return await _read_run(manager, shard, run)
+
+    return await asyncio.gather(*(one(shard, run) for shard, run in reads))
 
 
 def _location(storage_data: dict[MetadataIndex, Any], item: ReadItem) -> ItemLocation:
