@@ -202,10 +202,12 @@ def test_visible_only_with_every_rank_and_the_metadata(stack: str, tmp_path: Pat
         assert {loc.rank for loc in locations if isinstance(loc, ItemLocation)} == {0, 1}
 
 
-def test_async_save_commits_and_loads(stack: str, tmp_path: Path) -> None:
+def test_async_save_commits_loads_and_is_retained_like_any_checkpoint(
+    stack: str, tmp_path: Path
+) -> None:
     job = new_job("dcp")
     with strata.Worker(job, stack) as worker:
-        manager = strata.CheckpointManager(worker, str(tmp_path / "ckpt"))
+        manager = strata.CheckpointManager(worker, str(tmp_path / "ckpt"), keep_count=1)
         state = sample_state(5)
         expected = {key: value for key, value in state.items() if key != "w"}
         expected["w"] = state["w"].clone()
@@ -222,6 +224,11 @@ def test_async_save_commits_and_loads(stack: str, tmp_path: Path) -> None:
         assert torch.equal(loaded["w"], expected["w"])
         assert torch.equal(loaded["half"], expected["half"])
         assert loaded["note"] == {"text": "rank state 5", "n": 5}
+        # Retention keeps keep_count=1: the next DCP step's commit prunes step 1's files.
+        dcp.async_save(state, storage_writer=Writer(manager, step=2), no_dist=True).result(120)
+        first = tmp_path / "ckpt" / job / "step-000000000001"
+        wait_until(lambda: not first.exists(), 20, "step 1 to be pruned")
+        assert [m.step for m in manager.manifests()] == [2]
 
 
 def test_damaged_item_and_foreign_checkpoint_are_refused(stack: str, tmp_path: Path) -> None:
