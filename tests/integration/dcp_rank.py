@@ -3,7 +3,7 @@
 It registers a Strata worker, waits for the world the test started, joins a gloo process group
 with Strata's rank and world (a FileStore the test names), then saves or loads a state dict of
 DTensors (sharded on dim 0 and dim 1), a replicated plain tensor and a non-tensor value through
-`strata.torch.dcp`. It writes what it found to `--out` as JSON for the test to judge.
+`strata.torch.dcp` (the save with `dcp.async_save`). It writes what it found to `--out` as JSON for the test to judge.
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def main() -> None:
         result: dict[str, Any] = {"rank": rank}
         if args.mode == "save":
             state = state_dict(args.world, fill=True)
-            dcp.save(state, storage_writer=Writer(checkpoints, step=args.step))
+            # async_save: the Writer stages the DTensors' local shards, then writes them.
+            writer = Writer(checkpoints, step=args.step)
+            dcp.async_save(state, storage_writer=writer).result(timeout=180)
             manifest = checkpoints.latest()
             result["latest"] = None if manifest is None else manifest.step
             result["world_size"] = None if manifest is None else manifest.world_size
