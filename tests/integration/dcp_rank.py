@@ -3,7 +3,8 @@
 It registers a Strata worker, waits for the world the test started, joins a gloo process group
 with Strata's rank and world (a FileStore the test names), then saves or loads a state dict of
 DTensors (sharded on dim 0 and dim 1), a replicated plain tensor and a non-tensor value through
-`strata.torch.dcp` (the save with `dcp.async_save`). It writes what it found to `--out` as JSON for the test to judge.
+`strata.torch.dcp` (the save with `dcp.async_save`). It writes what it found to `--out` as JSON
+for the test to judge.
 """
 
 from __future__ import annotations

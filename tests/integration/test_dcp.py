@@ -1,9 +1,10 @@
 """DCP through Strata's commit: real registry and checkpoint services, local disk and S3 (moto).
 
-A state dict of DTensors saved by 4 gloo ranks (each its own process, rank and world from Strata)
-loads into 2 ranks and into 1; the checkpoint is visible to `latest()` only once every rank's
-data and the coordinator's metadata are stored; `async_save` commits the same way; a damaged
-item is refused; a checkpoint that is not DCP's is a clear error.
+A state dict of DTensors saved by 4 gloo ranks with `dcp.async_save` (each rank its own
+process, rank and world from Strata) loads into 2 ranks and into 1; the checkpoint is visible to
+`latest()` only once every rank's data and the coordinator's metadata are stored; `async_save`
+commits the same way and retention prunes DCP steps like any other; a damaged item is refused; a
+checkpoint that is not DCP's is a clear error.
 """
 
 from __future__ import annotations
