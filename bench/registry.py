@@ -733,7 +733,8 @@ def report(args: argparse.Namespace, results: Results) -> bool:
     )
     print(
         f"registration: {args.workers:,} workers in {results.register_s:.1f} s "
-        f"({args.workers / results.register_s:,.0f}/s, {args.register_concurrency} requests in flight)"
+        f"({args.workers / results.register_s:,.0f}/s, "
+        f"{args.register_concurrency} requests in flight)"
     )
     lost = results.sent_to_registry - results.received_by_registry
     rejected = sum(p.rejected for p in results.phases)
