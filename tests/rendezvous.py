@@ -43,6 +43,8 @@ def entry_point_path(directory: Path) -> str | None:
 
 def torchrun_env(extra_path: str | None, **env: str) -> dict[str, str]:
     merged = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    # The `torchrun` of this environment first, as an activated virtual environment has it.
+    merged["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), merged.get("PATH", "")))
     if extra_path:
         merged["PYTHONPATH"] = os.pathsep.join(
             p for p in (merged.get("PYTHONPATH", ""), extra_path) if p

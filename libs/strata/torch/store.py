@@ -17,6 +17,7 @@ from datetime import timedelta
 import nats.errors
 import nats.js.errors
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
@@ -144,14 +145,14 @@ class RendezvousBucket:
         try:
             while True:
                 try:
-                    entry = await watcher.updates(timeout=5.0)
+                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
                 except nats.errors.TimeoutError:
                     break
                 if entry is None:
                     break
                 keys += 1
         finally:
-            await watcher.stop()
+            await watcher.stop()  # type: ignore[no-untyped-call]
         return keys
 
 
@@ -185,7 +186,7 @@ def _text(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-class KVStore(dist.Store):
+class KVStore(Store):  # torch.distributed.Store, which mypy cannot see through torch's re-export
     """One job's `torch.distributed.Store` in the rendezvous bucket.
 
     Every operation is one or a few JetStream calls: `add` and `compare_set` are atomic through the
@@ -210,7 +211,9 @@ class KVStore(dist.Store):
         return subjects.rendezvous_store_key(self._job, key)
 
     def _wait(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
-        seconds = (timeout if timeout is not None else self.timeout).total_seconds()
+        # `timeout` is the store's own (C++) timeout, which a PrefixStore's `set_timeout` sets.
+        current: timedelta = self.timeout  # type: ignore[attr-defined]
+        seconds = (timeout if timeout is not None else current).total_seconds()
         try:
             return self._runner.run(self._bucket.wait_for([self._key(k) for k in keys], seconds))
         except TimeoutError as exc:
