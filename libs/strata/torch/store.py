@@ -17,9 +17,9 @@ from datetime import timedelta
 import nats.errors
 import nats.js.errors
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
+from torch._C._distributed_c10d import Store
 
 from strata._loop import LoopRunner
 from strata.bus.connection import ConnectOptions, connect, retry_transient
