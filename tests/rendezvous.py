@@ -8,6 +8,7 @@ the distribution writes); where the entry point is installed, nothing is added.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -76,6 +77,25 @@ def env_of(pid: int, name: str) -> str | None:
     return next((item[len(prefix) :].decode() for item in environ if item.startswith(prefix)), None)
 
 
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children(parent)]
+        found.extend(frontier)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and everything under it. torchrun starts each worker in a session of
+    its own, so killing the agent's process group alone would leave its workers running."""
+    if proc.poll() is not None:
+        return
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 class Agent:
     """One `torchrun` agent (a node) of a rendezvous, its output kept in a log file."""
 
@@ -141,9 +161,7 @@ class Agent:
 
     def kill(self) -> None:
         """SIGKILL the agent and its workers at once, as losing the node would."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill_tree(self.proc)
 
 
 def wait_all(agents: list[Agent], timeout: float) -> list[int | None]:

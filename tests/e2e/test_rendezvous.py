@@ -26,7 +26,15 @@ from strata.config import Env
 from strata.events import subjects
 
 from tests.docs import example, write_example
-from tests.rendezvous import Agent, children, entry_point_path, env_of, torchrun_env, wait_all
+from tests.rendezvous import (
+    Agent,
+    descendants,
+    entry_point_path,
+    env_of,
+    kill_tree,
+    torchrun_env,
+    wait_all,
+)
 from tests.support import new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -89,12 +97,11 @@ class ElasticNode:
         return [(int(m[2]), int(m[3])) for m in WORLD.finditer(self.output())]
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGKILL the node: torchrun and every rank it started."""
+        kill_tree(self.proc)
 
     def kill_one_rank(self) -> None:
-        ranks = [p for p in all_descendants(self.proc.pid) if _is_rank(p)]
+        ranks = [p for p in descendants(self.proc.pid) if _is_rank(p)]
         assert ranks, self.output()
         os.kill(ranks[0], signal.SIGKILL)
 
@@ -104,15 +111,6 @@ class ElasticNode:
         except subprocess.TimeoutExpired:
             self.kill()
             return None
-
-
-def all_descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        found_now = [c for p in frontier for c in children(p)]
-        found.extend(found_now)
-        frontier = found_now
-    return found
 
 
 def _is_rank(pid: int) -> bool:
@@ -171,9 +169,7 @@ def test_two_nodes_of_two_ranks_form_one_world_with_torchs_ranks_in_strata(
         codes = [node.wait(300) for node in nodes]
     finally:
         for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+            kill_tree(node)
     output = "\n".join(log.read_text(errors="replace") for log in logs)
     assert codes == [0, 0], output[-6000:]
     results = {int(m[1]): m for m in SUM.finditer(output)}
