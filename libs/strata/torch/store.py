@@ -33,6 +33,10 @@ RECHECK_S = 1.0
 """While waiting for a key, how often it is read again in case its put was missed (a reconnect
 between the subscription and the put)."""
 CAS_ATTEMPTS = 1000
+RENDEZVOUS_MAX_AGE_S = 7 * 24 * 3600.0
+"""How long a key the agents stopped writing stays. A live job's state key is written again at
+every keep-alive and each round's store keys are read when the round starts, so only finished
+(or long abandoned) jobs' keys go; the bucket does not grow with every job ever run."""
 
 
 class RendezvousBucket:
@@ -175,6 +179,7 @@ async def _bucket(nc: NATS, replicas: int) -> KeyValue:
             history=1,
             replicas=replicas,
             max_value_size=MAX_MSG_SIZE,
+            ttl=RENDEZVOUS_MAX_AGE_S,
             description="torchrun rendezvous state and torch.distributed store keys, per job.",
         )
     except nats.js.errors.BadRequestError:
