@@ -5,25 +5,30 @@ examples as written. Two torchrun invocations on one host stand for two nodes of
 - a rank killed restarts the group on both nodes, and the job finishes;
 - a node killed leaves the other going on alone (`--nnodes=1:2`), and a new node makes the world 4
   again;
+- torchrun's restart after a rank's death is, in Strata's events, that rank failing and every rank
+  registering again with torch's rank;
 - the leader of the rendezvous bucket's stream killed in a 3-node NATS cluster loses nothing: a
   rank killed afterwards restarts the group through the new leader.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shlex
 import signal
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from strata.bus import Bus
 from strata.bus.server import NatsCluster, NatsServer
 from strata.config import Env
-from strata.events import subjects
+from strata.events import AnyEvent, WorkerFailed, WorkerRegistered, subjects
 
 from tests.docs import example, write_example
 from tests.rendezvous import (
@@ -35,7 +40,7 @@ from tests.rendezvous import (
     torchrun_env,
     wait_all,
 )
-from tests.support import new_job, running_services, wait_until
+from tests.support import job_events, new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,10 +105,13 @@ class ElasticNode:
         """SIGKILL the node: torchrun and every rank it started."""
         kill_tree(self.proc)
 
-    def kill_one_rank(self) -> None:
+    def kill_one_rank(self) -> int:
+        """SIGKILL one of the node's ranks; its global rank."""
         ranks = [p for p in descendants(self.proc.pid) if _is_rank(p)]
         assert ranks, self.output()
+        rank = int(env_of(ranks[0], "RANK") or -1)
         os.kill(ranks[0], signal.SIGKILL)
+        return rank
 
     def wait(self, timeout: float) -> int | None:
         try:
@@ -223,6 +231,72 @@ def test_a_lost_node_leaves_a_world_of_two_and_a_new_node_makes_it_four_again(
             node.kill()
     stopped = [(int(m[1]), int(m[3])) for m in STOPPED.finditer(first.output() + new.output())]
     assert sorted(stopped) == [(0, 4), (1, 4), (2, 4), (3, 4)], first.output()[-4000:]
+
+
+MEMBER = """\
+import os, time
+import strata
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+worker = strata.default_worker()
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"rank {rank}: world {world} restart {restart} strata {worker.id} {worker.rank}", flush=True)
+while True:
+    stop = torch.tensor([float(os.path.exists("stop"))])
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    if stop.item():
+        break
+    time.sleep(0.05)
+print(f"rank {rank}: stopped after 0 steps in a world of {world}", flush=True)
+dist.destroy_process_group()
+"""
+MEMBER_LINE = re.compile(r"rank (\d+): world \d+ restart \d+ strata (\S+) (\d+)")
+
+
+def test_a_torchrun_restart_is_one_failure_and_reregistration_in_strata(
+    stack: str, tmp_path: Path, extra_path: str | None
+) -> None:
+    workdir = tmp_path / "member"
+    workdir.mkdir()
+    (workdir / "elastic_train.py").write_text(MEMBER)
+    env = torchrun_env(extra_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    for name in (Env.JOB, Env.NATS_URL):
+        env.pop(name, None)  # the agent passes on the endpoint and the id
+    job = new_job("rdzv")
+    nodes = [ElasticNode(workdir, host_port(stack), job, env, name) for name in "ab"]
+    try:
+        wait_until(lambda: worlds_formed(nodes, 4) >= 1, 180, "a world of 4")
+        killed = nodes[1].kill_one_rank()
+        wait_until(lambda: worlds_formed(nodes, 4) >= 2, 180, "the group restarted, world 4")
+        stop_and_finish(workdir, nodes)
+    finally:
+        for node in nodes:
+            node.kill()
+    output = "".join(node.output() for node in nodes)
+    lines = MEMBER_LINE.findall(output)
+    assert len(lines) == 8, output[-4000:]
+    assert all(
+        worker == f"rank-{rank}" and int(rank) == int(strata_rank)
+        for rank, worker, strata_rank in lines
+    )
+
+    events = asyncio.run(stored_events(stack, job))
+    registered = Counter((e.worker_id, e.rank) for e in events if isinstance(e, WorkerRegistered))
+    # Every rank registered twice, as itself: once per round of the group.
+    assert registered == {(f"rank-{r}", r): 2 for r in range(4)}, registered
+    failed = {e.worker_id for e in events if isinstance(e, WorkerFailed)}
+    # The killed rank at least (the ranks torchrun stopped too, when their successors superseded
+    # them), and nobody else.
+    assert f"rank-{killed}" in failed, [type(e).__name__ for e in events]
+    assert failed <= {f"rank-{r}" for r in range(4)}
+
+
+async def stored_events(url: str, job: str) -> list[AnyEvent]:
+    async with await Bus.connect(url, deadline=10) as bus:
+        return await job_events(bus, job)
 
 
 def test_the_rendezvous_survives_its_nats_leader_being_killed(
