@@ -225,6 +225,14 @@ def rpc_queue_group(service: str) -> str:
     return f"{ROOT}-{_check_name('service', service)}"
 
 
+# -- durable names --------------------------------------------------------------------------------
+
+
+def durable_name(*parts: str) -> str:
+    """A JetStream consumer or KV key name from ids (no `.`, `*`, `>` or whitespace allowed)."""
+    return "_".join(token(part) for part in parts)
+
+
 # -- torchrun rendezvous keys ---------------------------------------------------------------------
 
 
@@ -255,11 +263,3 @@ def kv_subject(bucket: str, key: str) -> str:
 def rendezvous_store_keys(job: str) -> str:
     """The pattern of every key of a job's torch.distributed store."""
     return f"{_rendezvous_prefix(job)}.store.>"
-
-
-# -- durable names --------------------------------------------------------------------------------
-
-
-def durable_name(*parts: str) -> str:
-    """A JetStream consumer or KV key name from ids (no `.`, `*`, `>` or whitespace allowed)."""
-    return "_".join(token(part) for part in parts)
