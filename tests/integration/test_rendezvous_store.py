@@ -25,6 +25,7 @@ from strata.torch.rendezvous import (
 )
 from strata.torch.store import KVStore, RendezvousBucket
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from tests.rendezvous import declared_entry_point
 from tests.support import new_job
@@ -161,15 +162,20 @@ def test_the_handler_is_torchs_dynamic_rendezvous_on_this_backend(
     params = RendezvousParameters(
         backend="strata", endpoint=nats_url, run_id=job, min_nodes=1, max_nodes=1
     )
-    rdzv = create_rdzv_handler(params)
-    assert rdzv.get_backend() == "strata"
-    info = rdzv.next_rendezvous()
-    assert (info.rank, info.world_size) == (0, 1)
-    info.store.set("seen", b"yes")
-    assert info.store.get("seen") == b"yes"
-    rdzv.shutdown()
-    assert rdzv.is_closed()
-    assert os.environ[Env.JOB] == job
+    # What create_rdzv_handler does, with the backend at hand to close.
+    backend, store = create_backend(params)
+    try:
+        rdzv = create_handler(store, backend, params)
+        assert rdzv.get_backend() == "strata"
+        info = rdzv.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("seen", b"yes")
+        assert info.store.get("seen") == b"yes"
+        rdzv.shutdown()
+        assert rdzv.is_closed()
+        assert os.environ[Env.JOB] == job
+    finally:
+        backend.close()
 
 
 def test_the_entry_point_gives_torch_the_handler_factory() -> None:

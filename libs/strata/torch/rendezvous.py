@@ -116,6 +116,14 @@ class JetStreamRendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         return BACKEND_NAME
 
+    def close(self) -> None:
+        """Close the NATS connection and its event loop (the store shares them). torchrun never
+        calls it: the agent's process ends instead."""
+        try:
+            self._runner.run(self._bucket.close())
+        finally:
+            self._runner.close()
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         try:
             return self._runner.run(coro)
