@@ -8,7 +8,8 @@ examples as written. Two torchrun invocations on one host stand for two nodes of
 - torchrun's restart after a rank's death is, in Strata's events, that rank failing and every rank
   registering again with torch's rank;
 - the leader of the rendezvous bucket's stream killed in a 3-node NATS cluster loses nothing: a
-  rank killed afterwards restarts the group through the new leader.
+  rank killed afterwards restarts the group through the new leader;
+- `--max-restarts` bounds the restarts of a group that keeps failing.
 """
 
 from __future__ import annotations
@@ -346,3 +347,29 @@ def test_torchrun_finds_the_backend_through_its_entry_point(
     )
     assert wait_all([agent], 120) == [0], agent.output()[-4000:]
     assert "rank 0: stopped after 0 steps in a world of 1" in agent.output()
+
+
+def test_max_restarts_bounds_the_restarts_as_with_c10d(
+    own_nats_server: NatsServer, tmp_path: Path, extra_path: str | None
+) -> None:
+    """A rank that always fails: torchrun restarts the group `--max-restarts` times, then fails."""
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    agent = Agent(
+        script,
+        backend="strata",
+        endpoint=own_nats_server.url,
+        run_id=new_job("rdzv"),
+        nnodes="1",
+        nproc=1,
+        log=tmp_path / "agent.log",
+        env=torchrun_env(extra_path),
+        max_restarts=2,
+    )
+    code = wait_all([agent], 180)
+    assert code not in ([0], [None]), agent.output()[-4000:]
+    assert re.findall(r"attempt (\d+)", agent.output()) == ["0", "1", "2"], agent.output()[-4000:]
