@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shlex
 import signal
 import subprocess
 from collections import Counter
@@ -67,14 +66,10 @@ def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
         yield own_nats_server.url
 
 
-def elastic_command(endpoint: str, run_id: str) -> list[str]:
+def elastic_script(endpoint: str, run_id: str) -> str:
     """docs/pytorch.md's elastic.sh with the test's server and run id."""
-    command = example("docs/pytorch.md", "elastic.sh").replace("\\\n", " ")
-    words = shlex.split(command)
-    return [
-        word.replace("127.0.0.1:4222", endpoint).replace("elastic-example", run_id)
-        for word in words
-    ]
+    script = example("docs/pytorch.md", "elastic.sh")
+    return script.replace("127.0.0.1:4222", endpoint).replace("elastic-example", run_id)
 
 
 class ElasticNode:
@@ -86,7 +81,7 @@ class ElasticNode:
         self.log = workdir / f"node-{name}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                ["bash", "-c", shlex.join(elastic_command(endpoint, run_id))],
+                ["bash", "-e", "-c", elastic_script(endpoint, run_id)],
                 cwd=workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -191,7 +186,7 @@ def test_two_nodes_of_two_ranks_form_one_world_with_torchs_ranks_in_strata(
 def test_a_killed_rank_restarts_the_group_on_both_nodes_and_the_job_finishes(
     own_nats_server: NatsServer, elastic_dir: Path, extra_path: str | None
 ) -> None:
-    env = torchrun_env(extra_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = torchrun_env(extra_path)
     endpoint, run_id = host_port(own_nats_server.url), new_job("rdzv")
     nodes = [ElasticNode(elastic_dir, endpoint, run_id, env, name) for name in "ab"]
     try:
@@ -210,7 +205,7 @@ def test_a_killed_rank_restarts_the_group_on_both_nodes_and_the_job_finishes(
 def test_a_lost_node_leaves_a_world_of_two_and_a_new_node_makes_it_four_again(
     own_nats_server: NatsServer, elastic_dir: Path, extra_path: str | None
 ) -> None:
-    env = torchrun_env(extra_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = torchrun_env(extra_path)
     endpoint, run_id = host_port(own_nats_server.url), new_job("rdzv")
     first, lost = (ElasticNode(elastic_dir, endpoint, run_id, env, n) for n in ("a", "b"))
     nodes = [first, lost]
@@ -263,7 +258,7 @@ def test_a_torchrun_restart_is_one_failure_and_reregistration_in_strata(
     workdir = tmp_path / "member"
     workdir.mkdir()
     (workdir / "elastic_train.py").write_text(MEMBER)
-    env = torchrun_env(extra_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = torchrun_env(extra_path)
     for name in (Env.JOB, Env.NATS_URL):
         env.pop(name, None)  # the agent passes on the endpoint and the id
     job = new_job("rdzv")
@@ -303,9 +298,7 @@ async def stored_events(url: str, job: str) -> list[AnyEvent]:
 def test_the_rendezvous_survives_its_nats_leader_being_killed(
     nats_cluster: NatsCluster, elastic_dir: Path, extra_path: str | None
 ) -> None:
-    env = torchrun_env(
-        extra_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{Env.STREAM_REPLICAS: "3"}
-    )
+    env = torchrun_env(extra_path, **{Env.STREAM_REPLICAS: "3"})
     endpoint, run_id = nats_cluster.url, new_job("rdzv")
     nodes = [ElasticNode(elastic_dir, endpoint, run_id, env, name) for name in "ab"]
     try:
