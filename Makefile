@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml setup.py
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
 
-# The dashboard: npm ci (only when the lockfile changed), event types from schemas/, vite build.
+# The dashboard: npm ci (only when the lockfile changed), event types from schemas/, API types from
+# the gateway's OpenAPI document, vite build.
 # The gateway serves dashboard/dist/ at "/".
 DASHBOARD_MODULES := dashboard/node_modules/.package-lock.json
 
@@ -33,6 +34,7 @@ $(DASHBOARD_MODULES): dashboard/package.json dashboard/package-lock.json
 
 dashboard: $(STAMP) $(DASHBOARD_MODULES)
 	$(BIN)/python scripts/gen_types.py
+	$(BIN)/python scripts/gen_api_types.py
 	cd dashboard && npm run build
 
 # A wheel (and sdist) under dist/ that carries the built dashboard: pip install dist/strata_ctl-*.whl.
@@ -71,6 +73,7 @@ schemas: install
 
 schemas-check: install
 	$(BIN)/python -m strata.events.schemagen --out schemas --check
+	$(BIN)/python scripts/gen_api_types.py --check
 
 up: install dashboard
 	$(BIN)/strata up

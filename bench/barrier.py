@@ -122,15 +122,7 @@ class ServiceProcess:
             return False
 
     def start(self) -> None:
-        with self.log_file.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"strata.services.{self.name}"],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=procutil.child_preexec,
-            )
+        self.proc = procutil.spawn_service(self.name, self.env, self.log_file)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:

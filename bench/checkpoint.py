@@ -19,7 +19,6 @@ import gc
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,8 +56,7 @@ def stack(base: Path) -> Iterator[str]:
         for name in ("registry", "checkpoint"):
             port = procutil.free_port()
             env = {**os.environ, "STRATA_NATS_URL": server.url, "STRATA_HEALTH_PORT": str(port)}
-            command = [sys.executable, "-m", f"strata.services.{name}"]
-            proc = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+            proc = procutil.spawn_service(name, env, base / f"{name}.log")
             services.append((proc, port))
         try:
             deadline = time.monotonic() + 60

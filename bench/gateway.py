@@ -45,17 +45,10 @@ from strata.events import (
     encode_event,
     subjects,
 )
-from strata.replay import (
-    JobState,
-    Record,
-    Stream,
-    job_history,
-    rebuild,
-    record_from_json,
-    render_dashboard,
-)
+from strata.history import Record, Stream, job_history, record_from_json
 from strata.services.gateway.app import GatewayState, create_app
 from strata.services.gateway.live import LiveModel
+from strata.services.readmodel import JobState, rebuild, render_dashboard
 from strata.sharding import DatasetSpec, initial_plan
 from strata.storage.base import shard_key
 

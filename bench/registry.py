@@ -18,7 +18,6 @@ import platform
 import select
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -360,15 +359,7 @@ class RegistryProcess:
             Env.LOG_FORMAT: "json",
         }
         profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-        with self.log_file.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, *profile, "-m", "strata.services.registry"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=procutil.child_preexec,
-            )
+        self.proc = procutil.spawn_service("registry", env, self.log_file, python_args=profile)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -621,7 +612,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> Results:
 
         # Heartbeats start for each worker as soon as it is registered, as a real worker's do.
         generators.set_mode(PACED, args.hz)
-        gate = asyncio.Semaphore(REGISTER_CONCURRENCY)
+        gate = asyncio.Semaphore(args.register_concurrency)
 
         async def register(index: int) -> None:
             worker_id, instance = workers[index]
@@ -742,7 +733,7 @@ def report(args: argparse.Namespace, results: Results) -> bool:
     )
     print(
         f"registration: {args.workers:,} workers in {results.register_s:.1f} s "
-        f"({args.workers / results.register_s:,.0f}/s, {REGISTER_CONCURRENCY} requests in flight)"
+        f"({args.workers / results.register_s:,.0f}/s, {args.register_concurrency} requests in flight)"
     )
     lost = results.sent_to_registry - results.received_by_registry
     rejected = sum(p.rejected for p in results.phases)
@@ -805,6 +796,12 @@ def report(args: argparse.Namespace, results: Results) -> bool:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workers", type=int, default=10_000, help="simulated workers")
+    parser.add_argument(
+        "--register-concurrency",
+        type=int,
+        default=REGISTER_CONCURRENCY,
+        help="registrations in flight at once (a job start: every worker at once)",
+    )
     parser.add_argument("--hz", type=float, default=1.0, help="heartbeats per worker and second")
     parser.add_argument("--interval", type=float, default=1.0, help="registry heartbeat interval")
     parser.add_argument("--timeout", type=float, default=2.0, help="registry heartbeat timeout")

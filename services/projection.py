@@ -5,7 +5,9 @@ only by folding events read back from the stream, each checked first against the
 (its own subject, a source that may emit it: `strata.events.provenance`), and its commands are
 serialised: a command's
 events are published, then the command waits until they are folded in, so the next decision sees
-them. `sync()` gives read-your-writes across services (wait until everything stored so far is in).
+them (`publish_and_apply`). The one exception is named: `apply_before_storage`, for a service that
+must answer before the stream's round trip. `sync()` gives read-your-writes across services (wait
+until everything stored so far is in).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 import nats.errors
@@ -27,7 +29,7 @@ from strata.config import Settings
 from strata.errors import BusError, ServiceUnavailable, StrataError
 from strata.events import subjects
 from strata.events.models import Event
-from strata.metrics import MESSAGES_REJECTED
+from strata.metrics import MESSAGES_REJECTED, observe_decided
 
 S = TypeVar("S")
 
@@ -83,6 +85,10 @@ class Projection(Generic[S]):
         """Undo `go_live` (RPC servers, subscriptions)."""
 
     # -- life -------------------------------------------------------------------------------------
+
+    def now_ns(self) -> int:
+        """The clock in the domains' unit: wall-clock nanoseconds, like every event's `ts`."""
+        return int(self.clock() * 1e9)
 
     @property
     def bus(self) -> Bus:
@@ -212,7 +218,31 @@ class Projection(Generic[S]):
         """Publish each event and wait until the feed has folded it in."""
         for event in events:
             ack = await self.bus.publish(event)
+            observe_decided(event)
             await self.wait_applied(ack.seq)
+
+    async def publish_all(self, events: Sequence[Event]) -> None:
+        """Publish `events` pipelined, in order, then wait once until the last is folded in."""
+        if events:
+            acks = await self.bus.publish_many(events)
+            for event in events:
+                observe_decided(event)
+            await self.wait_applied(max(ack.seq for ack in acks))
+
+    def apply_before_storage(self, events: list[Event]) -> None:
+        """Fold `events` into the state now, before they are stored: the one exception to
+        "the state changes only by folding events read back from the stream".
+
+        For a service whose answer cannot wait for the stream's round trip (the barrier: release
+        latency is its product, and the next arrival must see this one). It is sound only when
+        `evolve` is idempotent for these events, since each is folded again, unchanged, when it
+        comes back from the stream; and only for decisions that can be made again from what the
+        stream holds, since an event applied here may never be stored (a crash before its ack).
+        The caller publishes the events afterwards and tells no one an outcome that rests on an
+        event not yet stored.
+        """
+        for event in events:
+            self.state = self.evolve(self.state, event)
 
     async def sync(self, deadline_s: float = SYNC_DEADLINE_S) -> None:
         """Wait until every event stored so far is folded in (read-your-writes across services).

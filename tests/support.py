@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -94,15 +93,7 @@ class ServiceProcess:
     def launch(self) -> ServiceProcess:
         """Start the process without waiting for it (children die with the launching thread)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_file.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"strata.services.{self.name}"],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=procutil.child_preexec,
-            )
+        self.proc = procutil.spawn_service(self.name, self.env, self.log_file)
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> ServiceProcess:

@@ -9,10 +9,12 @@ import { Overview } from "./components/Overview";
 import { ShardDistribution } from "./components/ShardDistribution";
 import { TimeTravel } from "./components/TimeTravel";
 import { TokenDialog } from "./components/TokenDialog";
+import { TrainingCharts } from "./components/TrainingCharts";
 import { WorkerGrid } from "./components/WorkerGrid";
 import { nsToMs } from "./format";
 import { isLive } from "./status";
 import { useEventIndex, useJobs, useLiveDashboard, useReplay } from "./hooks";
+import { useTrainingMetrics } from "./useTrainingMetrics";
 
 type ErrorSource = "live" | "other";
 const OTHER_ERROR_MS = 10_000;
@@ -149,6 +151,13 @@ export function App() {
   const shown = replaying ? replay.state : live.state;
   // Ages ("3 s ago") count from now when live, from the replayed event's time in a replay.
   const nowNs = replaying ? (shown?.ts ?? 0) : Date.now() * 1e6;
+  // Time travel: the training metrics stored by the replayed event's time.
+  const training = useTrainingMetrics(
+    job,
+    replaying ? (replay.state?.ts ?? null) : null,
+    authVersion,
+    onOtherError,
+  );
 
   return (
     <div className={`app ${replaying ? "is-replay" : "is-live"}`}>
@@ -204,6 +213,7 @@ export function App() {
             checkpoints={shown.checkpoints}
             replayMs={replaying ? nsToMs(shown.ts) : null}
           />
+          <TrainingCharts metrics={training} replaying={replaying} />
           <WorkerGrid workers={shown.workers} nowNs={nowNs} />
           <ShardDistribution
             datasets={shown.datasets}

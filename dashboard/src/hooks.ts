@@ -3,7 +3,7 @@
 
 import { useCallback, useEffect, useRef, useState } from "react";
 import { ApiError, AuthRequired, api, streamDashboard } from "./api/client";
-import type { DashboardState, EventRef, JobSummary } from "./api/types";
+import type { Dashboard, RecentEvent, JobSummary } from "./api/types";
 
 /** How much metric history the live charts keep. */
 export const HISTORY_WINDOW_MS = 5 * 60 * 1000;
@@ -70,7 +70,7 @@ export type MetricName = Exclude<keyof MetricSample, "t">;
  * Samples are placed at the time they arrived: a dashboard's `ts` is the time of the job's last
  * event, which stands still while only heartbeats and rates change.
  */
-function appendSample(history: MetricSample[], state: DashboardState, t: number): MetricSample[] {
+function appendSample(history: MetricSample[], state: Dashboard, t: number): MetricSample[] {
   const last = history[history.length - 1];
   if (last && t <= last.t) return history;
   const { metrics } = state;
@@ -91,7 +91,7 @@ function appendSample(history: MetricSample[], state: DashboardState, t: number)
 export type Connection = "connecting" | "streaming" | "polling" | "reconnecting";
 
 export interface LiveDashboard {
-  readonly state: DashboardState | null;
+  readonly state: Dashboard | null;
   readonly history: MetricSample[];
   readonly connection: Connection;
   /** Client time (ms) the last state arrived. */
@@ -115,7 +115,7 @@ export function useLiveDashboard(
     if (!job) return;
     const controller = new AbortController();
     const { signal } = controller;
-    const accept = (state: DashboardState): void => {
+    const accept = (state: Dashboard): void => {
       if (state.job !== job || signal.aborted) return;
       setLive((previous) => ({
         ...previous,
@@ -172,7 +172,7 @@ export function useLiveDashboard(
 
 export interface EventIndex {
   /** This job's events in stream order; the array grows in place, `version` says when. */
-  readonly entries: readonly EventRef[];
+  readonly entries: readonly RecentEvent[];
   readonly version: number;
   /** The whole history up to the live state is known. */
   readonly complete: boolean;
@@ -185,20 +185,20 @@ export interface EventIndex {
  */
 export function useEventIndex(
   job: string | null,
-  live: DashboardState | null,
+  live: Dashboard | null,
   authVersion: number,
   onError: ErrorSink,
 ): EventIndex {
-  const entries = useRef<EventRef[]>([]);
+  const entries = useRef<RecentEvent[]>([]);
   const cursor = useRef(0);
   const loaded = useRef(false);
   const fetching = useRef<AbortController | null>(null);
-  const latest = useRef<DashboardState | null>(null);
+  const latest = useRef<Dashboard | null>(null);
   const retryAt = useRef(0);
   const [version, setVersion] = useState(0);
   const [complete, setComplete] = useState(false);
 
-  const append = useCallback((items: readonly EventRef[]): boolean => {
+  const append = useCallback((items: readonly RecentEvent[]): boolean => {
     let added = false;
     for (const item of items) {
       if (item.seq > cursor.current) {
@@ -293,7 +293,7 @@ export function useEventIndex(
 }
 
 export interface Replay {
-  readonly state: DashboardState | null;
+  readonly state: Dashboard | null;
   readonly loading: boolean;
 }
 
@@ -317,7 +317,7 @@ async function replayWhenFree(
   job: string,
   seq: number,
   signal: AbortSignal,
-): Promise<DashboardState> {
+): Promise<Dashboard> {
   for (;;) {
     try {
       return await api.replay(job, seq, signal);
@@ -336,7 +336,7 @@ export function useReplay(
   authVersion: number,
   onError: ErrorSink,
 ): Replay {
-  const cache = useRef(new Map<string, DashboardState>());
+  const cache = useRef(new Map<string, Dashboard>());
   const [replay, setReplay] = useState<Replay>({ state: null, loading: false });
 
   useEffect(() => {

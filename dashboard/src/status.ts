@@ -1,8 +1,8 @@
 // The colours of worker, checkpoint and barrier states; one place, used by the grid and legend.
 
-import type { BarrierStatus, CheckpointStatus, WorkerStatus } from "./api/types";
+import type { BarrierViewStatus, CheckpointViewStatus, WorkerViewStatus } from "./api/types";
 
-export const WORKER_COLOURS: Readonly<Record<WorkerStatus, string>> = {
+export const WORKER_COLOURS: Readonly<Record<WorkerViewStatus, string>> = {
   idle: "#94a3b8",
   loading: "#38bdf8",
   training: "#22c55e",
@@ -12,7 +12,7 @@ export const WORKER_COLOURS: Readonly<Record<WorkerStatus, string>> = {
   left: "#334155",
 };
 
-export const WORKER_MEANING: Readonly<Record<WorkerStatus, string>> = {
+export const WORKER_MEANING: Readonly<Record<WorkerViewStatus, string>> = {
   idle: "registered, not working",
   loading: "loading data or a checkpoint",
   training: "training",
@@ -22,18 +22,18 @@ export const WORKER_MEANING: Readonly<Record<WorkerStatus, string>> = {
   left: "left the job",
 };
 
-export function isLive(status: WorkerStatus): boolean {
+export function isLive(status: WorkerViewStatus): boolean {
   return status !== "failed" && status !== "left";
 }
 
-export const CHECKPOINT_COLOURS: Readonly<Record<CheckpointStatus, string>> = {
+export const CHECKPOINT_COLOURS: Readonly<Record<CheckpointViewStatus, string>> = {
   open: "#38bdf8",
   committed: "#22c55e",
   aborted: "#ef4444",
   pruned: "#64748b",
 };
 
-export const BARRIER_COLOURS: Readonly<Record<BarrierStatus, string>> = {
+export const BARRIER_COLOURS: Readonly<Record<BarrierViewStatus, string>> = {
   waiting: "#38bdf8",
   released: "#22c55e",
   broken: "#ef4444",

@@ -140,7 +140,7 @@ def _serialise(state: Any) -> bytes:
     return buffer.getvalue()
 
 
-class _ShardSlot(NamedTuple):
+class ShardSlot(NamedTuple):
     """Where one save's shard goes: its rank in the step's world, and its storage key."""
 
     rank: int
@@ -295,7 +295,7 @@ class AsyncCheckpointManager:
                 f"step {step} was already saved by rank {rank}; save under a later step"
             )
 
-    async def _begin(self, step: int, epoch: int) -> _ShardSlot:
+    async def _begin(self, step: int, epoch: int) -> ShardSlot:
         """Declare this rank's shard of `step` to the service (opening the step if it is the
         first); where the shard goes. Waits out a checkpoint service restart."""
         worker = self._worker
@@ -329,7 +329,28 @@ class AsyncCheckpointManager:
                 f"{worker.id!r} is not a participant of step {step}'s checkpoint; save a later step"
             )
         self._declared[step] = rank
-        return _ShardSlot(rank, shard_key(worker.job, step, rank, info.attempt))
+        return ShardSlot(rank, shard_key(worker.job, step, rank, info.attempt))
+
+    async def declare(self, step: int, epoch: int = 0) -> ShardSlot:
+        """Declare this rank's shard of `step` now and write it later with `write_declared`.
+
+        For formats that write their shard in steps (DCP: data first, metadata at the end), so
+        that the rank is a participant from the start and its death aborts the step.
+        """
+        self._raise_failure()
+        step, epoch = _check_step(step, epoch)
+        self._check_unsaved(step)
+        return await self._begin(step, epoch)
+
+    async def write_declared(
+        self, data: bytes | memoryview, step: int, epoch: int, slot: ShardSlot
+    ) -> AckShardResult:
+        """Write a declared shard and ack it, in this call; `ConflictError` or `NotFound` when
+        the service refuses the ack (the step ended without it)."""
+        answer = await self._persist(data, step, epoch, slot, [])
+        if answer is None:
+            raise self.refused[-1]
+        return answer
 
     async def _serialise_and_persist(
         self,
@@ -337,7 +358,7 @@ class AsyncCheckpointManager:
         buffers: list[Any],
         step: int,
         epoch: int,
-        slot: _ShardSlot,
+        slot: ShardSlot,
         cursors: list[DataCursor],
     ) -> None:
         try:
@@ -348,8 +369,13 @@ class AsyncCheckpointManager:
         await self._persist(data, step, epoch, slot, cursors)
 
     async def _persist(
-        self, data: bytes, step: int, epoch: int, slot: _ShardSlot, cursors: list[DataCursor]
-    ) -> None:
+        self,
+        data: bytes | memoryview,
+        step: int,
+        epoch: int,
+        slot: ShardSlot,
+        cursors: list[DataCursor],
+    ) -> AckShardResult | None:
         worker = self._worker
         started = time.perf_counter()
         rank, key = slot
@@ -386,7 +412,7 @@ class AsyncCheckpointManager:
             log.warning(
                 "checkpoint_ack_refused", step=step, rank=rank, code=exc.code, reason=exc.message
             )
-            return
+            return None
         self.saved.append(answer)
         seconds = time.perf_counter() - started
         log.info(
@@ -396,6 +422,7 @@ class AsyncCheckpointManager:
             bytes=written.bytes,
             mb_per_s=round(written.bytes / max(seconds, 1e-9) / 1e6, 1),
         )
+        return answer
 
     async def wait(self) -> None:
         """Return once every save of this worker is durable; raise a background failure."""

@@ -1,7 +1,8 @@
-"""Small helpers for the child processes Strata starts (nats-server, workers in tests).
+"""Small helpers for the child processes Strata starts (nats-server, services, workers in tests).
 
-They make sure a child never outlives the process that started it, stop children in two steps
-(SIGTERM, then SIGKILL) and find free TCP ports to hand to them.
+They start a service process (`spawn_service`), make sure a child never outlives the process that
+started it, stop children in two steps (SIGTERM, then SIGKILL) and find free TCP ports to hand to
+them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,6 +52,49 @@ def child_preexec() -> None:
     # were adopted by another process, so leave now instead of running as an orphan.
     if os.getppid() != _forking_pid:
         os._exit(1)
+
+
+def service_command(name: str, python_args: Sequence[str] = ()) -> list[str]:
+    """The command line of one Strata service: `python -m strata.services.<name>`, with this
+    interpreter (`python_args` go before `-m`, e.g. a profiler's)."""
+    return [sys.executable, *python_args, "-m", f"strata.services.{name}"]
+
+
+def spawn_service(
+    name: str,
+    env: Mapping[str, str],
+    log_path: Path | None = None,
+    *,
+    python_args: Sequence[str] = (),
+    own_process_group: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start the service `name` (`registry`, `gateway`, ...) as a child of this process.
+
+    Its stdout and stderr are appended to `log_path` (discarded when None); it reads nothing,
+    and dies with the thread that started it (`child_preexec`). `own_process_group` puts it in a
+    process group of its own, so a terminal's Ctrl-C reaches only this process, which then stops
+    its children in the order it chooses.
+    """
+    if log_path is None:
+        return subprocess.Popen(
+            service_command(name, python_args),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=child_preexec,
+            process_group=0 if own_process_group else None,
+        )
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            service_command(name, python_args),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=child_preexec,
+            process_group=0 if own_process_group else None,
+        )
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

@@ -33,20 +33,7 @@ WORKER_USER_SEPARATOR = "@"
 """Between the worker and the job in a worker credential's user name: no id contains it."""
 _ID = re.compile(ID_PATTERN)
 
-INBOX = "_INBOX.>"
-JS_READ_API = (
-    "$JS.API.INFO",
-    "$JS.API.STREAM.INFO.>",
-    "$JS.API.STREAM.NAMES",
-    "$JS.API.STREAM.LIST",
-    "$JS.API.STREAM.MSG.GET.>",
-    "$JS.API.DIRECT.GET.>",
-    "$JS.API.CONSUMER.CREATE.>",
-    "$JS.API.CONSUMER.INFO.>",
-    "$JS.API.CONSUMER.DELETE.>",
-    "$JS.FC.>",
-)
-WORKER_DENY = (f"{subjects.CONTROL}.>", "$KV.>", "$JS.>")
+WORKER_DENY = (subjects.all_control(), subjects.KV_API, subjects.JETSTREAM_API)
 """Denied to a worker credential whatever it is allowed: notices to workers, the snapshot bucket
 and the JetStream API (a worker reads and writes no stream)."""
 
@@ -101,7 +88,11 @@ def permissions(role: Role, user: str) -> Permissions:
     if role == "services":
         return Permissions((">",), (), (">",))
     if role == "gateway":
-        return Permissions(JS_READ_API, (f"{subjects.ROOT}.>",), (f"{subjects.ROOT}.>", INBOX))
+        return Permissions(
+            subjects.JETSTREAM_READ_API,
+            (subjects.all_strata(),),
+            (subjects.all_strata(), subjects.DEFAULT_INBOXES),
+        )
     identity = worker_identity(user)
     if identity is None:
         raise ConfigError(

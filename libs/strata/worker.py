@@ -169,6 +169,25 @@ class Worker:
         if self._aio._record_progress(state, step, epoch) and self._aio.started:
             self._runner.run(self._aio._beat())
 
+    def log_metrics(self, metrics: dict[str, float], *, step: int | None = None) -> None:
+        """Record training figures, e.g. `{"loss": 0.31, "samples_per_s": 812}`, at `step` (by
+        default the step last given to `set_state`). Returns at once: samples are buffered and
+        published as `metric.sampled` events about once a second (sooner when many wait) and
+        when the worker stops. Names are 1 to 64 of `a-z0-9_` starting with a letter, values
+        finite numbers, at most 64 per call; anything else raises `strata.ValidationError`
+        naming the metric."""
+        # Buffered on the caller's thread: logging every training step costs no round trip.
+        self._aio._add_metrics(metrics, step)
+
+    @property
+    def metrics_published(self) -> int:
+        """Samples of `log_metrics` published so far."""
+        return self._aio.metrics_published
+
+    def flush_metrics(self) -> int:
+        """Publish the samples `log_metrics` buffered now; returns how many were sent."""
+        return self._runner.run(self._aio.flush_metrics())
+
     def members(
         self, *, include_gone: bool = False, retry_for: float = MEMBERS_RETRY_S
     ) -> MembersResult:

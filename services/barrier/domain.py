@@ -13,9 +13,9 @@ restart. No I/O; the clock is passed in (ns).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
-from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
+from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -27,8 +27,9 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
 )
+from strata.events.ids import event_id
 from strata.events.requests import ArriveRequest, BarrierOutcome
-from strata.services.registry.domain import event_id
+from strata.services.domain import Decision
 
 SOURCE = "barrier"
 KEEP_GENERATIONS = 4
@@ -147,6 +148,22 @@ class BarrierState:
 # -- evolve ---------------------------------------------------------------------------------------
 
 
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    BarrierOpened,
+    BarrierArrived,
+    BarrierReleased,
+    BarrierBrokenEvent,
+    BarrierTimedOut,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (BarrierArrived,)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
+
+
 def evolve(state: BarrierState, event: Event) -> BarrierState:
     if isinstance(event, WorkerRegistered):
         state.job(event.job).registered(event.worker_id, event.instance)
@@ -196,13 +213,6 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
 # -- decisions ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Decision:
-    events: list[Event] = field(default_factory=list)
-    error: StrataError | None = None
-    generation: int | None = None
-
-
 def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
     first = min(gen.arrived.values())
     last = max(gen.arrived.values())
@@ -219,7 +229,7 @@ def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
     )
 
 
-def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision:
+def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision[int]:
     """Join the current generation of the name, or open the next one; a retry changes nothing.
 
     Apply `conclude` first: a generation that is complete, or past its deadline, takes no more.
@@ -247,7 +257,7 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
     named = job.barriers.get(request.name) or NamedBarrier()
     previous = named.by_worker.get(request.worker_id)
     if previous is not None and previous[0] == request.arrival:
-        return Decision(generation=previous[1])  # a retry: same generation, same answer
+        return Decision(result=previous[1])  # a retry: same generation, same answer
     if previous is not None and previous[0] > request.arrival:
         return Decision(
             error=ConflictError(
@@ -298,7 +308,7 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
             arrived=arrived_before + 1,
         )
     )
-    return Decision(events, generation=generation)
+    return Decision(events, result=generation)
 
 
 def _timed_out(job: str, gen: Generation, now_ns: int) -> BarrierTimedOut:

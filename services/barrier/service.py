@@ -1,10 +1,11 @@
 """The barrier service's NATS adapter: arrivals over RPC, release/break/timeout as events.
 
-Release latency is the product here, so decisions are applied to the state at once (the domain's
-`evolve` is idempotent, and folds them again unchanged when they come back from the stream), no
-lock is held across I/O, and arrival events are published concurrently. Waiters are told an
-outcome only once the arrivals it rests on are stored: a release can then always be derived again
-from the stream, so the release event itself goes out without anyone waiting for its ack. Waiters
+Release latency is the product here, so decisions are applied to the state at once, before they
+are stored (`Projection.apply_before_storage`: the domain's `evolve` is idempotent, and folds them
+again unchanged when they come back from the stream), no lock is held across I/O, and arrival
+events are published concurrently. Waiters are told an outcome only once the arrivals it rests on
+are stored: a release can then always be derived again from the stream, so the release event
+itself goes out without anyone waiting for its ack. Waiters
 learn the outcome from the `barrier.released|broken|timed_out` event (core subscribers see it as
 the server takes it) or, after a restart, by retrying their arrival.
 """
@@ -29,6 +30,7 @@ from strata.events import (
 )
 from strata.events.models import Event
 from strata.events.requests import ARRIVE, ArriveRequest, BarrierOutcome
+from strata.metrics import observe_decided
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
 from strata.services.projection import Projection
@@ -59,14 +61,11 @@ class Barrier(Projection[BarrierState]):
     def evolve(self, state: BarrierState, event: Event) -> BarrierState:
         return domain.evolve(state, event)
 
-    def now_ns(self) -> int:
-        return int(self.clock() * 1e9)
-
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         # Conclusions decided before a crash but never stored are owed before new arrivals.
         async with self.lock:
             owed = domain.recover(self.state, self.now_ns())
-            self._apply(owed)
+            self.apply_before_storage(owed)
             self._conclude(owed)
         self._rpc = RpcServer(bus.nc, self.name, concurrency=256)
         self._rpc.serve(ARRIVE, self._arrive)
@@ -79,10 +78,6 @@ class Barrier(Projection[BarrierState]):
         if self._background:
             await asyncio.wait(self._background, timeout=STOP_FLUSH_S)
 
-    def _apply(self, events: list[Event]) -> None:
-        for event in events:
-            self.state = domain.evolve(self.state, event)
-
     def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
@@ -93,6 +88,8 @@ class Barrier(Projection[BarrierState]):
             await self.bus.publish(event)
         except StrataError as exc:
             log.error("barrier_event_not_published", event=event.type, error=str(exc))
+            return
+        observe_decided(event)
 
     def _conclude(self, events: list[Event], arrivals: Sequence[Event] = ()) -> None:
         """Send each conclusion, in the background, once the arrivals of its generation are
@@ -171,16 +168,16 @@ class Barrier(Projection[BarrierState]):
         """Apply the arrival and whatever it concludes; the answer, or the error to send."""
         now = self.now_ns()
         before = domain.conclude(self.state, request.job, request.name, now)
-        self._apply(before)
+        self.apply_before_storage(before)
         self._conclude(before)
         decision = domain.arrive(self.state, request, now)
         if decision.error is not None:
             return decision.error
-        assert decision.generation is not None
-        self._apply(decision.events)
-        key = (request.job, request.name, decision.generation)
+        assert decision.result is not None
+        self.apply_before_storage(decision.events)
+        key = (request.job, request.name, decision.result)
         after = domain.conclude(self.state, request.job, request.name, now)
-        self._apply(after)
+        self.apply_before_storage(after)
         if after:
             self._conclude(after, arrivals=decision.events)
         else:
@@ -195,7 +192,7 @@ class Barrier(Projection[BarrierState]):
         why = "failed" if isinstance(event, WorkerFailed) else "left the job"
         async with self.lock:
             broken = domain.member_gone(self.state, event.job, event.worker_id, why, self.now_ns())
-            self._apply(broken)
+            self.apply_before_storage(broken)
             self._conclude(broken)
 
     async def _time_out(self) -> None:
@@ -204,7 +201,7 @@ class Barrier(Projection[BarrierState]):
             try:
                 async with self.lock:
                     expired = domain.due(self.state, self.now_ns())
-                    self._apply(expired)
+                    self.apply_before_storage(expired)
                     self._conclude(expired)
             except Exception:  # one bad generation must not stop every other one timing out
                 log.exception("barrier_timeouts_failed")

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final, NamedTuple
 
-from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
+from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import (
     CheckpointAborted,
     CheckpointCommitted,
@@ -32,6 +33,7 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
 )
+from strata.events.ids import event_id
 from strata.events.requests import (
     AckShardRequest,
     AckShardResult,
@@ -40,8 +42,8 @@ from strata.events.requests import (
     Manifest,
     ManifestShard,
 )
-from strata.services.registry.domain import event_id
-from strata.storage.base import shard_key
+from strata.services.domain import Decision
+from strata.storage.base import shard_key, step_prefix
 
 SOURCE = "checkpoint"
 
@@ -150,6 +152,23 @@ def _participants(mapping: dict[str, int]) -> list[Participant]:
 # -- evolve ---------------------------------------------------------------------------------------
 
 
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    CheckpointStarted,
+    CheckpointShardStarted,
+    CheckpointShardSaved,
+    CheckpointCommitted,
+    CheckpointAborted,
+    CheckpointPruned,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (CheckpointShardSaved,)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
+
+
 def evolve(state: CheckpointState, event: Event) -> CheckpointState:
     if isinstance(event, WorkerRegistered):
         job = state.job(event.job)
@@ -250,15 +269,6 @@ def ack_problem(opened: OpenCheckpoint, ack: CheckpointShardSaved) -> str | None
 # -- decisions ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What a command records, and the error its caller gets (both may be set: a begin that
-    opens a step for a world it can never complete records the abort and is refused)."""
-
-    events: list[Event] = field(default_factory=list)
-    error: StrataError | None = None
-
-
 def declared_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> tuple[int, int]:
     """The world (size, membership epoch) a step opens for, from the first begin's view.
 
@@ -275,7 +285,7 @@ def declared_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> tupl
     return request.world_size, request.membership_epoch
 
 
-def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) -> Decision:
+def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) -> Decision[None]:
     """A worker declares its shard of `request.step`: open the step, record the intent, or refuse.
 
     Refused (ConflictError): a save to another storage root or with another `keep_count` than the
@@ -330,7 +340,7 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
 
 def _open(
     job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int, attempt: int
-) -> Decision:
+) -> Decision[None]:
     world_size, membership_epoch = declared_world(job, request)
     holders = {rank: worker for worker, rank in job.live.items()}
     participants = {holders[r]: r for r in range(world_size) if r in holders}
@@ -394,7 +404,7 @@ def _aborted_at_open(step: int, reason: str) -> ConflictError:
 
 def _declare(
     job: JobCheckpoints, opened: OpenCheckpoint, request: BeginCheckpointRequest, now_ns: int
-) -> Decision:
+) -> Decision[None]:
     """A begin for a step that is open already: this rank's intent, a retry, or a refusal."""
     step = request.step
     rank = opened.participants.get(request.worker_id)
@@ -496,13 +506,8 @@ def shard_saved_id(job: str, step: int, rank: int, attempt: int) -> str:
     return event_id("ckpt-shard-saved", job, step, rank, *([attempt] if attempt else []))
 
 
-@dataclass(frozen=True)
-class AckDecision:
-    """What an ack records (nothing for a retry), its answer, or the error its caller gets."""
-
-    events: list[Event] = field(default_factory=list)
-    result: AckShardResult | None = None
-    error: StrataError | None = None
+AckDecision = Decision[AckShardResult]
+"""What an ack records (nothing for a retry), its answer, or the error its caller gets."""
 
 
 def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDecision:
@@ -571,7 +576,7 @@ def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDec
                 "does not count"
             )
         )
-    return AckDecision([saved], answer)
+    return AckDecision([saved], result=answer)
 
 
 def _same_shard(first: CheckpointShardSaved, again: CheckpointShardSaved) -> bool:
@@ -794,6 +799,27 @@ def storage_root(job: JobCheckpoints, fallback: str) -> str:
     """The root the service writes and deletes under for `job`: the one its first checkpoint
     recorded (`fallback` only for a job none was folded for, which has nothing to delete)."""
     return job.root_uri if job.root_uri is not None else fallback
+
+
+class StepFiles(NamedTuple):
+    """Where the files of one step lie: a storage root and the step's key prefix under it."""
+
+    root_uri: str
+    prefix: str
+
+
+def step_files(job: JobCheckpoints, step: int, fallback_root: str) -> StepFiles:
+    """The files of `step`, under the job's recorded root (`storage_root`)."""
+    return StepFiles(storage_root(job, fallback_root), step_prefix(job.job, step))
+
+
+def orphaned_by(state: CheckpointState, abort: Event) -> StepFiles | None:
+    """The files an abort leaves that no checkpoint will reference: its step's, under the job's
+    root. Asked before the abort is folded, while the step is open; None when it was not open
+    (an abort recorded at a begin, before anyone wrote): then nothing was written for it."""
+    job = state.job(abort.job)
+    opened = job.open.get(getattr(abort, "step", -1))
+    return None if opened is None else step_files(job, opened.step, opened.root_uri)
 
 
 def pruned(job: str, old: CommittedCheckpoint, now_ns: int) -> Event:

@@ -43,7 +43,7 @@ from strata.events.requests import (
 from strata.services.checkpoint import domain
 from strata.services.checkpoint.domain import CheckpointState, OpenCheckpoint
 from strata.services.projection import Projection
-from strata.storage import StorageBackend, manifest_key, open_storage, step_prefix
+from strata.storage import StorageBackend, manifest_key, open_storage
 
 log = structlog.get_logger("strata.checkpoint")
 
@@ -66,9 +66,6 @@ class Checkpoints(Projection[CheckpointState]):
 
     def evolve(self, state: CheckpointState, event: Event) -> CheckpointState:
         return domain.evolve(state, event)
-
-    def now_ns(self) -> int:
-        return int(self.clock() * 1e9)
 
     def storage(self, root_uri: str) -> StorageBackend:
         found = self._storages.get(root_uri)
@@ -196,7 +193,7 @@ class Checkpoints(Projection[CheckpointState]):
         await self.publish_and_apply([domain.committed(job, opened, storage.uri(key), now)])
         log.info("checkpoint_committed", job=job, step=opened.step, bytes=manifest.total_bytes)
         for old in domain.to_prune(self.state.job(job)):
-            await self._cleanup(root, prefix=step_prefix(job, old.step))
+            await self._cleanup(domain.step_files(self.state.job(job), old.step, root))
             await self.publish_and_apply([domain.pruned(job, old, self.now_ns())])
 
     @staticmethod
@@ -216,21 +213,19 @@ class Checkpoints(Projection[CheckpointState]):
 
     async def _abort(self, events: list[Event]) -> None:
         for event in events:
-            job = self.state.job(event.job)
-            opened = job.open.get(getattr(event, "step", -1))
+            orphans = domain.orphaned_by(self.state, event)
             await self.publish_and_apply([event])
             log.warning("checkpoint_aborted", job=event.job, reason=getattr(event, "reason", ""))
-            if opened is not None:
-                root = domain.storage_root(job, opened.root_uri)
-                await self._cleanup(root, prefix=step_prefix(event.job, opened.step))
+            if orphans is not None:
+                await self._cleanup(orphans)
 
-    async def _cleanup(self, root_uri: str, *, prefix: str) -> None:
-        """Remove the files of an aborted or pruned step (a prefix derived from the job and step,
-        under the job's recorded root); a failure is logged, never fatal."""
+    async def _cleanup(self, files: domain.StepFiles) -> None:
+        """Remove the files of an aborted or pruned step (`domain.step_files`); a failure is
+        logged, never fatal."""
         try:
-            await self.storage(root_uri).delete_prefix(prefix)
+            await self.storage(files.root_uri).delete_prefix(files.prefix)
         except (StrataError, OSError) as exc:
-            log.warning("cleanup_failed", root=root_uri, error=str(exc))
+            log.warning("cleanup_failed", root=files.root_uri, error=str(exc))
 
     async def _time_out(self) -> None:
         while True:

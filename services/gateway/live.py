@@ -3,7 +3,7 @@
 It follows STRATA_EVENTS from its first message (every job) and the latest heartbeat of every
 worker on STRATA_TELEMETRY, keeps only what passes the provenance rule (an event on its own
 subject from a publisher that may emit it, a heartbeat on its worker's subject from that worker),
-folds both through `strata.replay` (the code `strata replay` runs),
+folds both through `strata.services.readmodel` (the code `strata replay` runs),
 counts the rates only a live view has, and wakes the push streams of a job when it changes.
 """
 
@@ -23,17 +23,19 @@ from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
 from strata.bus import Bus, Delivered, EventFeed
 from strata.errors import StrataError
-from strata.events import WorkerHeartbeat, decode_event, subjects
+from strata.events import WorkerHeartbeat, decode_event, provenance, subjects
+from strata.history import dumps
 from strata.metrics import MESSAGES_REJECTED
-from strata.replay import (
+from strata.services.gateway.metrics_history import MetricHistory, follow_samples
+from strata.services.readmodel import (
     REQUEST_TYPES,
     JobState,
     LiveRates,
     ReadModel,
-    dumps,
-    heartbeat_belongs,
+    render_dashboard,
+    with_rates,
 )
-from strata.replay import render_dashboard as render
+from strata.services.readmodel.views import Dashboard
 
 log = structlog.get_logger("strata.gateway")
 
@@ -127,7 +129,8 @@ class LiveModel:
         self.signals: dict[str, ChangeSignal] = {}
         self.caught_up = asyncio.Event()
         """Set once every event stored when the gateway started is folded."""
-        self._static: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.metric_history = MetricHistory()
+        self._static: dict[str, tuple[int, Dashboard]] = {}
         self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
         self._feed: EventFeed | None = None
         self._telemetry: JetStreamContext.PushSubscription | None = None
@@ -158,6 +161,7 @@ class LiveModel:
             pending_msgs_limit=1_000_000,
         )
         self._spawn(self._follow_heartbeats(self._telemetry), "heartbeats")
+        self._spawn(follow_samples(bus, self.metric_history), "metrics")
         return self
 
     async def stop(self) -> None:
@@ -221,7 +225,10 @@ class LiveModel:
         except StrataError as exc:
             MESSAGES_REJECTED.labels(CONSUMER, exc.code).inc()
             return
-        if not isinstance(event, WorkerHeartbeat) or not heartbeat_belongs(message.subject, event):
+        if (
+            not isinstance(event, WorkerHeartbeat)
+            or provenance.heartbeat_refusal(message.subject, event) is not None
+        ):
             MESSAGES_REJECTED.labels(CONSUMER, "not_a_heartbeat").inc()
             return
         self.model.job(event.job).apply_heartbeat(event)
@@ -239,12 +246,12 @@ class LiveModel:
     def job(self, job: str) -> JobState | None:
         return self.model.jobs.get(job)
 
-    def static_dashboard(self, state: JobState) -> dict[str, Any]:
+    def static_dashboard(self, state: JobState) -> Dashboard:
         """The dashboard without live rates, rendered once per version of the job."""
         cached = self._static.get(state.job)
         if cached is not None and cached[0] == state.version:
             return cached[1]
-        document = render(state)
+        document = render_dashboard(state)
         self._static[state.job] = (state.version, document)
         return document
 
@@ -252,19 +259,11 @@ class LiveModel:
         rates = self.rates.get(job)
         return JobRates().now(self.clock()) if rates is None else rates.now(self.clock())
 
-    def dashboard(self, state: JobState, rates: LiveRates | None = None) -> dict[str, Any]:
-        static = self.static_dashboard(state)
+    def dashboard(self, state: JobState, rates: LiveRates | None = None) -> Dashboard:
+        """The dashboard with the live rates: the cached render, with the rates of now."""
         if rates is None:
             rates = self.live_rates(state.job)
-        return {
-            **static,
-            "metrics": {
-                **static["metrics"],
-                "events_per_s": rates.events_per_s,
-                "requests_per_s": rates.requests_per_s,
-                "heartbeats_per_s": rates.heartbeats_per_s,
-            },
-        }
+        return with_rates(self.static_dashboard(state), rates)
 
     def dashboard_json(self, state: JobState) -> tuple[bytes, LiveRates]:
         """The dashboard as JSON bytes, encoded once per version of the job and of its rates."""

@@ -11,7 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 from strata.bus import Bus
 from strata.config import Settings
-from strata.replay import ReplayLimits
+from strata.history import ReplayLimits
 from strata.services.gateway.app import API_TOKEN_ENV, DASHBOARD_DIST, GatewayState, create_app
 from strata.services.gateway.assets import missing_dashboard_message
 from strata.services.gateway.live import LiveModel

@@ -1,18 +1,19 @@
 """The registry's pure core: membership state, the decisions on it, and failure detection.
 
 `evolve(state, event)` folds an event into the state (in place, returning it: a projector over
-thousands of workers must not copy per heartbeat). `decide(state, command, now, policy)` returns
-the events a command causes, or the error refusing it. Time is always passed in (wall seconds), so
-tests drive the clock instead of sleeping. No I/O here.
+thousands of workers must not copy per heartbeat). `decide(state, command, now_ns, policy)`
+returns the events a command causes, or the error refusing it (a `Decision`, the contract of
+every domain: `strata.services.domain`). Time is always passed in (wall-clock ns), so tests drive
+the clock instead of sleeping. No I/O here.
 """
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, NamedTuple
 
-from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
+from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import (
     Event,
     LiveState,
@@ -23,6 +24,7 @@ from strata.events import (
     WorkerState,
     WorkerStateChanged,
 )
+from strata.events.ids import event_id
 from strata.events.models import MAX_WORKERS, SUPERSEDED_REASON
 from strata.events.requests import (
     LeaveRequest,
@@ -32,17 +34,12 @@ from strata.events.requests import (
     RegisterRequest,
     Registration,
 )
+from strata.services.domain import NS_PER_S, Decision
 
 SOURCE = "registry"
 MAX_GONE_PER_JOB = 1_000
 """Failed and departed members a job remembers (`members(include_gone=True)` lists them)."""
 GONE: frozenset[WorkerState] = frozenset({"failed", "left"})
-_IDS = uuid.UUID("6d0e2a4c-29a8-4a43-9a57-5bb4c0f1d3a1")
-
-
-def event_id(*parts: object) -> str:
-    """A deterministic event id, so a decision re-made after a crash is dropped as a duplicate."""
-    return uuid.uuid5(_IDS, "|".join(str(p) for p in parts)).hex
 
 
 @dataclass(frozen=True)
@@ -63,8 +60,8 @@ class Member:
     registered_epoch: int = 0
     step: int = 0
     epoch: int = 0
-    last_seen: float = 0.0
-    """Wall seconds of the last sign of life: registration, then each heartbeat's arrival."""
+    last_seen_ns: int = 0
+    """Wall-clock ns of the last sign of life: registration, then each heartbeat's arrival."""
     last_heartbeat_ts: int | None = None
 
     @property
@@ -117,6 +114,14 @@ class Job:
         self.ranks.pop(rank, None)
         self._free_from = min(self._free_from, rank)
 
+    def fork(self) -> Job:
+        """A copy to decide on without changing this job: its maps are copied, its members
+        shared (the events a decision folds, registrations, leaves and failures, replace a
+        member rather than change it)."""
+        return replace(
+            self, members=dict(self.members), ranks=dict(self.ranks), gone=dict(self.gone)
+        )
+
     def live_members(self) -> list[Member]:
         return [self.members[w] for _, w in sorted(self.ranks.items())]
 
@@ -143,6 +148,18 @@ class RegistryState:
 # -- evolve ---------------------------------------------------------------------------------------
 
 
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    WorkerStateChanged,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (WorkerRegistered, WorkerLeft)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
+
+
 def evolve(state: RegistryState, event: Event) -> RegistryState:
     """Fold one event into the state; events this projection does not use are ignored."""
     if isinstance(event, WorkerRegistered):
@@ -160,7 +177,7 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
             gpus=event.gpus,
             labels=dict(event.labels),
             registered_epoch=event.membership_epoch,
-            last_seen=event.ts / 1e9,
+            last_seen_ns=event.ts,
         )
         job.take_rank(event.rank, event.worker_id)
         job.membership_epoch = event.membership_epoch
@@ -168,7 +185,10 @@ def evolve(state: RegistryState, event: Event) -> RegistryState:
         job = state.job(event.job)
         member = job.members.get(event.worker_id)
         if member is not None and member.live:
-            member.status = "failed" if isinstance(event, WorkerFailed) else "left"
+            # A new member, not a change to the old one: a fork of the job (`decide_all`)
+            # shares its members with the state it was forked from.
+            status: WorkerState = "failed" if isinstance(event, WorkerFailed) else "left"
+            member = job.members[event.worker_id] = replace(member, status=status)
             if job.ranks.get(member.rank) == event.worker_id:
                 job.free_rank(member.rank)
             job.mark_gone(event.worker_id)
@@ -202,18 +222,37 @@ class DetectFailures:
 Command = Register | Leave | DetectFailures
 
 
-@dataclass(frozen=True)
-class Decision:
-    events: list[Event] = field(default_factory=list)
-    error: StrataError | None = None
-
-
-def decide(state: RegistryState, command: Command, now: float, policy: Policy) -> Decision:
+def decide(state: RegistryState, command: Command, now_ns: int, policy: Policy) -> Decision[bool]:
+    """The events of `command`, or its error. A registration's `result` says whether it rejoined:
+    took over a worker id that another registration held before (`takes_over`)."""
     if isinstance(command, Register):
-        return _register(state, command.request, now, policy)
+        decision = _register(state, command.request, now_ns, policy)
+        return Decision(decision.events, decision.error, takes_over(state, command.request))
     if isinstance(command, Leave):
-        return _leave(state, command.request, now)
-    return Decision(detect_failures(state, now, policy))
+        return _leave(state, command.request, now_ns)
+    return Decision(detect_failures(state, now_ns, policy))
+
+
+def decide_all(
+    state: RegistryState, commands: Sequence[Register | Leave], now_ns: int, policy: Policy
+) -> list[Decision[bool]]:
+    """Decide `commands` in order, each against the state the previous ones' events make: one
+    batch of a group commit. `state` itself is left as it is (it changes only by folding what
+    the stream stored): the batch works on forks of the jobs it touches."""
+    scratch = RegistryState(dict(state.jobs))
+    forked: set[str] = set()
+    decisions: list[Decision[bool]] = []
+    for command in commands:
+        name = command.request.job
+        if name not in forked:
+            forked.add(name)
+            if name in scratch.jobs:
+                scratch.jobs[name] = scratch.jobs[name].fork()
+        decision = decide(scratch, command, now_ns, policy)
+        for event in decision.events:
+            evolve(scratch, event)
+        decisions.append(decision)
+    return decisions
 
 
 def worker_id_for(request: RegisterRequest) -> str:
@@ -233,8 +272,8 @@ def _host(member: Member) -> str:
 
 
 def _register(
-    state: RegistryState, request: RegisterRequest, now: float, policy: Policy
-) -> Decision:
+    state: RegistryState, request: RegisterRequest, now_ns: int, policy: Policy
+) -> Decision[None]:
     job = state.jobs.get(request.job) or Job(request.job)
     worker_id = worker_id_for(request)
     existing = job.members.get(worker_id)
@@ -296,7 +335,7 @@ def _register(
                 id=event_id("failed", request.job, worker_id, superseded.registered_epoch),
                 job=request.job,
                 source=SOURCE,
-                ts=int(now * 1e9),
+                ts=now_ns,
                 worker_id=worker_id,
                 rank=superseded.rank,
                 reason=f"{SUPERSEDED_REASON}, on {request.hostname or 'an unknown host'}",
@@ -310,7 +349,7 @@ def _register(
             id=event_id("registered", request.job, worker_id, request.instance, epoch),
             job=request.job,
             source=SOURCE,
-            ts=int(now * 1e9),
+            ts=now_ns,
             worker_id=worker_id,
             instance=request.instance,
             rank=rank,
@@ -326,7 +365,7 @@ def _register(
     return Decision(events)
 
 
-def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
+def _leave(state: RegistryState, request: LeaveRequest, now_ns: int) -> Decision[bool]:
     job = state.jobs.get(request.job)
     member = job.members.get(request.worker_id) if job else None
     if job is None or member is None:
@@ -349,7 +388,7 @@ def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
                 id=event_id("left", request.job, request.worker_id, member.registered_epoch),
                 job=request.job,
                 source=SOURCE,
-                ts=int(now * 1e9),
+                ts=now_ns,
                 worker_id=request.worker_id,
                 rank=member.rank,
                 membership_epoch=epoch,
@@ -358,9 +397,10 @@ def _leave(state: RegistryState, request: LeaveRequest, now: float) -> Decision:
     )
 
 
-def detect_failures(state: RegistryState, now: float, policy: Policy) -> list[Event]:
+def detect_failures(state: RegistryState, now_ns: int, policy: Policy) -> list[Event]:
     failed: list[Event] = []
     timeout = policy.heartbeat_timeout
+    timeout_ns = round(timeout * NS_PER_S)
     for job in state.jobs.values():
         # Runs several times a heartbeat interval over every member: a plain scan, and only the
         # few late members are put in rank order.
@@ -368,21 +408,21 @@ def detect_failures(state: RegistryState, now: float, policy: Policy) -> list[Ev
         late = [
             member
             for member in (members[worker_id] for worker_id in job.ranks.values())
-            if now - member.last_seen > timeout
+            if now_ns - member.last_seen_ns > timeout_ns
         ]
         if not late:
             continue
         late.sort(key=lambda member: member.rank)
         epoch = job.membership_epoch
         for member in late:
-            silent = now - member.last_seen
+            silent = (now_ns - member.last_seen_ns) / NS_PER_S
             epoch += 1
             failed.append(
                 WorkerFailed(
                     id=event_id("failed", job.job, member.worker_id, member.registered_epoch),
                     job=job.job,
                     source=SOURCE,
-                    ts=int(now * 1e9),
+                    ts=now_ns,
                     worker_id=member.worker_id,
                     rank=member.rank,
                     reason=f"no heartbeat for {silent:.1f}s (timeout {timeout:g}s)",
@@ -424,17 +464,17 @@ class Beat(NamedTuple):
     epoch: int
 
 
-def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now: float) -> HeartbeatOutcome:
+def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now_ns: int) -> HeartbeatOutcome:
     """Record a sign of life; a state change becomes an event, a stranger is told to re-register.
 
     Liveness itself is not an event (it would flood the stream): it is kept in memory, and after a
     restart every member gets a fresh grace period instead (`begin_grace`).
     """
     beat = Beat(hb.job, hb.worker_id, hb.instance, hb.seq, hb.state, hb.step, hb.epoch)
-    return observe_beat(state, beat, now)
+    return observe_beat(state, beat, now_ns)
 
 
-def observe_beat(state: RegistryState, beat: Beat, now: float) -> HeartbeatOutcome:
+def observe_beat(state: RegistryState, beat: Beat, now_ns: int) -> HeartbeatOutcome:
     """`observe_heartbeat` for a heartbeat already reduced to its `Beat`."""
     job = state.jobs.get(beat.job)
     member = job.members.get(beat.worker_id) if job is not None else None
@@ -455,9 +495,9 @@ def observe_beat(state: RegistryState, beat: Beat, now: float) -> HeartbeatOutco
         return HeartbeatOutcome(
             reregister=f"worker {beat.worker_id!r} was marked {status}", rejected="not_live"
         )
-    if now > member.last_seen:
-        member.last_seen = now
-    member.last_heartbeat_ts = int(now * 1e9)
+    if now_ns > member.last_seen_ns:
+        member.last_seen_ns = now_ns
+    member.last_heartbeat_ts = now_ns
     member.step, member.epoch = beat.step, beat.epoch
     if beat.state == status:
         return ALIVE
@@ -465,7 +505,7 @@ def observe_beat(state: RegistryState, beat: Beat, now: float) -> HeartbeatOutco
         id=event_id("state", beat.job, beat.worker_id, beat.instance, beat.seq, beat.state),
         job=beat.job,
         source=SOURCE,
-        ts=int(now * 1e9),
+        ts=now_ns,
         worker_id=beat.worker_id,
         state=beat.state,
         previous=status,  # type: ignore[arg-type]  # live here, so a LiveState
@@ -478,11 +518,11 @@ def observe_beat(state: RegistryState, beat: Beat, now: float) -> HeartbeatOutco
     return HeartbeatOutcome([changed])
 
 
-def begin_grace(state: RegistryState, now: float) -> None:
+def begin_grace(state: RegistryState, now_ns: int) -> None:
     """After a (re)start, count every live member as seen now: a restart fails nobody."""
     for job in state.jobs.values():
         for member in job.live_members():
-            member.last_seen = max(member.last_seen, now)
+            member.last_seen_ns = max(member.last_seen_ns, now_ns)
 
 
 # -- views ----------------------------------------------------------------------------------------
@@ -528,7 +568,7 @@ def members(state: RegistryState, job_id: str, include_gone: bool = False) -> Me
 def snapshot(state: RegistryState) -> dict[str, Any]:
     """Plain data of the whole state (msgpack-able), for the snapshot bucket."""
     return {
-        "v": 1,
+        "v": 2,
         "jobs": [
             {
                 "job": job.job,
@@ -545,7 +585,7 @@ def snapshot(state: RegistryState) -> dict[str, Any]:
                         m.registered_epoch,
                         m.step,
                         m.epoch,
-                        m.last_seen,
+                        m.last_seen_ns,
                     ]
                     for m in job.members.values()
                 ],
@@ -557,8 +597,11 @@ def snapshot(state: RegistryState) -> dict[str, Any]:
 
 
 def restore(data: dict[str, Any]) -> RegistryState:
-    if data.get("v") != 1:
-        raise ValueError(f"unknown registry snapshot version {data.get('v')!r}")
+    version = data.get("v")
+    if version not in (1, 2):
+        raise ValueError(f"unknown registry snapshot version {version!r}")
+    # Version 1 kept the last sign of life in wall seconds, version 2 in ns like every event.
+    seen_ns = NS_PER_S if version == 1 else 1
     state = RegistryState()
     for raw in data["jobs"]:
         job = state.job(raw["job"])
@@ -575,7 +618,7 @@ def restore(data: dict[str, Any]) -> RegistryState:
                 registered_epoch=row[7],
                 step=row[8],
                 epoch=row[9],
-                last_seen=row[10],
+                last_seen_ns=int(row[10] * seen_ns),
             )
             job.members[member.worker_id] = member
             if member.live:

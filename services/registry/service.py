@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import time
 import weakref
 from collections import Counter
@@ -29,8 +28,6 @@ from strata.bus import Bus, ConnectOptions, RpcServer, connect
 from strata.config import Settings
 from strata.errors import StrataError
 from strata.events import (
-    ID_PATTERN,
-    LIVE_STATES,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerLeft,
@@ -40,7 +37,7 @@ from strata.events import (
     provenance,
     subjects,
 )
-from strata.events.models import MAX_BYTES, MAX_EPOCH, MAX_STEP, Event
+from strata.events.models import Event, plain_heartbeat
 from strata.events.requests import (
     LEAVE,
     MEMBERS,
@@ -54,7 +51,9 @@ from strata.events.requests import (
     WorkerNotice,
     WorldNotice,
 )
-from strata.metrics import MESSAGES_REJECTED
+from strata.metrics import MESSAGES_REJECTED, WORKERS_BY_STATUS
+from strata.services.commit import GroupCommit
+from strata.services.domain import Decision
 from strata.services.projection import Projection
 from strata.services.registry import domain
 from strata.services.registry.domain import Leave, Policy, Register, RegistryState
@@ -65,6 +64,8 @@ HEARTBEATS = "registry.heartbeats"
 NoticeKind = Literal["reregister", "superseded"]
 NOTIFIED_KEPT = 65_536
 """Re-registration notices remembered (to send one per interval) before old ones are dropped."""
+RPC_CONCURRENCY = 4096
+"""Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
 WORLD_COALESCE_S = 0.05
 """How long a burst of membership changes is gathered into one world notice."""
 WORLD_REPEAT_S = 2.0
@@ -111,6 +112,7 @@ class Registry(Projection[RegistryState]):
         self.heartbeats = 0
         self.applied = 0
         HEARTBEAT_COUNTS.registries.add(self)
+        WORKERS_BY_STATUS.add(self)
         self._rpc: RpcServer | None = None
         self._hb_nc: NATS | None = None
         self._hb_sub: Subscription | None = None
@@ -119,6 +121,9 @@ class Registry(Projection[RegistryState]):
         self._notified_limit = NOTIFIED_KEPT
         self._worlds_changed: set[str] = set()
         self._world_wakeup = asyncio.Event()
+        self._commits: GroupCommit[Register | Leave, Decision[bool]] = GroupCommit(
+            self, self._decide_all
+        )
 
     def initial_state(self) -> RegistryState:
         return RegistryState()
@@ -132,8 +137,18 @@ class Registry(Projection[RegistryState]):
             # Folded late (a slow stream, a reconnect): the registration is a sign of life now,
             # not only when it was decided, or the worker would be failed on arrival.
             member = state.job(event.job).members[event.worker_id]
-            member.last_seen = max(member.last_seen, self.clock())
+            member.last_seen_ns = max(member.last_seen_ns, self.now_ns())
         return state
+
+    def worker_statuses(self) -> dict[str, list[str]]:
+        """Each job's workers' statuses now (`strata_workers`), once this registry is live: one
+        still replaying its history would report a membership of the past."""
+        if not self.live:
+            return {}
+        return {
+            job.job: [member.status for member in job.members.values()]
+            for job in self.state.jobs.values()
+        }
 
     def snapshot(self, state: RegistryState) -> dict[str, Any]:
         return domain.snapshot(state)
@@ -143,7 +158,7 @@ class Registry(Projection[RegistryState]):
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self.policy = Policy(settings.heartbeat_interval, settings.heartbeat_timeout)
-        domain.begin_grace(self.state, self.clock())
+        domain.begin_grace(self.state, self.now_ns())
         # Heartbeats come on a connection of their own: a flood of them must not queue this
         # registry's requests, replies and event feed behind it in one socket.
         self._hb_nc = await connect(
@@ -158,11 +173,14 @@ class Registry(Projection[RegistryState]):
             subjects.job_heartbeats("*"), cb=self._on_heartbeat, pending_msgs_limit=1_000_000
         )
         await self._hb_nc.flush()
-        self._rpc = RpcServer(bus.nc, self.name)
+        # Requests are taken concurrently and decided in batches (group commit): a job's start
+        # is a few round trips to the stream, not one per worker.
+        self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER, self._register)
         self._rpc.serve(LEAVE, self._leave)
         self._rpc.serve(MEMBERS, self._members)
         await self._rpc.start()
+        self.spawn(self._commits.run(), "commits")
         self.spawn(self._detect_failures(), "detector")
         self.spawn(self._drain_outbox(), "outbox")
         self.spawn(self._announce_worlds(), "worlds")
@@ -177,37 +195,36 @@ class Registry(Projection[RegistryState]):
             with contextlib.suppress(Exception):
                 await self._hb_nc.close()
 
-    async def _run(self, command: domain.Command) -> domain.Decision:
-        decision = domain.decide(self.state, command, self.clock(), self.policy)
-        if decision.error is not None:
-            raise decision.error
-        await self.publish_and_apply(decision.events)
-        return decision
+    def _decide_all(self, commands: list[Register | Leave]) -> list[Decision[bool]]:
+        return domain.decide_all(self.state, commands, self.now_ns(), self.policy)
 
     # -- commands ---------------------------------------------------------------------------------
 
     async def _register(self, request: RegisterRequest) -> Registration:
-        async with self.lock:
-            worker_id = domain.worker_id_for(request)
-            rejoined = domain.takes_over(self.state, request)
-            decision = await self._run(Register(request))
+        worker_id = domain.worker_id_for(request)
+
+        def answer(decision: Decision[bool]) -> Registration:
             for event in decision.events:
                 if isinstance(event, WorkerFailed):
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             job = self.state.job(request.job)
-            log.info(
-                "worker_registered",
-                job=request.job,
-                worker=worker_id,
-                rank=job.members[worker_id].rank,
-                world_size=job.world_size,
-            )
-            return domain.registration(job, worker_id, self.policy, rejoined)
+            if decision.events:
+                log.info(
+                    "worker_registered",
+                    job=request.job,
+                    worker=worker_id,
+                    rank=job.members[worker_id].rank,
+                    world_size=job.world_size,
+                )
+            return domain.registration(job, worker_id, self.policy, rejoined=bool(decision.result))
+
+        return await self._commits.submit(Register(request), answer)
 
     async def _leave(self, request: LeaveRequest) -> LeaveResult:
-        async with self.lock:
-            await self._run(Leave(request))
+        def answer(_: Decision[bool]) -> LeaveResult:
             return domain.leave_result(self.state.job(request.job), request.worker_id)
+
+        return await self._commits.submit(Leave(request), answer)
 
     async def _members(self, request: MembersRequest) -> MembersResult:
         return domain.members(self.state, request.job, request.include_gone)
@@ -224,11 +241,11 @@ class Registry(Projection[RegistryState]):
                 if deaf:
                     # Nobody could be heard meanwhile, so silence then is no evidence of failure:
                     # the same fresh grace period as after a restart.
-                    domain.begin_grace(self.state, self.clock())
+                    domain.begin_grace(self.state, self.now_ns())
                     log.info("failure_detection_resumed", grace_s=self.policy.heartbeat_timeout)
                     deaf = False
                 # A first look on the state as it is: most ticks find nobody late and end here.
-                if not domain.detect_failures(self.state, self.clock(), self.policy):
+                if not domain.detect_failures(self.state, self.now_ns(), self.policy):
                     continue
                 heard_until = await self._heard_until()
                 if heard_until is None:
@@ -238,10 +255,8 @@ class Registry(Projection[RegistryState]):
                     decision = domain.decide(
                         self.state, domain.DetectFailures(), heard_until, self.policy
                     )
-                    if decision.events:
-                        # All at once, then one wait: a rack going down is one round trip.
-                        acks = await self.bus.publish_many(decision.events)
-                        await self.wait_applied(max(ack.seq for ack in acks))
+                    # All at once, then one wait: a rack going down is one round trip.
+                    await self.publish_all(decision.events)
                 for event in decision.events:
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             except (StrataError, TimeoutError) as exc:
@@ -250,7 +265,7 @@ class Registry(Projection[RegistryState]):
     def _can_hear(self) -> bool:
         return self._hb_nc is not None and self._hb_nc.is_connected and self._hb_sub is not None
 
-    async def _heard_until(self) -> float | None:
+    async def _heard_until(self) -> int | None:
         """A time before which every heartbeat sent to this registry has been applied, or None
         when that cannot be known (NATS is out of reach).
 
@@ -258,7 +273,7 @@ class Registry(Projection[RegistryState]):
         still has heartbeats in its own buffers; judging silence before applying them would fail
         live workers for the registry's own delay.
         """
-        now = self.clock()
+        now_ns = self.now_ns()
         nc, sub = self._hb_nc, self._hb_sub
         if nc is None or sub is None:
             return None
@@ -273,7 +288,7 @@ class Registry(Projection[RegistryState]):
         # Polled rather than signalled, to keep the per-heartbeat path free of the bookkeeping.
         while self.heartbeats < applied and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
-        return now
+        return now_ns
 
     # -- heartbeats -------------------------------------------------------------------------------
 
@@ -284,11 +299,14 @@ class Registry(Projection[RegistryState]):
     async def _on_heartbeat(self, msg: Msg) -> None:
         self.heartbeats += 1
         beat = fast_beat(msg.data)
-        if beat is None or msg.subject != subjects.heartbeat_subject(beat.job, beat.worker_id):
+        # The fast path takes only heartbeats whose source is their worker (`plain_heartbeat`).
+        if beat is None or not provenance.heartbeat_belongs(
+            msg.subject, beat.job, beat.worker_id, beat.worker_id
+        ):
             beat = self._checked_beat(msg)
             if beat is None:
                 return
-        outcome = domain.observe_beat(self.state, beat, self.clock())
+        outcome = domain.observe_beat(self.state, beat, self.now_ns())
         if outcome is domain.ALIVE:
             self.applied += 1
             return
@@ -316,15 +334,7 @@ class Registry(Projection[RegistryState]):
         if not isinstance(event, WorkerHeartbeat):
             self._reject("not_a_heartbeat")
             return None
-        try:
-            job, worker = subjects.parse_heartbeat_subject(msg.subject)
-        except ValueError:
-            self._reject("bad_subject")
-            return None
-        if (job, worker) != (event.job, event.worker_id):
-            self._reject("subject_mismatch")
-            return None
-        refused = provenance.source_refusal(event)
+        refused = provenance.heartbeat_refusal(msg.subject, event)
         if refused is not None:
             self._reject(refused.code)
             return None
@@ -406,40 +416,15 @@ class Registry(Projection[RegistryState]):
 
 # -- fast heartbeat decoding ----------------------------------------------------------------------
 
-_FIELD_COUNT: Final = len(WorkerHeartbeat.model_fields)
-_LIVE_STATES: Final = frozenset(LIVE_STATES)
-_ID_MATCH: Final = re.compile(ID_PATTERN.removeprefix("^").removesuffix("$")).fullmatch
-_MAX_SEQ: Final = 2**62
-_MAX_TS: Final = 2**63 - 1
-_MAX_CPU_PERCENT: Final = 100_000.0
-_MAX_GPU_PERCENT: Final = 100.0
 _MAX_FAST_BYTES: Final = 4096
-_KNOWN_IDS_KEPT: Final = 65_536
-_known_ids: set[str] = set()
-"""Ids (jobs, workers, instances) already matched against the id pattern: every heartbeat of a
-worker repeats them, and a set lookup is several times cheaper than the regular expression."""
-
-
-def _new_valid_id(value: str) -> bool:
-    if _ID_MATCH(value) is None:
-        return False
-    if len(_known_ids) >= _KNOWN_IDS_KEPT:
-        _known_ids.clear()
-    _known_ids.add(value)
-    return True
 
 
 def fast_beat(data: bytes) -> domain.Beat | None:
     """The `Beat` of a heartbeat in the exact shape the SDK sends, or None for anything else.
 
-    `decode_event` validates the whole pydantic model (most of a heartbeat's cost). This accepts
-    only what `WorkerHeartbeat` accepts (same id pattern, same bounds, no coercion, no unknown
-    fields) and only with every field present and floats as floats; whatever it does not accept
-    goes through the full model, which then accepts or refuses it with its own reason, so a
-    verdict never depends on the path taken. A heartbeat's source is the worker it is of (the
-    provenance rule), so this path takes only those; the full one refuses the others. Checks are
-    written out inline (`type(x) is int`, since the models are strict and True is no int for
-    them): this runs for every heartbeat.
+    `decode_event` validates the whole pydantic model (most of a heartbeat's cost); this takes
+    the model's own fast path (`strata.events.models.plain_heartbeat`: the same verdicts, the
+    same bounds) and leaves whatever it does not accept to the full decoder.
     """
     if len(data) > _MAX_FAST_BYTES:
         return None
@@ -449,53 +434,8 @@ def fast_beat(data: bytes) -> domain.Beat | None:
         obj = msgpack.unpackb(data)
     except Exception:  # the full decoder reports what is wrong with it
         return None
-    if type(obj) is not dict or len(obj) != _FIELD_COUNT:
-        return None
-    try:
-        kind, v, ts = obj["type"], obj["v"], obj["ts"]
-        event_id, job, source = obj["id"], obj["job"], obj["source"]
-        worker_id, instance, seq = obj["worker_id"], obj["instance"], obj["seq"]
-        state, step, epoch = obj["state"], obj["step"], obj["epoch"]
-        cpu, rss = obj["cpu_percent"], obj["rss_bytes"]
-        gpu, gpu_mem = obj["gpu_util_percent"], obj["gpu_mem_bytes"]
-    except KeyError:
-        return None
-    known = _known_ids
-    if not (
-        kind == "worker.heartbeat"
-        and type(kind) is str
-        and v == 1
-        and type(v) is int
-        and type(ts) is int
-        and 0 <= ts <= _MAX_TS
-        and type(seq) is int
-        and 0 <= seq <= _MAX_SEQ
-        and type(step) is int
-        and 0 <= step <= MAX_STEP
-        and type(epoch) is int
-        and 0 <= epoch <= MAX_EPOCH
-        and type(state) is str
-        and state in _LIVE_STATES
-        and type(job) is str
-        and (job in known or _new_valid_id(job))
-        and type(worker_id) is str
-        and (worker_id in known or _new_valid_id(worker_id))
-        and type(instance) is str
-        and (instance in known or _new_valid_id(instance))
-        and source == worker_id
-        and type(event_id) is str
-        and _ID_MATCH(event_id) is not None
-    ):
-        return None
-    if cpu is not None and not (type(cpu) is float and 0.0 <= cpu <= _MAX_CPU_PERCENT):
-        return None
-    if rss is not None and not (type(rss) is int and 0 <= rss <= MAX_BYTES):
-        return None
-    if gpu is not None and not (type(gpu) is float and 0.0 <= gpu <= _MAX_GPU_PERCENT):
-        return None
-    if gpu_mem is not None and not (type(gpu_mem) is int and 0 <= gpu_mem <= MAX_BYTES):
-        return None
-    return domain.Beat(job, worker_id, instance, seq, state, step, epoch)
+    facts = plain_heartbeat(obj)
+    return None if facts is None else domain.Beat(*facts)
 
 
 def _fields(event: Event, *names: str) -> dict[str, Any]:

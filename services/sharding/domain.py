@@ -2,7 +2,8 @@
 
 Plans are never stored as assignments: `shard.plan_changed` records the members an epoch is planned
 over, and `evolve` recomputes the plan with the pure planner (`strata.sharding`), so every replica
-and every replay agrees. Membership comes from the registry's worker events. No I/O, no clock reads.
+and every replay agrees. Membership comes from the registry's worker events. No I/O, no clock reads:
+the time is passed in (`now_ns`). The snapshot of the state (`snapshot`, `restore`) is here too.
 
 What a worker can make the service keep is bounded: a job registers at most `MAX_DATASETS`
 datasets, and each keeps the plans of its `EPOCHS_KEPT` newest epochs only. A request may plan an
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
+import numpy as np
 from strata.errors import (
     ConflictError,
     EpochOutOfRange,
@@ -35,6 +37,7 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
 )
+from strata.events.ids import event_id
 from strata.events.requests import (
     DatasetInfo,
     GetShardsRequest,
@@ -46,8 +49,8 @@ from strata.events.requests import (
     ShardAssignment,
     ShardSpan,
 )
-from strata.services.registry.domain import event_id
-from strata.sharding import DatasetSpec, Plan, initial_plan, replan
+from strata.services.domain import Decision
+from strata.sharding import DatasetSpec, Plan, initial_plan, replan, shard_order
 
 SOURCE = "sharding"
 
@@ -132,6 +135,21 @@ def _spec(event: DatasetRegistered | RegisterDatasetRequest) -> DatasetSpec:
 # -- evolve ---------------------------------------------------------------------------------------
 
 
+FOLDS: Final[tuple[type[Event], ...]] = (
+    WorkerRegistered,
+    WorkerFailed,
+    WorkerLeft,
+    DatasetRegistered,
+    ShardPlanChanged,
+    ShardProgressRestored,
+    ShardProgress,
+)
+"""The event types `evolve` folds; it ignores every other. The read model routes by this."""
+REQUESTED: Final[tuple[type[Event], ...]] = (DatasetRegistered, ShardProgress)
+"""Of those, the ones this service records in answer to a worker's request (the dashboard's
+requests/s)."""
+
+
 def evolve(state: ShardingState, event: Event) -> ShardingState:
     if isinstance(event, WorkerRegistered):
         job = state.job(event.job)
@@ -194,13 +212,9 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
 # -- decisions ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Decision:
-    events: list[Event] = field(default_factory=list)
-    error: StrataError | None = None
-
-
-def register_dataset(state: ShardingState, request: RegisterDatasetRequest, now: float) -> Decision:
+def register_dataset(
+    state: ShardingState, request: RegisterDatasetRequest, now_ns: int
+) -> Decision[None]:
     wanted = _spec(request)
     datasets = state.jobs.get(request.job, JobSharding(request.job)).datasets
     existing = datasets.get(request.dataset_id)
@@ -227,7 +241,7 @@ def register_dataset(state: ShardingState, request: RegisterDatasetRequest, now:
             id=event_id("dataset", request.job, request.dataset_id),
             job=request.job,
             source=SOURCE,
-            ts=int(now * 1e9),
+            ts=now_ns,
             dataset_id=request.dataset_id,
             total_samples=request.total_samples,
             shard_size=request.shard_size,
@@ -254,7 +268,7 @@ def dataset_info(state: ShardingState, job: str, dataset_id: str, created: bool)
 
 
 def _plan_event(
-    job: JobSharding, dataset_id: str, epoch: int, now: float, reason: str
+    job: JobSharding, dataset_id: str, epoch: int, now_ns: int, reason: str
 ) -> ShardPlanChanged | None:
     """The event that brings (dataset, epoch) in line with the live members, if anything must."""
     members = sorted(job.live)
@@ -282,7 +296,7 @@ def _plan_event(
         ),
         job=job.job,
         source=SOURCE,
-        ts=int(now * 1e9),
+        ts=now_ns,
         dataset_id=dataset_id,
         epoch=epoch,
         plan_version=version,
@@ -324,7 +338,7 @@ def _out_of_window(job: JobSharding, dataset_id: str, epoch: int) -> EpochOutOfR
     return None
 
 
-def get_shards(state: ShardingState, request: GetShardsRequest, now: float) -> Decision:
+def get_shards(state: ShardingState, request: GetShardsRequest, now_ns: int) -> Decision[None]:
     """Plan the epoch on its first request, or catch it up with the membership. Only epochs
     within the window (`JobSharding.epoch_window`) may be planned."""
     job = _known(state, request.job, request.dataset_id)
@@ -345,7 +359,7 @@ def get_shards(state: ShardingState, request: GetShardsRequest, now: float) -> D
         job,
         request.dataset_id,
         request.epoch,
-        now,
+        now_ns,
         "first request of the epoch" if first else "membership changed",
     )
     return Decision([event] if event else [])
@@ -378,7 +392,7 @@ def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignme
     )
 
 
-def replan_after_membership_change(state: ShardingState, job_id: str, now: float) -> list[Event]:
+def replan_after_membership_change(state: ShardingState, job_id: str, now_ns: int) -> list[Event]:
     """For each dataset's latest epoch, the plan change the new membership calls for."""
     job = state.jobs.get(job_id)
     if job is None:
@@ -388,13 +402,15 @@ def replan_after_membership_change(state: ShardingState, job_id: str, now: float
         epoch = job.latest_epoch(dataset_id)
         if epoch is None:
             continue
-        event = _plan_event(job, dataset_id, epoch, now, "membership changed")
+        event = _plan_event(job, dataset_id, epoch, now_ns, "membership changed")
         if event is not None:
             events.append(event)
     return events
 
 
-def report_progress(state: ShardingState, request: ReportProgressRequest, now: float) -> Decision:
+def report_progress(
+    state: ShardingState, request: ReportProgressRequest, now_ns: int
+) -> Decision[None]:
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
         return Decision(error=job)
@@ -437,7 +453,7 @@ def report_progress(state: ShardingState, request: ReportProgressRequest, now: f
             ShardProgress(
                 job=request.job,
                 source=SOURCE,
-                ts=int(now * 1e9),
+                ts=now_ns,
                 dataset_id=request.dataset_id,
                 epoch=request.epoch,
                 worker_id=request.worker_id,
@@ -465,7 +481,9 @@ def _already_restored(job: JobSharding, request: RestoreProgressRequest) -> bool
     return done == completed and epoch_plan.offsets == partial
 
 
-def restore_progress(state: ShardingState, request: RestoreProgressRequest, now: float) -> Decision:
+def restore_progress(
+    state: ShardingState, request: RestoreProgressRequest, now_ns: int
+) -> Decision[None]:
     """Plan the epoch if needed, then reset its progress to the checkpoint's cursors."""
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
@@ -491,7 +509,7 @@ def restore_progress(state: ShardingState, request: RestoreProgressRequest, now:
                     f"worker {request.worker_id!r} is not a live member of job {request.job!r}"
                 )
             )
-        planned = _plan_event(job, request.dataset_id, request.epoch, now, "restored")
+        planned = _plan_event(job, request.dataset_id, request.epoch, now_ns, "restored")
         events += [planned] if planned else []
     restored = ShardProgressRestored(
         id=event_id(
@@ -504,7 +522,7 @@ def restore_progress(state: ShardingState, request: RestoreProgressRequest, now:
         ),
         job=request.job,
         source=SOURCE,
-        ts=int(now * 1e9),
+        ts=now_ns,
         dataset_id=request.dataset_id,
         epoch=request.epoch,
         checkpoint_step=request.checkpoint_step,
@@ -519,13 +537,26 @@ def restore_progress(state: ShardingState, request: RestoreProgressRequest, now:
     after = ShardingState({job.job: copy.deepcopy(job)})
     for event in events:
         evolve(after, event)
-    replanned = _plan_event(after.job(job.job), request.dataset_id, request.epoch, now, "restored")
+    replanned = _plan_event(
+        after.job(job.job), request.dataset_id, request.epoch, now_ns, "restored"
+    )
     events += [replanned] if replanned else []
     return Decision(events)
 
 
-def progress_result(state: ShardingState, request: ReportProgressRequest) -> ProgressResult:
-    plan = state.job(request.job).plans[(request.dataset_id, request.epoch)].plan
+def progress_result(
+    state: ShardingState, request: ReportProgressRequest | RestoreProgressRequest
+) -> ProgressResult:
+    """How much of the epoch is done, once a report or a restore is folded in. A restore with no
+    live member to plan the epoch over leaves it without a plan: a conflict, not an answer."""
+    epoch_plan = state.job(request.job).plans.get((request.dataset_id, request.epoch))
+    if epoch_plan is None:
+        raise ConflictError(
+            f"epoch {request.epoch} of {request.dataset_id!r} was restored but has no "
+            "plan: no live worker of the job to read it; register workers, then ask "
+            "for shards"
+        )
+    plan = epoch_plan.plan
     return ProgressResult(
         job=request.job,
         dataset_id=request.dataset_id,
@@ -551,3 +582,72 @@ def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int)
         done_shards=int(plan.done.sum()),
         total_shards=int(plan.owner.size),
     )
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+
+SNAPSHOT_VERSION = 3
+"""2: restore counts and retired plan versions. 3: only the plans of each dataset's newest epochs
+(`domain.EPOCHS_KEPT`), with the versions of those dropped. An older snapshot is ignored: the
+stream is replayed instead, which drops the old plans exactly as evolve does."""
+
+
+def snapshot(state: ShardingState) -> dict[str, Any]:
+    """Plans are history-dependent, so their owner arrays are stored, not recomputed."""
+    jobs = []
+    for job in state.jobs.values():
+        jobs.append(
+            {
+                "job": job.job,
+                "membership_epoch": job.membership_epoch,
+                "live": sorted(job.live),
+                "restored": [[ds, e, step] for ds, (e, step) in job.restored.items()],
+                "restores": [[ds, count] for ds, count in job.restores.items()],
+                "retired": [[ds, e, version] for (ds, e), version in job.retired.items()],
+                "datasets": [
+                    [s.dataset_id, s.total_samples, s.shard_size, s.shuffle, s.seed]
+                    for s in job.datasets.values()
+                ],
+                "plans": [
+                    {
+                        "dataset_id": ds,
+                        "epoch": epoch,
+                        "members": ep.plan.members,
+                        "version": ep.plan.version,
+                        "owner": ep.plan.owner.astype(np.int32).tobytes(),
+                        "done": np.packbits(ep.plan.done).tobytes(),
+                        "offsets": [[s, o] for s, o in ep.offsets.items()],
+                    }
+                    for (ds, epoch), ep in job.plans.items()
+                ],
+            }
+        )
+    return {"v": SNAPSHOT_VERSION, "jobs": jobs}
+
+
+def restore(data: dict[str, Any]) -> ShardingState:
+    if data.get("v") != SNAPSHOT_VERSION:
+        raise ValueError(f"unknown sharding snapshot version {data.get('v')!r}")
+    state = ShardingState()
+    for raw in data["jobs"]:
+        job = state.job(raw["job"])
+        job.membership_epoch = raw["membership_epoch"]
+        job.live = set(raw["live"])
+        job.restored = {ds: (e, step) for ds, e, step in raw.get("restored", [])}
+        job.restores = {ds: int(count) for ds, count in raw.get("restores", [])}
+        job.retired = {(ds, e): int(version) for ds, e, version in raw.get("retired", [])}
+        for ds, total, size, shuffle, seed in raw["datasets"]:
+            job.datasets[ds] = DatasetSpec(ds, total, size, shuffle, seed)
+        for p in raw["plans"]:
+            spec = job.datasets[p["dataset_id"]]
+            order = shard_order(spec, p["epoch"])
+            position = np.empty_like(order)
+            position[order] = np.arange(order.size, dtype=np.int64)
+            owner = np.frombuffer(p["owner"], dtype=np.int32).astype(np.int64)
+            done = np.unpackbits(np.frombuffer(p["done"], dtype=np.uint8))[: owner.size]
+            plan = Plan(spec, p["epoch"], list(p["members"]), owner, position, p["version"])
+            plan.done = done.astype(np.bool_)
+            job.plans[(p["dataset_id"], p["epoch"])] = EpochPlan(
+                plan, {int(s): int(o) for s, o in p["offsets"]}
+            )
+    return state

@@ -31,7 +31,7 @@ class Rendered:
         raise KeyError(f"no {kind} {name!r} rendered (there are: {names})")
 
     def workloads(self) -> list[dict[str, Any]]:
-        return [o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")]
+        return [o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet", "Job")]
 
 
 Render = Callable[..., Rendered]

@@ -6,13 +6,12 @@ needs a Kubernetes cluster or a container engine.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.deploy.chart import REPO, Render, Rendered, helm_template
+from tests.deploy.chart import Render, Rendered, helm_template
 
 
 @pytest.fixture(scope="session")

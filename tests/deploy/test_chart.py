@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import json
 import os
 import re
 import shutil
@@ -20,10 +21,11 @@ from typing import Any
 
 import kubernetes_validate
 import kubernetes_validate.utils
+import nats.errors
 import pytest
 import yaml
 from nats.aio.msg import Msg
-from strata import security
+from strata import procutil, security
 from strata.bus import Bus, ConnectOptions, EventFeed
 from strata.bus import connect as connect_nats
 from strata.bus.server import NatsServer, nats_server_binary
@@ -34,6 +36,7 @@ from strata.events.rpc import RPC_SERVICES
 from tests import natsprobe
 from tests.deploy import natsconf
 from tests.deploy.chart import CHART, NAMESPACE, RELEASE, Render, Rendered, helm_template
+from tests.deploy.localpods import Process
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 STRATA_SERVICES = ("registry", "sharding", "barrier", "checkpoint", "gateway")
@@ -46,6 +49,7 @@ STANDARD_LABELS = (
     "app.kubernetes.io/managed-by",
 )
 EXTERNAL_NATS = "nats://nats.messaging.svc:4222"
+CRD_API_VERSIONS = ("monitoring.coreos.com/v1",)
 
 SCENARIOS: dict[str, tuple[str, ...]] = {
     "defaults": (),
@@ -74,6 +78,7 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
         "nats.auth.existingSecret=strata-nats-credentials",
     ),
     "autoscaling": (
+        "workers.kind=Deployment",
         "workers.autoscaling.enabled=true",
         "workers.autoscaling.minReplicas=4",
         "workers.autoscaling.maxReplicas=100",
@@ -88,6 +93,25 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
         "coordinator.replay.maxEvents=1000000",
         "coordinator.replay.timeoutSeconds=45",
     ),
+    "ingress": (
+        "ingress.enabled=true",
+        "ingress.className=nginx",
+        "ingress.host=strata.example.com",
+        "ingress.tls[0].secretName=strata-tls",
+        "ingress.tls[0].hosts[0]=strata.example.com",
+    ),
+    "ingress-sub-path": (
+        "ingress.enabled=true",
+        "ingress.path=/strata(/|$)(.*)",
+        "ingress.pathType=ImplementationSpecific",
+        r"ingress.annotations.nginx\.ingress\.kubernetes\.io/rewrite-target=/$2",
+    ),
+    "service-monitor": (
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
+    ),
+    "pod-monitor": ("metrics.podMonitor.enabled=true",),
+    "gpu-workers": ("workers.gpu=1", "workers.restartPolicy=Never", "workers.backoffLimit=20"),
     "single-node-dev": (
         "nats.replicas=1",
         "nats.auth.enabled=false",
@@ -134,13 +158,13 @@ def _nats_auth(rendered: Rendered) -> dict[str, tuple[str, natsconf.Permissions]
 # -- the chart as a whole -------------------------------------------------------------------------
 
 
-def test_lint_strict(helm: Path) -> None:
-    for settings in (SCENARIOS["defaults"], SCENARIOS["s3-secret"]):
-        command = [str(helm), "lint", "--strict", str(CHART)]
-        for setting in settings:
-            command += ["--set", setting]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 0, done.stdout + done.stderr
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_lint_strict(helm: Path, scenario: str) -> None:
+    command = [str(helm), "lint", "--strict", str(CHART)]
+    for setting in SCENARIOS[scenario]:
+        command += ["--set", setting]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +182,15 @@ def _schemas_read_once() -> Iterator[None]:
 def test_renders_valid_objects_for_kubernetes_1_29_to_1_33(render: Render, scenario: str) -> None:
     rendered = render(*SCENARIOS[scenario])
     assert rendered.objects
+    # The Prometheus Operator's kinds are CRDs, not in the Kubernetes schemas: skipped by name,
+    # and only those (an unknown kind otherwise fails validation).
+    crds = [o for o in rendered.objects if o["apiVersion"] in CRD_API_VERSIONS]
+    assert all(o["kind"] in ("ServiceMonitor", "PodMonitor") for o in crds)
     failures = []
     for version in KUBERNETES_VERSIONS:
         for obj in rendered.objects:
+            if obj in crds:
+                continue
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
@@ -192,6 +222,8 @@ def test_every_object_has_the_standard_labels(render: Render, scenario: str) -> 
 def test_services_select_pods_and_named_ports_that_exist(render: Render, scenario: str) -> None:
     rendered = render(*SCENARIOS[scenario])
     for workload in rendered.workloads():
+        if workload["kind"] == "Job":
+            continue  # the Job controller makes its selector (a uid) itself
         pod_labels = workload["spec"]["template"]["metadata"]["labels"]
         selector = workload["spec"]["selector"]["matchLabels"]
         assert selector.items() <= pod_labels.items(), workload["metadata"]["name"]
@@ -272,6 +304,8 @@ def test_the_environment_given_to_each_container_is_valid_strata_settings(
             if name.startswith("STRATA_") or name in ("STORAGE_BACKEND", "CHECKPOINT_BUCKET"):
                 monkeypatch.delenv(name)
         for name, value in _env(container).items():
+            if isinstance(value, dict) and "fieldRef" in value:
+                value = "0"  # the completion index, a rank
             monkeypatch.setenv(name, value if isinstance(value, str) else "from-a-secret")
         settings = load_settings()  # raises ConfigError naming any variable it cannot use
         assert settings.log_format == "json"
@@ -305,22 +339,68 @@ def test_gateway_and_dashboard_services(render: Render) -> None:
 # -- workers --------------------------------------------------------------------------------------
 
 
-def test_workers_get_their_job_gpus_and_shared_memory(render: Render) -> None:
-    (worker,) = _containers(render().get("Deployment", _name("worker")))
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+def test_workers_get_their_job_shared_memory_and_gpus_only_when_asked(render: Render) -> None:
+    (worker,) = _containers(render().get("Job", _name("worker")))
+    assert "nvidia.com/gpu" not in worker["resources"]["limits"]
     assert _env(worker)["STRATA_JOB"] == "default"
     assert {"/dev/shm", "/tmp"} <= {m["mountPath"] for m in worker["volumeMounts"]}
-    (cpu_only,) = _containers(
-        render(*SCENARIOS["single-node-dev"]).get("Deployment", _name("worker"))
+    (gpu,) = _containers(render(*SCENARIOS["gpu-workers"]).get("Job", _name("worker")))
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_workers_are_an_indexed_job_whose_completion_index_is_the_rank(render: Render) -> None:
+    rendered = render()
+    job = rendered.get("Job", _name("worker"))
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 4
+    assert spec["template"]["spec"]["restartPolicy"] == "OnFailure"
+    (worker,) = _containers(job)
+    env = _env(worker)
+    assert env["STRATA_RANK"] == {
+        "fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        }
+    }
+    assert env["STRATA_WORLD_SIZE"] == "4"
+    assert env["STRATA_CHECKPOINTS"] == "/data/checkpoints"
+    assert not [
+        d for d in rendered.of_kind("Deployment") if d["metadata"]["name"] == _name("worker")
+    ]
+    never = render(*SCENARIOS["gpu-workers"]).get("Job", _name("worker"))["spec"]
+    assert never["template"]["spec"]["restartPolicy"] == "Never"
+    assert never["backoffLimit"] == 20
+
+
+def test_the_default_workers_run_the_demo_job_of_the_example_image(render: Render) -> None:
+    (demo,) = _containers(render().get("Job", _name("worker")))
+    assert demo["image"] == "strata:0.1.0-example"
+    assert demo["command"] == ["python", "-m", "strata.demo.worker"]
+    # Every setting reaches the program from the pod's environment, expanded by Kubernetes.
+    referenced = set(re.findall(r"\$\((\w+)\)", " ".join(demo["args"])))
+    assert referenced == {
+        "STRATA_JOB",
+        "STRATA_NATS_URL",
+        "STRATA_CHECKPOINTS",
+        "STRATA_WORLD_SIZE",
+    }
+    assert referenced <= set(_env(demo))
+    from strata.demo import worker as demo_worker
+
+    parser_flags = {a.split("=")[0] for a in demo["args"]}
+    source = Path(demo_worker.__file__).read_text()
+    for flag in parser_flags:
+        assert f'"{flag}"' in source, f"strata.demo.worker takes no {flag}"
+    tagged = render(
+        "coordinator.image.repository=registry.example.com/strata", "coordinator.image.tag=1.2"
     )
-    assert "nvidia.com/gpu" not in cpu_only["resources"]["limits"]
+    (worker,) = _containers(tagged.get("Job", _name("worker")))
+    assert worker["image"] == "registry.example.com/strata:1.2-example"
 
 
 def test_a_training_command_replaces_the_demo_entirely(render: Render) -> None:
-    (demo,) = _containers(render().get("Deployment", _name("worker")))
-    assert demo["command"] == ["strata", "demo"]
     rendered = render("workers.command={python,train.py}", "workers.image.repository=acme/train")
-    (worker,) = _containers(rendered.get("Deployment", _name("worker")))
+    (worker,) = _containers(rendered.get("Job", _name("worker")))
     assert worker["command"] == ["python", "train.py"]
     assert "args" not in worker
     assert worker["image"] == "acme/train:0.1.0"
@@ -341,7 +421,10 @@ def test_autoscaling_replaces_a_fixed_replica_count(render: Render) -> None:
     assert metric["resource"]["target"] == {"type": "Utilization", "averageUtilization": 80}
     # A fixed count would fight the autoscaler at every upgrade.
     assert "replicas" not in rendered.get("Deployment", _name("worker"))["spec"]
-    assert render().get("Deployment", _name("worker"))["spec"]["replicas"] == 4
+    assert (
+        render("workers.kind=Deployment").get("Deployment", _name("worker"))["spec"]["replicas"]
+        == 4
+    )
     assert not render().of_kind("HorizontalPodAutoscaler")
 
 
@@ -368,8 +451,8 @@ def test_local_storage_shares_one_claim_between_workers_and_the_checkpoint_servi
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert claim["spec"]["storageClassName"] == "fast-nvme"
     assert claim["spec"]["resources"]["requests"]["storage"] == "500Gi"
-    for name in ("checkpoint", "worker"):
-        workload = rendered.get("Deployment", _name(name))
+    for kind, name in (("Deployment", "checkpoint"), ("Job", "worker")):
+        workload = rendered.get(kind, _name(name))
         assert _mounts_checkpoints(workload, _name("checkpoints")), name
         (container,) = _containers(workload)
         assert _env(container)["STORAGE_BACKEND"] == "local"
@@ -387,11 +470,13 @@ def test_local_storage_without_persistence_is_scratch_space(render: Render) -> N
 def test_s3_storage_needs_no_volume_and_gets_its_settings(render: Render, scenario: str) -> None:
     rendered = render(*SCENARIOS[scenario])
     assert not rendered.of_kind("PersistentVolumeClaim")
-    for name in ("checkpoint", "worker"):
-        workload = rendered.get("Deployment", _name(name))
+    for kind, name in (("Deployment", "checkpoint"), ("Job", "worker")):
+        workload = rendered.get(kind, _name(name))
         (container,) = _containers(workload)
         env = _env(container)
         assert env["STORAGE_BACKEND"] == "s3"
+        if name == "worker":
+            assert env["STRATA_CHECKPOINTS"] == "s3://my-ml-checkpoints/checkpoints"
         assert env["CHECKPOINT_BUCKET"] == "my-ml-checkpoints"
         assert env["AWS_REGION"] == "us-east-1"
         assert "/data/checkpoints" not in {m["mountPath"] for m in container["volumeMounts"]}
@@ -428,7 +513,7 @@ def test_nats_is_a_three_node_jetstream_cluster_by_default(render: Render) -> No
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["publishNotReadyAddresses"] is True
 
-    (pdb,) = rendered.of_kind("PodDisruptionBudget")
+    pdb = rendered.get("PodDisruptionBudget", _name("nats"))
     assert pdb["spec"]["maxUnavailable"] == 1
     pod_labels = nats["spec"]["template"]["metadata"]["labels"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
@@ -462,8 +547,11 @@ def test_a_single_nats_node_keeps_one_copy_of_each_stream(render: Render) -> Non
 def test_external_nats_replaces_the_statefulset(render: Render) -> None:
     rendered = render(*SCENARIOS["external-nats"])
     assert not rendered.of_kind("StatefulSet")
-    assert not rendered.of_kind("PodDisruptionBudget")
-    assert not rendered.of_kind("ConfigMap")
+    assert _name("nats") not in {
+        p["metadata"]["name"] for p in rendered.of_kind("PodDisruptionBudget")
+    }
+    # Only the users' configuration, for the external server to include.
+    assert [c["metadata"]["name"] for c in rendered.of_kind("ConfigMap")] == [_name("nats-auth")]
     # The NATS credentials are the existing Secret's; the chart makes only the API token.
     assert [s["metadata"]["name"] for s in rendered.of_kind("Secret")] == [_name("api-token")]
     assert not rendered.of_kind("NetworkPolicy")  # nothing of the chart's to guard
@@ -699,7 +787,8 @@ def test_nats_routes_need_the_route_password_from_the_chart_secret(render: Rende
     # The Strata pods never see the route password.
     for container in _strata_containers(rendered):
         refs = [v for v in _env(container).values() if isinstance(v, dict)]
-        assert all(ref["secretKeyRef"]["name"] != _name("nats-routes") for ref in refs)
+        names = [ref["secretKeyRef"]["name"] for ref in refs if "secretKeyRef" in ref]
+        assert _name("nats-routes") not in names
 
 
 def test_a_route_secret_made_outside_the_chart_replaces_the_generated_one(render: Render) -> None:
@@ -804,9 +893,11 @@ def test_the_gateway_asks_for_an_api_token_from_a_secret(render: Render) -> None
     reference = _env(gateway)["STRATA_API_TOKEN"]["secretKeyRef"]
     assert reference == {"name": _name("api-token"), "key": "api-token"}
     assert len(_secret_text(rendered, reference["name"], reference["key"])) >= 32
-    for name in ("registry", "sharding", "barrier", "checkpoint", "worker"):
-        (container,) = _containers(rendered.get("Deployment", _name(name)))
-        assert "STRATA_API_TOKEN" not in _env(container), name
+    for workload in rendered.workloads():
+        if workload["metadata"]["name"] == _name("gateway"):
+            continue
+        for container in _containers(workload):
+            assert "STRATA_API_TOKEN" not in _env(container), workload["metadata"]["name"]
 
     existing = render(*SCENARIOS["prometheus-and-outside-training"])
     (gateway,) = _containers(existing.get("Deployment", _name("gateway")))
@@ -903,7 +994,8 @@ def test_notes_tell_how_to_open_the_dashboard(helm: Path, tmp_path: Path) -> Non
     assert f"kubectl -n {NAMESPACE} port-forward svc/{_name('dashboard')} 3000:3000" in text
     assert "http://localhost:3000/" in text
     assert f"kubectl -n {NAMESPACE} exec deploy/{_name('registry')} -- strata status" in text
-    assert f"kubectl -n {NAMESPACE} scale deployment {_name('worker')} --replicas=" in text
+    assert f"kubectl -n {NAMESPACE} get job {_name('worker')}" in text
+    assert f"helm test {RELEASE} -n {NAMESPACE}" in text
 
 
 # -- the rendered permissions on a real nats-server -----------------------------------------------
@@ -1022,3 +1114,223 @@ async def test_the_rendered_roles_on_a_real_nats_server(
                 await client.close()
             for bus in (gateway, services):
                 await bus.close()
+
+
+# -- what operators expect: PDBs, Ingress, monitoring, helm test, an external NATS ---------------
+
+
+def test_every_service_has_a_disruption_budget(render: Render) -> None:
+    rendered = render()
+    budgets = {p["metadata"]["name"]: p for p in rendered.of_kind("PodDisruptionBudget")}
+    for name in STRATA_SERVICES:
+        budget = budgets[_name(name)]
+        assert budget["spec"]["maxUnavailable"] == 1
+        pod_labels = rendered.get("Deployment", _name(name))["spec"]["template"]["metadata"]
+        assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels["labels"].items()
+    off = render("coordinator.podDisruptionBudget.enabled=false")
+    assert [p["metadata"]["name"] for p in off.of_kind("PodDisruptionBudget")] == [_name("nats")]
+
+
+def test_the_ingress_routes_a_host_or_a_sub_path_to_the_dashboard(render: Render) -> None:
+    assert not render().of_kind("Ingress")
+    (ingress,) = render(*SCENARIOS["ingress"]).of_kind("Ingress")
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [{"secretName": "strata-tls", "hosts": ["strata.example.com"]}]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "strata.example.com"
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/", "Prefix")
+    assert path["backend"]["service"] == {"name": _name("dashboard"), "port": {"name": "http"}}
+
+    (sub,) = render(*SCENARIOS["ingress-sub-path"]).of_kind("Ingress")
+    assert "host" not in sub["spec"]["rules"][0]
+    (path,) = sub["spec"]["rules"][0]["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/strata(/|$)(.*)", "ImplementationSpecific")
+    assert sub["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/rewrite-target": "/$2"}
+
+
+def test_monitors_scrape_every_services_metrics_on_its_health_port(render: Render) -> None:
+    rendered = render(*SCENARIOS["service-monitor"])
+    (monitor,) = rendered.of_kind("ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    selected = [
+        s
+        for s in rendered.of_kind("Service")
+        if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert sorted(s["spec"]["selector"]["app.kubernetes.io/component"] for s in selected) == sorted(
+        STRATA_SERVICES
+    )
+    for service in selected:
+        (port,) = service["spec"]["ports"]
+        assert (port["name"], port["targetPort"], port["port"]) == ("metrics", "health", 8081)
+
+    (pods,) = render(*SCENARIOS["pod-monitor"]).of_kind("PodMonitor")
+    (endpoint,) = pods["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("health", "/metrics")
+    (expression,) = pods["spec"]["selector"]["matchExpressions"]
+    assert sorted(expression["values"]) == sorted(STRATA_SERVICES)
+    assert not render().of_kind("ServiceMonitor")
+    assert not render().of_kind("PodMonitor")
+
+
+def test_helm_test_checks_the_gateway_and_nats_from_inside_the_cluster(render: Render) -> None:
+    rendered = render()
+    (hook,) = rendered.of_kind("Pod")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    spec = hook["spec"]
+    assert spec["restartPolicy"] == "Never"
+    (probe,) = spec["initContainers"]
+    assert probe["command"][-1] == f"http://{_name('gateway')}.{NAMESPACE}.svc:8080"
+    (status,) = spec["containers"]
+    assert status["args"] == ["status"]
+    assert _env(status)["STRATA_NATS_USER"] == "strata-services"
+    # The NetworkPolicy lets the test pod reach NATS.
+    assert (
+        "test"
+        in render().get("NetworkPolicy", _name("nats"))["spec"]["ingress"][0]["from"][0][
+            "podSelector"
+        ]["matchExpressions"][0]["values"]
+    )
+    assert not render("tests.enabled=false").of_kind("Pod")
+
+
+def test_an_external_nats_gets_the_same_users_and_values_for_the_official_chart(
+    render: Render,
+) -> None:
+    rendered = render(*SCENARIOS["external-nats"])
+    data = rendered.get("ConfigMap", _name("nats-auth"))["data"]
+    internal = render().get("ConfigMap", _name("nats-config"))["data"]["auth.conf"]
+    assert data["auth.conf"] == internal
+    values = yaml.safe_load(data["nats-chart-values.yaml"])
+    assert values["config"]["merge"]["zzz$include"] == "../strata-nats-auth/auth.conf"
+    users = natsconf.users(natsconf.parse(data["auth.conf"]))
+    for _user, (password, _) in users.items():
+        variable = values["container"]["env"][password.removeprefix("$")]
+        assert variable["valueFrom"]["secretKeyRef"]["name"] == "strata-nats-credentials"
+    (mount,) = [p["value"] for p in values["container"]["patch"]]
+    (volume,) = [p["value"] for p in values["podTemplate"]["patch"]]
+    assert mount["name"] == volume["name"]
+    assert volume["configMap"]["name"] == _name("nats-auth")
+    # The include, relative to the official chart's /etc/nats-config/nats.conf, is this file.
+    assert (Path("/etc/nats-config") / values["config"]["merge"]["zzz$include"]).resolve() == Path(
+        mount["mountPath"]
+    ) / "auth.conf"
+
+
+@pytest.mark.parametrize(
+    ("settings", "complaint"),
+    [
+        (("workers.autoscaling.enabled=true",), "workers.kind=Deployment"),
+        (("metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"), "one of"),
+        (("workers.kind=StatefulSet",), "workers.kind"),
+        (("ingress.path=strata",), "ingress.path"),
+        (("workers.args={--epochs=3}",), "workers.args needs workers.command"),
+    ],
+)
+def test_options_that_cannot_work_are_refused(
+    helm: Path, settings: tuple[str, ...], complaint: str
+) -> None:
+    done = helm_template(helm, settings)
+    assert done.returncode != 0, f"{settings} rendered"
+    assert complaint in done.stderr, done.stderr
+
+
+@pytest.mark.usefixtures("_schemas_read_once")
+def test_the_seeds_values_file_installs_as_written(helm: Path) -> None:
+    done = helm_template(helm, extra=["-f", str(Path(__file__).parent / "seed-values.yaml")])
+    assert done.returncode == 0, done.stderr
+    rendered = Rendered([o for o in yaml.safe_load_all(done.stdout) if o])
+    for obj in rendered.objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSIONS[-1], strict=True)
+    job = rendered.get("Job", _name("worker"))
+    assert job["spec"]["completions"] == 4
+    (worker,) = _containers(job)
+    assert worker["image"] == "syrilj/strata-worker:latest"  # one string: repository:tag
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "COORDINATOR_URL", "value": "strata-coordinator:50051"} in worker["env"]
+    assert _env(worker)["STRATA_CHECKPOINTS"] == "s3://my-ml-checkpoints/checkpoints"
+    for name in STRATA_SERVICES:
+        deployment = rendered.get("Deployment", _name(name))
+        assert deployment["spec"]["replicas"] == 1  # coordinator.replicaCount
+        (container,) = _containers(deployment)
+        assert container["resources"]["limits"] == {"cpu": 2, "memory": "4Gi"}
+    assert not rendered.of_kind("PersistentVolumeClaim")  # S3: no checkpoints volume
+
+
+def test_coordinator_replica_count_applies_to_every_service_unless_one_says(
+    render: Render,
+) -> None:
+    rendered = render("coordinator.replicaCount=2", "coordinator.services.gateway.replicaCount=3")
+    replicas = {
+        n: rendered.get("Deployment", _name(n))["spec"]["replicas"] for n in STRATA_SERVICES
+    }
+    assert replicas == {"registry": 2, "sharding": 2, "barrier": 2, "checkpoint": 2, "gateway": 3}
+
+
+@pytest.mark.nats
+async def test_a_nats_server_set_up_as_the_official_chart_values_say_admits_strata_users(
+    render: Render, tmp_path: Path
+) -> None:
+    """The layout the official NATS chart gives its pod with `nats-chart-values.yaml`: its own
+    nats.conf in /etc/nats-config including ours from the mounted ConfigMap, the passwords in the
+    environment from the operator's Secret. Every Strata user logs in; a wrong password does not."""
+    rendered = render(*SCENARIOS["external-nats"])
+    data = rendered.get("ConfigMap", _name("nats-auth"))["data"]
+    values = yaml.safe_load(data["nats-chart-values.yaml"])
+    (mount,) = [p["value"] for p in values["container"]["patch"]]
+    etc = tmp_path / "etc"
+    config_dir = etc / "nats-config"
+    auth_dir = etc / Path(mount["mountPath"]).relative_to("/etc")
+    config_dir.mkdir(parents=True)
+    auth_dir.mkdir(parents=True)
+    (auth_dir / "auth.conf").write_text(data["auth.conf"])
+    (port,) = procutil.free_ports(1)
+    # As the official chart renders config.merge: JSON-like, the include last.
+    (config_dir / "nats.conf").write_text(
+        "{\n"
+        f'  "port": {port},\n  "host": "127.0.0.1",\n'
+        f'  "jetstream": {{"store_dir": {json.dumps(str(tmp_path / "js"))}}},\n'
+        f"  include {values['config']['merge']['zzz$include']};\n"
+        "}\n"
+    )
+    secret = {  # the operator's Secret, nats.auth.existingSecret
+        key: f"password-{key}"
+        for key in ("services-password", "gateway-password", "workers-default-password")
+    }
+    env = {"PATH": "/usr/bin:/bin"}
+    for variable, source in values["container"]["env"].items():
+        reference = source["valueFrom"]["secretKeyRef"]
+        assert reference["name"] == "strata-nats-credentials"
+        env[variable] = secret[reference["key"]]
+    server = Process(
+        "nats",
+        [str(nats_server_binary()), "-c", str(config_dir / "nats.conf")],
+        env,
+        tmp_path / "nats.log",
+    ).start()
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        users = {
+            "strata-services": "services-password",
+            "strata-gateway": "gateway-password",
+            "strata-workers-default": "workers-default-password",
+        }
+        deadline = asyncio.get_running_loop().time() + 20
+        for user, key in users.items():
+            while True:
+                try:
+                    client = await natsprobe.connect(url, user, secret[key])
+                    break
+                except (OSError, nats.errors.NoServersError):
+                    server.check_running()
+                    assert asyncio.get_running_loop().time() < deadline, "nats-server not up"
+                    await asyncio.sleep(0.1)
+            assert client.nc.is_connected, user
+            await client.close()
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await natsprobe.connect(url, "strata-services", "wrong")
+    finally:
+        server.stop()

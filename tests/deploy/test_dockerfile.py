@@ -94,8 +94,19 @@ def stages(instructions: list[Instruction]) -> list[Stage]:
     return found
 
 
+def _resolved(stages: list[Stage], stage: Stage) -> Stage:
+    """`stage` with the instructions of the stages it is built FROM before its own, and the
+    image it starts from at the root."""
+    by_name = {s.name: s for s in stages}
+    if stage.base not in by_name:
+        return stage
+    parent = _resolved(stages, by_name[stage.base])
+    return Stage(parent.base, stage.name, [*parent.instructions, *stage.instructions])
+
+
 def _final(stages: list[Stage]) -> Stage:
-    return stages[-1]
+    """The default target (the last stage), as built: its own and its parents' instructions."""
+    return _resolved(stages, stages[-1])
 
 
 def _json_form(arguments: str) -> list[str]:
@@ -113,7 +124,8 @@ def _chart_defaults() -> dict[str, object]:
 def test_build_is_multi_stage_from_pinned_bases(stages: list[Stage]) -> None:
     names = [stage.name for stage in stages]
     assert len(names) == len(set(names)) >= 3
-    assert {"dashboard", "builder", "runtime"} <= set(names)
+    assert {"dashboard", "builder", "runtime", "example"} <= set(names)
+    assert names[-1] == "runtime", "a build without --target must give the services' image"
     for stage in stages:
         if stage.base in names:
             continue
@@ -260,3 +272,35 @@ def test_context_sources_exist_and_are_not_ignored(instructions: list[Instructio
             path = source.rstrip("/")
             assert (REPO / path).exists(), f"COPY {source}: not in the repository"
             assert not _ignored(path, patterns), f"COPY {source}: excluded by .dockerignore"
+
+
+def test_the_example_target_adds_cpu_torch_for_the_charts_default_workers(
+    stages: list[Stage],
+) -> None:
+    by_name = {stage.name: stage for stage in stages}
+    example = _resolved(stages, by_name["example"])
+    runtime = _final(stages)
+    # The same base, user and environment as the services' image; only the venv differs.
+    assert example.base == runtime.base
+    assert example.all("USER")[-1] == runtime.all("USER")[-1]
+    assert example.all("ENV") == runtime.all("ENV")
+    (copy,) = [c for c in by_name["example"].all("COPY") if c.startswith("--from=")]
+    source_stage = copy.split()[0].removeprefix("--from=")
+    installs = " ".join(_resolved(stages, by_name[source_stage]).all("RUN"))
+    # The CPU wheel index: a plain `pip install torch` pulls gigabytes of CUDA packages.
+    assert "--index-url https://download.pytorch.org/whl/cpu" in installs
+    defaults = _arg_defaults(by_name[source_stage].instructions)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", defaults["TORCH_VERSION"]), "torch must be pinned"
+    assert '"torch==${TORCH_VERSION}"' in installs
+    assert "import torch, strata.demo.worker" in installs  # the build fails if the demo cannot run
+    # The chart's workers default to this image: the coordinator's repository, tag "-example",
+    # and they run the demo job with the image's python.
+    workers = _chart_defaults()["workers"]
+    assert isinstance(workers, dict)
+    assert workers["image"]["repository"] == ""
+    template = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert '"%s-example"' in template
+    assert (
+        '["python", "-m", "strata.demo.worker"]'
+        in (CHART / "templates" / "workers.yaml").read_text()
+    )

@@ -1,6 +1,6 @@
-"""`strata demo --kill-one --no-keep`, as CI runs it: a real PyTorch job on the whole stack loses a
-worker midway, recovers from the latest committed checkpoint with a replacement, finishes, and
-exits 0 with its summary."""
+"""`strata demo --kill-one --no-keep`, as CI runs it: a real PyTorch DDP job on the whole stack
+loses a worker midway, recovers from the latest committed checkpoint with a replacement, finishes
+with one model (the same parameters on every rank, every sample once per epoch), and exits 0."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def test_demo_with_a_killed_worker_recovers_finishes_and_exits_0(tmp_path: Path)
     assert recovered is not None, out[-3000:]
     assert float(recovered.group(1)) < 120
     assert "latest committed checkpoint: round" in out
+    # One model, trained by every rank with DDP: one loss, the same parameters everywhere.
+    model = re.search(
+        r"model \(DDP over gloo, 3 ranks\): final loss ([\d.]+) .*parameters identical on every "
+        r"rank: (\w+) .*every sample trained exactly once per epoch: (\w+)",
+        out.replace("\n", " "),
+    )
+    assert model is not None, out[-3000:]
+    assert float(model.group(1)) < 0.69, "the model learned nothing (chance is ln 2)"
+    assert model.group(2) == "yes", out[-3000:]
+    assert model.group(3) == "yes", out[-3000:]
     dashboard = re.search(r"dashboard http://127\.0\.0\.1:(\d+)/", out)
     assert dashboard is not None, out[:2000]
     assert int(dashboard.group(1)) > 0

@@ -71,6 +71,13 @@ UNRUN = [
     ("docs/deployment.md", "kubectl -n ml-training get secret", "needs a cluster"),
     ("docs/deployment.md", "kubectl -n ml-training rollout restart", "needs a cluster"),
     ("docs/deployment.md", "helm uninstall", "needs a cluster; renders nothing"),
+    ("docs/deployment.md", "kubectl -n ml-training get job", "needs a cluster"),
+    ("docs/deployment.md", "helm test", "needs a cluster (test_chart_runs.py runs the test pod)"),
+    (
+        "docs/deployment.md",
+        "kubectl -n ml-training get configmap",
+        "needs a cluster and the NATS repo",
+    ),
     ("docs/barriers.md", ".venv/bin/python bench/barrier.py", "benchmark: minutes of full load"),
     ("docs/registry.md", ".venv/bin/python bench/registry.py", "benchmark: minutes of full load"),
     ("docs/sharding.md", ".venv/bin/python bench/sharding.py", "benchmark: minutes of full load"),
@@ -384,6 +391,36 @@ def test_sdk_torchrun_command(stack: str, workdir: Path) -> None:
     assert len({m[4] for m in results.values()}) == 1, "ranks ended with other weights"
 
 
+# -- docs/sdk.md and docs/dashboard.md: training metrics ------------------------------------------
+
+
+def test_training_metrics_logged_then_read_from_the_gateway(
+    own_nats_server: NatsServer, stack: str, workdir: Path, tools: None
+) -> None:
+    port = procutil.free_port()
+    gateway = ServiceProcess(
+        "gateway", stack, workdir / "logs", env={Env.HTTP_PORT: str(port)}
+    ).start()
+    try:
+        done = run_python("docs/sdk.md", "metrics.py", workdir, stack)
+        assert done.stdout == (
+            "[invalid_field] metric 'loss' is nan: only finite values can be logged; skip the "
+            "sample or log a finite one\n"
+        )
+        script = example("docs/dashboard.md", "training_metrics.sh")
+        documented = json.loads(documented_output(script, "{"))
+        (command,) = commands(script.replace("localhost:8080", f"localhost:{port}"))
+
+        def all_steps() -> bool:
+            answer = shell(command, workdir, environment())
+            return bool(answer.strip()) and json.loads(answer)["steps"] == [0, 1, 2]
+
+        wait_until(all_steps, 15, "the gateway to fold the example's samples")
+        assert json.loads(shell(command, workdir, environment())) == documented
+    finally:
+        gateway.stop()
+
+
 # -- a job's history, for the gateway and the command line ----------------------------------------
 
 HISTORY_WORKER = """
@@ -684,7 +721,7 @@ def env_of(workload: dict[str, Any]) -> dict[str, Any]:
 
 def test_deployment_install(helm: Path) -> None:
     objects = render(helm, "install.sh")
-    worker = objects.named("Deployment", "strata-worker")
+    worker = objects.named("Job", "strata-worker")
     assert container(worker)["image"] == "registry.example.com/ml/resnet-train:2026-11-01"
     assert container(worker)["command"] == ["python", "train.py"]
     assert env_of(worker)["STRATA_JOB"] == "resnet"
@@ -693,7 +730,24 @@ def test_deployment_install(helm: Path) -> None:
 
 
 def test_deployment_scale(helm: Path) -> None:
-    assert render(helm, "scale.sh").named("Deployment", "strata-worker")["spec"]["replicas"] == 32
+    objects = render(helm, "scale.sh")
+    assert objects.named("Deployment", "strata-worker")["spec"]["replicas"] == 32
+    assert "Job" not in objects.kinds()
+
+
+def test_deployment_ingress(helm: Path) -> None:
+    ingress = render(helm, "ingress.sh").named("Ingress", "strata-dashboard")["spec"]
+    assert ingress["rules"][0]["host"] == "strata.example.com"
+    assert ingress["tls"][0]["secretName"] == "strata-tls"
+    sub_path = render(helm, "ingress_sub_path.sh").named("Ingress", "strata-dashboard")
+    assert sub_path["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/strata(/|$)(.*)"
+    annotations = sub_path["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/rewrite-target"] == "/$2"
+
+
+def test_deployment_monitoring(helm: Path) -> None:
+    monitor = render(helm, "monitoring.sh").named("ServiceMonitor", "strata")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
 def test_deployment_autoscaling(helm: Path) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.events import subjects
-from strata.replay import job_history, read_records, rebuild, render_dashboard
+from strata.history import job_history, read_records
+from strata.services.readmodel import rebuild, render_dashboard
 
 from tests.golden.scenario import Scenario, checkpoint_service_available
 from tests.support import ServiceProcess

@@ -26,16 +26,18 @@ from typing import Any
 import httpx
 import pytest
 import strata
+from pydantic import TypeAdapter
 from strata import procutil
 from strata.bus import Bus
 from strata.cli.main import main as cli
 from strata.config import Env, load_settings
 from strata.datasets import AsyncDatasetRegistry
-from strata.replay import JobState, job_history, render_dashboard
-from strata.services.gateway.api import Dashboard
+from strata.history import job_history
 from strata.services.gateway.app import API_TOKEN_ENV
 from strata.services.gateway.live import LiveModel
 from strata.services.gateway.service import Gateway
+from strata.services.readmodel import JobState, render_dashboard
+from strata.services.readmodel.views import Dashboard
 
 from tests import support
 from tests.golden.scenario import Scenario, checkpoint_service_available
@@ -158,7 +160,7 @@ async def test_the_dashboard_follows_a_running_job(
         )
 
     doc = await dashboard_when(http, job, settled, "the job to train, with live rates")
-    Dashboard.model_validate(doc)
+    TypeAdapter(Dashboard).validate_python(doc)
     assert doc["job"] == job
     assert [w["rank"] for w in doc["workers"]] == [0, 1, 2]
     assert {w["id"] for w in doc["workers"]} == {"w00", "w01", "w02"}
@@ -316,7 +318,7 @@ async def test_a_failed_worker_shows_as_failed_and_a_replay_before_shows_it_aliv
     assert "w02" in failed["summary"]
 
     before = await get(http, "/api/replay", job=job, seq=failed["seq"] - 1, telemetry="true")
-    Dashboard.model_validate(before)
+    TypeAdapter(Dashboard).validate_python(before)
     assert by_id(before)["w02"]["status"] == "training"
     assert by_id(before)["w02"]["last_heartbeat"] is not None
     assert before["seq"] < failed["seq"]
@@ -586,6 +588,6 @@ async def test_probes_metrics_and_the_openapi_document(
     ):
         assert path in openapi["paths"], path
     schema = openapi["components"]["schemas"]
-    assert set(schema["Dashboard"]["properties"]) == set(Dashboard.model_fields)
+    assert set(schema["Dashboard"]["properties"]) == set(Dashboard.__required_keys__)
     assert "HTTPBearer" in openapi["components"]["securitySchemes"]
     assert (await http.get("/docs")).status_code == 200

@@ -215,6 +215,22 @@ async def test_size_is_the_stored_length_without_reading_the_object(store: Harne
     assert await storage.size(KEY) is None
 
 
+async def test_read_range_reads_part_of_an_object(store: Harness) -> None:
+    storage = store.make(part_size=SMALL_PART)
+    data = os.urandom(MEDIUM)  # stored in parts on S3
+    await storage.write(KEY, data)
+    assert await storage.read_range(KEY, 0, 10) == data[:10]
+    assert (
+        await storage.read_range(KEY, SMALL_PART - 7, 20) == data[SMALL_PART - 7 : SMALL_PART + 13]
+    )
+    assert await storage.read_range(KEY, MEDIUM - 5, 100) == data[-5:]  # cut at the end
+    assert await storage.read_range(KEY, 3, 0) == b""
+    with pytest.raises(ValidationError, match="offset=-1"):
+        await storage.read_range(KEY, -1, 4)
+    with pytest.raises(NotFound, match="job-a"):
+        await storage.read_range(shard_key("job-a", 100, 9), 0, 4)
+
+
 async def test_corrupted_object_raises_checksum_mismatch(store: Harness) -> None:
     data = os.urandom(256 * 1024)
     result = await store.storage.write(KEY, data)

@@ -29,7 +29,7 @@ SDK_MODULES = (
     "strata.datasets",
     "strata.checkpoint",
     "strata.storage",
-    "strata.replay",
+    "strata.history",
     "strata.cli.main",
 )
 

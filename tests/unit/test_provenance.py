@@ -18,9 +18,18 @@ from strata.events import (
     subject_for,
     subjects,
 )
-from strata.events.provenance import AREA_OWNERS, WRONG_SOURCE, WRONG_SUBJECT, refusal
+from strata.events.provenance import (
+    AREA_OWNERS,
+    BAD_SUBJECT,
+    SUBJECT_MISMATCH,
+    WRONG_SOURCE,
+    WRONG_SUBJECT,
+    heartbeat_belongs,
+    heartbeat_refusal,
+    refusal,
+)
 from strata.events.rpc import RPC_SERVICES
-from strata.replay import JobState
+from strata.services.readmodel import JobState
 
 JOB = "victim"
 
@@ -120,3 +129,27 @@ def test_the_read_model_leaves_out_and_counts_an_event_from_the_wrong_source() -
     state.apply_event(1, failed("w0"))
     assert (state.rejected, state.events, state.version) == (1, 0, 0)
     assert not state.registry.jobs
+
+
+@pytest.mark.parametrize(
+    ("subject", "source", "code"),
+    [
+        (subjects.heartbeat_subject(JOB, "w.0"), "w.0", None),
+        (subjects.heartbeat_subject(JOB, "w.1"), "w.0", SUBJECT_MISMATCH),
+        (subjects.heartbeat_subject("other", "w.0"), "w.0", SUBJECT_MISMATCH),
+        ("strata.hb.victim", "w.0", BAD_SUBJECT),
+        (subjects.event_subject(JOB, "worker.heartbeat"), "w.0", BAD_SUBJECT),
+        (subjects.heartbeat_subject(JOB, "w.0"), "w.1", WRONG_SOURCE),
+    ],
+)
+def test_a_heartbeat_belongs_to_its_subject_and_its_worker(
+    subject: str, source: str, code: str | None
+) -> None:
+    beat = WorkerHeartbeat(
+        job=JOB, source=source, worker_id="w.0", instance="i", seq=1, state="training"
+    )
+    refused = heartbeat_refusal(subject, beat)
+    assert (refused.code if refused else None) == code
+    assert heartbeat_belongs(subject, beat.job, beat.worker_id, beat.source) == (code is None)
+    # The general rule agrees on whether it counts (with its own, coarser codes).
+    assert (refusal(subject, beat) is None) == (code is None)

@@ -9,6 +9,7 @@ histories recorded from a real job (`tests/golden/`) must rebuild to their recor
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter
 from strata.cli.main import main as cli
 from strata.cli.replay import parse_time
 from strata.errors import CodecError, ValidationError
@@ -52,21 +54,19 @@ from strata.events import (
     WorkerStateChanged,
 )
 from strata.events.provenance import AREA_OWNERS
-from strata.replay import (
+from strata.history import Record, read_records, record_from_json, summarize
+from strata.services.gateway.live import RateWindow
+from strata.services.readmodel import (
     DOMAINS,
     RECENT_EVENTS,
-    ROUTES,
+    REQUEST_TYPES,
     JobState,
-    Record,
-    read_records,
+    event_type,
     rebuild,
-    record_from_json,
     render_dashboard,
     routes_for,
-    summarize,
 )
-from strata.services.gateway.api import Dashboard
-from strata.services.gateway.live import RateWindow
+from strata.services.readmodel.views import Dashboard
 from strata.storage.base import shard_key
 
 JOB = "job-r"
@@ -523,8 +523,21 @@ def test_recent_events_keep_the_last_two_hundred_with_summaries() -> None:
     assert state.recent_rows() == rows  # served again from the summaries already made
 
 
-def test_summaries_name_who_and_what_for_every_event_type() -> None:
+def every_event_type() -> History:
+    """`everything_once` and the event types it leaves out: a timeout, a sample, a restore."""
     h = everything_once()
+    h.add(
+        BarrierOpened(
+            job=JOB,
+            source="barrier",
+            name="d",
+            generation=1,
+            expected=["w1"],
+            expected_count=1,
+            timeout_s=5.0,
+            deadline_ts=T0 + 5 * SECOND,
+        )
+    )
     h.add(
         BarrierTimedOut(
             job=JOB,
@@ -547,11 +560,16 @@ def test_summaries_name_who_and_what_for_every_event_type() -> None:
             completed=[0, 4],
         )
     )
+    return h
+
+
+def test_summaries_name_who_and_what_for_every_event_type() -> None:
+    h = every_event_type()
     seen = {}
     for record in h.records:
         seen[record.event.type] = summarize(record.event)
     missing = {model.model_fields["type"].default for model in EVENT_MODELS} - set(seen)
-    assert not missing, f"give {missing} a line in strata.replay.summarize and an example here"
+    assert not missing, f"give {missing} a line in strata.history.summarize and an example here"
     assert all(text != kind for kind, text in seen.items())
     assert seen["worker.failed"] == "w3 (rank 3) failed: no heartbeat for 5.1s (timeout 5s)"
     assert seen["checkpoint.committed"] == (
@@ -572,7 +590,9 @@ def test_summaries_name_who_and_what_for_every_event_type() -> None:
 
 def test_the_dashboard_has_exactly_the_contract_shape() -> None:
     document = render_dashboard(everything_once().fold())
-    Dashboard.model_validate(document)  # extra fields are forbidden, so none is added or lost
+    TypeAdapter(Dashboard).validate_python(
+        document
+    )  # extra fields are forbidden, so none is added or lost
     assert list(document) == [
         "job",
         "seq",
@@ -608,7 +628,7 @@ def test_the_dashboard_has_exactly_the_contract_shape() -> None:
 
 def test_an_empty_job_renders_with_nulls() -> None:
     document = render_dashboard(JobState("nobody"))
-    Dashboard.model_validate(document)
+    TypeAdapter(Dashboard).validate_python(document)
     assert document["workers"] == document["datasets"] == document["recent_events"] == []
     assert document["metrics"]["checkpoint_mb_s"] is None
     assert document["metrics"]["shard_distribution"]["max_over_mean"] is None
@@ -851,10 +871,40 @@ def test_routing_folds_exactly_like_giving_every_event_to_every_domain(events: l
     assert render_dashboard(routed) == render_dashboard(everyone)
 
 
-def test_an_event_type_the_routes_do_not_know_goes_to_every_domain() -> None:
-    assert routes_for("worker.teleported") == DOMAINS
+def test_each_event_type_goes_to_the_domains_that_declare_it() -> None:
+    assert routes_for("worker.registered") == tuple(DOMAINS)
+    assert routes_for("barrier.arrived") == ("barrier",)
     assert routes_for("metric.sampled") == ()
-    assert set(ROUTES) <= {model.model_fields["type"].default for model in EVENT_MODELS}
+    assert routes_for("worker.teleported") == ()
+    catalogue = {event_type(model) for model in EVENT_MODELS}
+    for domain in DOMAINS.values():
+        assert {event_type(model) for model in domain.FOLDS} <= catalogue
+        assert set(domain.REQUESTED) <= set(domain.FOLDS)
+    assert {
+        "worker.registered",
+        "worker.left",
+        "dataset.registered",
+        "barrier.arrived",
+        "checkpoint.shard_saved",
+        "shard.progress",
+    } == REQUEST_TYPES
+
+
+def test_a_domain_declares_exactly_the_event_types_its_evolve_changes_its_state_on() -> None:
+    history = every_event_type()
+    assert {record.event.type for record in history.records} == {
+        event_type(model) for model in EVENT_MODELS
+    }
+    evolvers = JobState(JOB)._evolvers
+    changed: dict[str, set[str]] = {name: set() for name in DOMAINS}
+    for record in history.records:
+        for name, (evolve, state) in evolvers.items():
+            before = pickle.dumps(state)
+            evolve(state, record.event)
+            if pickle.dumps(state) != before:
+                changed[name].add(record.event.type)
+    for name, domain in DOMAINS.items():
+        assert changed[name] == {event_type(model) for model in domain.FOLDS}, name
 
 
 @settings(max_examples=150)

@@ -1,7 +1,7 @@
 // HTTP access to the gateway: JSON requests, the SSE stream, and the bearer token when the API
 // asks for one (401). The token is asked for once and kept in localStorage.
 
-import type { DashboardState, EventsPage, JobsResponse } from "./types";
+import type { Dashboard, EventPage, JobList } from "./types";
 
 const TOKEN_KEY = "strata.token";
 
@@ -74,7 +74,7 @@ async function request(path: string, init: RequestInit = {}): Promise<Response> 
   return response;
 }
 
-async function getJson<T>(path: string, signal?: AbortSignal): Promise<T> {
+export async function getJson<T>(path: string, signal?: AbortSignal): Promise<T> {
   const response = await request(path, signal ? { signal } : {});
   return (await response.json()) as T;
 }
@@ -90,17 +90,17 @@ function query(params: Record<string, string | number | undefined>): string {
 // Paths are relative to the page, so the dashboard works under any sub-path (an ingress that
 // serves it at https://host/strata/ and strips the prefix before the gateway).
 export const api = {
-  jobs: (signal?: AbortSignal) => getJson<JobsResponse>("api/jobs", signal),
+  jobs: (signal?: AbortSignal) => getJson<JobList>("api/jobs", signal),
   dashboard: (job: string, signal?: AbortSignal) =>
-    getJson<DashboardState>(`api/dashboard?${query({ job })}`, signal),
+    getJson<Dashboard>(`api/dashboard?${query({ job })}`, signal),
   replay: (job: string, seq: number, signal?: AbortSignal) =>
-    getJson<DashboardState>(`api/replay?${query({ job, seq })}`, signal),
+    getJson<Dashboard>(`api/replay?${query({ job, seq })}`, signal),
   events: (
     job: string,
     options: { afterSeq: number; limit?: number; type?: string },
     signal?: AbortSignal,
   ) =>
-    getJson<EventsPage>(
+    getJson<EventPage>(
       `api/jobs/${encodeURIComponent(job)}/events?${query({
         after_seq: options.afterSeq,
         limit: options.limit,
@@ -116,7 +116,7 @@ export const api = {
  */
 export async function streamDashboard(
   job: string,
-  onDashboard: (state: DashboardState) => void,
+  onDashboard: (state: Dashboard) => void,
   signal: AbortSignal,
 ): Promise<void> {
   const response = await request(`api/stream?${query({ job })}`, {
@@ -141,7 +141,7 @@ export async function streamDashboard(
       buffer = buffer.slice(newline + (buffer.startsWith("\r\n", newline) ? 2 : 1));
       if (line === "") {
         if (eventName === "dashboard" && data.length > 0) {
-          onDashboard(JSON.parse(data.join("\n")) as DashboardState);
+          onDashboard(JSON.parse(data.join("\n")) as Dashboard);
         }
         eventName = "message";
         data = [];

@@ -2,7 +2,7 @@
 // (client-side), plus the throughput of each committed checkpoint as dots.
 
 import { useMemo } from "react";
-import type { Checkpoint } from "../api/types";
+import type { CheckpointView } from "../api/types";
 import { formatNumber, nsToMs } from "../format";
 import { HISTORY_WINDOW_MS } from "../hooks";
 import type { MetricName, MetricSample } from "../hooks";
@@ -41,7 +41,7 @@ function Legend(props: { series: readonly Series[]; unit: string }) {
 
 export function Charts(props: {
   history: readonly MetricSample[];
-  checkpoints: readonly Checkpoint[];
+  checkpoints: readonly CheckpointView[];
   replayMs: number | null;
 }) {
   const { history, checkpoints, replayMs } = props;

@@ -1,12 +1,12 @@
 import { useMemo } from "react";
-import type { Barrier, Checkpoint } from "../api/types";
+import type { BarrierView, CheckpointView } from "../api/types";
 import { formatBytes, formatClock, formatDurationMs, formatNumber } from "../format";
 import { BARRIER_COLOURS, CHECKPOINT_COLOURS } from "../status";
 import { Empty, Panel } from "./Panel";
 
 const ROWS = 100;
 
-export function Checkpoints(props: { checkpoints: readonly Checkpoint[] }) {
+export function Checkpoints(props: { checkpoints: readonly CheckpointView[] }) {
   const rows = useMemo(
     () => [...props.checkpoints].sort((a, b) => b.step - a.step).slice(0, ROWS),
     [props.checkpoints],
@@ -71,7 +71,7 @@ export function Checkpoints(props: { checkpoints: readonly Checkpoint[] }) {
   );
 }
 
-export function Barriers(props: { barriers: readonly Barrier[] }) {
+export function Barriers(props: { barriers: readonly BarrierView[] }) {
   const rows = useMemo(
     () =>
       [...props.barriers]

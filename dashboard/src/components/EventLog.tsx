@@ -4,7 +4,7 @@
 
 import { memo, useDeferredValue, useEffect, useMemo, useRef, useState } from "react";
 import type { CSSProperties } from "react";
-import type { EventRef } from "../api/types";
+import type { RecentEvent } from "../api/types";
 import { formatClock } from "../format";
 import { EVENT_AREAS, EVENT_DESCRIPTIONS, EVENT_TYPES } from "../generated/events";
 import { areaColour } from "../status";
@@ -14,14 +14,14 @@ const ROW_PX = 21;
 const VIEW_PX = 360;
 const OVERSCAN = 8;
 
-function matcher(type: string, text: string): (event: EventRef) => boolean {
+function matcher(type: string, text: string): (event: RecentEvent) => boolean {
   const needle = text.trim().toLowerCase();
   const byType =
     type === ""
       ? () => true
       : type.endsWith(".")
-        ? (event: EventRef) => event.type.startsWith(type)
-        : (event: EventRef) => event.type === type;
+        ? (event: RecentEvent) => event.type.startsWith(type)
+        : (event: RecentEvent) => event.type === type;
   if (!needle) return byType;
   return (event) =>
     byType(event) &&
@@ -31,7 +31,7 @@ function matcher(type: string, text: string): (event: EventRef) => boolean {
 }
 
 const Row = memo(function Row(props: {
-  event: EventRef;
+  event: RecentEvent;
   top: number;
   current: boolean;
   onPick: (seq: number) => void;
@@ -58,7 +58,7 @@ const Row = memo(function Row(props: {
 });
 
 export function EventLog(props: {
-  entries: readonly EventRef[];
+  entries: readonly RecentEvent[];
   version: number;
   replaySeq: number | null;
   onPick: (seq: number) => void;
@@ -70,7 +70,7 @@ export function EventLog(props: {
 
   const rows = useMemo(() => {
     const accept = matcher(type, deferredText);
-    const found: EventRef[] = [];
+    const found: RecentEvent[] = [];
     for (let index = entries.length - 1; index >= 0; index -= 1) {
       const event = entries[index];
       if (!event || (replaySeq !== null && event.seq > replaySeq)) continue;

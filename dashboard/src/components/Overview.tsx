@@ -1,7 +1,7 @@
 // The overview cards: the job at a glance, every figure from the dashboard state shown.
 
 import type { ReactNode } from "react";
-import type { DashboardState } from "../api/types";
+import type { Dashboard } from "../api/types";
 import { formatAge, formatBytes, formatDurationMs, formatNumber } from "../format";
 import { isLive } from "../status";
 
@@ -21,7 +21,7 @@ function Card(props: {
   );
 }
 
-export function Overview(props: { state: DashboardState; replay: boolean; nowNs: number }) {
+export function Overview(props: { state: Dashboard; replay: boolean; nowNs: number }) {
   const { state, replay, nowNs } = props;
   const { workers, datasets, checkpoints, metrics } = state;
   let live = 0;

@@ -2,7 +2,7 @@
 // worker up to a few hundred workers, a histogram (workers per load) beyond.
 
 import { memo, useMemo } from "react";
-import type { Dataset, Metrics, Worker } from "../api/types";
+import type { DatasetView, Metrics, WorkerView } from "../api/types";
 import { formatNumber } from "../format";
 import { WORKER_COLOURS } from "../status";
 import { Empty, Panel } from "./Panel";
@@ -101,7 +101,7 @@ const Histogram = memo(function Histogram(props: { loads: readonly Load[] }) {
   );
 });
 
-function DatasetLoads(props: { dataset: Dataset; workers: ReadonlyMap<string, Worker> }) {
+function DatasetLoads(props: { dataset: DatasetView; workers: ReadonlyMap<string, WorkerView> }) {
   const { dataset, workers } = props;
   const loads = useMemo<Load[]>(
     () =>
@@ -160,8 +160,8 @@ function DatasetLoads(props: { dataset: Dataset; workers: ReadonlyMap<string, Wo
 }
 
 export function ShardDistribution(props: {
-  datasets: readonly Dataset[];
-  workers: readonly Worker[];
+  datasets: readonly DatasetView[];
+  workers: readonly WorkerView[];
   metrics: Metrics;
 }) {
   const byId = useMemo(

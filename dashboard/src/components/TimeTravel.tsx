@@ -1,12 +1,12 @@
 // The time-travel slider: one position per event of the job, the last one being "live". Moving
 // it back shows the job as it was right after that event (GET /api/replay?seq=).
 
-import type { EventRef } from "../api/types";
+import type { RecentEvent } from "../api/types";
 import { formatDateTime } from "../format";
 import { areaColour } from "../status";
 
 /** The index of the last entry with seq <= `seq` (entries are in seq order), or -1. */
-export function indexAtOrBefore(entries: readonly EventRef[], seq: number): number {
+export function indexAtOrBefore(entries: readonly RecentEvent[], seq: number): number {
   let low = 0;
   let high = entries.length - 1;
   let found = -1;
@@ -24,7 +24,7 @@ export function indexAtOrBefore(entries: readonly EventRef[], seq: number): numb
 }
 
 export function TimeTravel(props: {
-  entries: readonly EventRef[];
+  entries: readonly RecentEvent[];
   complete: boolean;
   replaySeq: number | null;
   onSeek: (seq: number | null) => void;

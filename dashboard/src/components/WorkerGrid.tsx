@@ -4,8 +4,8 @@
 
 import { memo, useCallback, useMemo, useState } from "react";
 import type { MouseEvent } from "react";
-import { WORKER_STATUSES } from "../api/types";
-import type { Worker, WorkerStatus } from "../api/types";
+import { WORKER_VIEW_STATUS } from "../api/types";
+import type { WorkerView, WorkerViewStatus } from "../api/types";
 import { formatAge } from "../format";
 import { WORKER_COLOURS, WORKER_MEANING } from "../status";
 import { Empty, Panel } from "./Panel";
@@ -21,7 +21,7 @@ function cellSize(count: number): CellSize {
 const WorkerCell = memo(function WorkerCell(props: {
   id: string;
   rank: number;
-  status: WorkerStatus;
+  status: WorkerViewStatus;
   size: CellSize;
   selected: boolean;
 }) {
@@ -39,7 +39,7 @@ const WorkerCell = memo(function WorkerCell(props: {
   );
 });
 
-function WorkerDetails(props: { worker: Worker | undefined; nowNs: number }) {
+function WorkerDetails(props: { worker: WorkerView | undefined; nowNs: number }) {
   const { worker } = props;
   if (!worker) {
     return <p className="grid-details muted">Point at a worker for its details.</p>;
@@ -58,7 +58,7 @@ function WorkerDetails(props: { worker: Worker | undefined; nowNs: number }) {
 }
 
 /** Every worker as a row, for jobs small enough that the grid leaves room. */
-function WorkerTable(props: { workers: readonly Worker[]; nowNs: number }) {
+function WorkerTable(props: { workers: readonly WorkerView[]; nowNs: number }) {
   return (
     <div className="table-wrap worker-table">
       <table>
@@ -99,7 +99,7 @@ function WorkerTable(props: { workers: readonly Worker[]; nowNs: number }) {
   );
 }
 
-export function WorkerGrid(props: { workers: readonly Worker[]; nowNs: number }) {
+export function WorkerGrid(props: { workers: readonly WorkerView[]; nowNs: number }) {
   const { workers, nowNs } = props;
   const [pointed, setPointed] = useState<string | null>(null);
   const [pinned, setPinned] = useState<string | null>(null);
@@ -110,8 +110,8 @@ export function WorkerGrid(props: { workers: readonly Worker[]; nowNs: number })
   );
   const byId = useMemo(() => new Map(workers.map((worker) => [worker.id, worker])), [workers]);
   const counts = useMemo(() => {
-    const result = Object.fromEntries(WORKER_STATUSES.map((status) => [status, 0])) as Record<
-      WorkerStatus,
+    const result = Object.fromEntries(WORKER_VIEW_STATUS.map((status) => [status, 0])) as Record<
+      WorkerViewStatus,
       number
     >;
     for (const worker of workers) result[worker.status] += 1;
@@ -136,7 +136,7 @@ export function WorkerGrid(props: { workers: readonly Worker[]; nowNs: number })
       testId="worker-grid"
     >
       <ul className="legend" aria-label="worker states">
-        {WORKER_STATUSES.map((status) => (
+        {WORKER_VIEW_STATUS.map((status) => (
           <li key={status} title={WORKER_MEANING[status]} data-testid={`legend-${status}`}>
             <span className="swatch" style={{ backgroundColor: WORKER_COLOURS[status] }} />
             {status} <span className="count">{counts[status]}</span>

@@ -1,6 +1,7 @@
 """`strata export` and `strata replay`: a job's history as a file, a timeline, or rebuilt state.
 
-Both read through `strata.replay`, the fold the gateway runs, so `strata replay --file F --state`
+Both read through `strata.history` and fold with `strata.services.readmodel` (imported inside
+the functions that need it), the fold the gateway runs, so `strata replay --file F --state`
 prints, with no server at all, the `/api/dashboard` document the gateway showed at the end of F
 (live rates aside). rich is imported where something is printed: `add_parsers` runs on every
 `strata` call, with or without the server extra that installs it.
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from strata.bus import Bus
-    from strata.replay import JobState, Record, ReplayLimits
+    from strata.history import Record, ReplayLimits
+    from strata.services.readmodel import JobState
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNITS: Final = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
@@ -220,7 +222,7 @@ def _progress(console: Console, verb: str) -> Iterator[Callable[[], None]]:
 async def _export(
     args: argparse.Namespace, out: IO[str], console: Console
 ) -> tuple[int, int, int, int]:
-    from strata.replay import job_history
+    from strata.history import job_history
 
     bounds = _Bounds(args)
     events = beats = first = last = 0
@@ -288,7 +290,7 @@ def export(args: argparse.Namespace, console: Console) -> int:
 def _timeline_line(record: Record, show_job: bool) -> str:
     from rich.markup import escape
 
-    from strata.replay import summarize
+    from strata.history import summarize
 
     event = record.event
     when = datetime.datetime.fromtimestamp(event.ts / 1e9, datetime.UTC)
@@ -322,7 +324,7 @@ class _Timeline:
 
 
 def _print_state(state: JobState) -> None:
-    from strata.replay import render_dashboard
+    from strata.services.readmodel import render_dashboard
 
     if state.events == 0:
         raise NotFound(f"no events of job {state.job!r} in that range")
@@ -354,7 +356,7 @@ def _file_job(path: Path, wanted: str | None) -> str:
 
 
 def _replay_limits(args: argparse.Namespace) -> ReplayLimits:
-    from strata.replay import ReplayLimits
+    from strata.history import ReplayLimits
 
     settings = load_settings(
         nats_url=args.nats_url, replay_max_events=args.max_events, replay_timeout=args.timeout
@@ -363,7 +365,8 @@ def _replay_limits(args: argparse.Namespace) -> ReplayLimits:
 
 
 async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
-    from strata.replay import JobState, fold_history, job_history
+    from strata.history import job_history
+    from strata.services.readmodel import JobState, fold_history
 
     async with await _connect(args.nats_url) as bus:
         history = job_history(
@@ -392,7 +395,8 @@ async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
 
 def replay(args: argparse.Namespace, console: Console) -> int:
     # The fold pulls in the services' domains (and numpy): only for the verbs that need it.
-    from strata.replay import read_records, rebuild
+    from strata.history import read_records
+    from strata.services.readmodel import rebuild
 
     _check_job(args.job)
     _quiet_logs()

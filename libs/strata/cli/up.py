@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -71,18 +70,11 @@ class Child:
     started_at: float = field(default_factory=time.monotonic)
 
     def spawn(self) -> None:
-        with self.log_path.open("ab") as logfile:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"strata.services.{self.name}"],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=logfile,
-                stderr=subprocess.STDOUT,
-                preexec_fn=procutil.child_preexec,
-                # Own process group: a terminal's Ctrl-C reaches only `strata up`, which then
-                # stops the services before NATS, in order.
-                process_group=0,
-            )
+        # Own process group: a terminal's Ctrl-C reaches only `strata up`, which then stops the
+        # services before NATS, in order.
+        self.proc = procutil.spawn_service(
+            self.name, self.env, self.log_path, own_process_group=True
+        )
         self.started_at = time.monotonic()
 
     @property

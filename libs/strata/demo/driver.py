@@ -1,6 +1,9 @@
 """`strata demo`: start the stack, run the training job, kill a worker midway, and report.
 
-The job's workers are separate processes (`python -m strata.demo.worker`), as on a cluster. With
+The job's workers are separate processes (`python -m strata.demo.worker`), as on a cluster, the
+ranks of one model trained with DDP over gloo; the summary shows that model's loss, whether every
+rank ended with the same parameters and whether every sample was trained exactly once per epoch
+(the demo fails if not). With
 `--kill-one`, one is SIGKILLed once every worker has checkpointed a couple of rounds; a replacement
 is started once the registry has marked it failed, and the job finishes from the latest committed
 checkpoint. The stack stays up afterwards (for the dashboard) until Ctrl-C, unless `--no-keep`.
@@ -53,6 +56,9 @@ class Slot:
     restarts: int = 0
     done: bool = False
     killed: bool = False
+    parameters: str | None = None
+    """A digest of the model's parameters at the end (the same on every rank under DDP)."""
+    exactly_once: bool | None = None
     task: Any = None
     log: list[str] = field(default_factory=list)
 
@@ -106,31 +112,68 @@ def _run_job(
     env: dict[str, str],
     stop: threading.Event,
 ) -> bool:
-    logs = data_dir / "logs"
-    events: queue.Queue[tuple[Slot, dict[str, Any]]] = queue.Queue()
-    slots: list[Slot] = []
+    run = JobRun(args, job, nats_url, data_dir, env)
+    for _ in range(args.workers):
+        run.spawn()
+    with run.progress:
+        for slot in run.slots:
+            slot.task = run.progress.add_task(f"worker {slot.index}", total=1, status="starting")
+        while not stop.is_set() and not run.over():
+            run.step()
+    finished = run.finished()
+    run.wait_for_exits()
+    agreed = _summary(
+        args, job, nats_url, run.slots, run.started, run.killed_at, run.recovered_at, finished
+    )
+    return finished and agreed
 
-    def spawn() -> Slot:
+
+class JobRun:
+    """The demo job's worker processes, as the driver follows them: spawn, read their progress
+    lines, SIGKILL one once every worker has checkpointed a few rounds, replace it."""
+
+    def __init__(
+        self, args: argparse.Namespace, job: str, nats_url: str, data_dir: Path, env: dict[str, str]
+    ) -> None:
+        self.args, self.job, self.nats_url, self.data_dir, self.env = (
+            args,
+            job,
+            nats_url,
+            data_dir,
+            env,
+        )
+        self.logs = data_dir / "logs"
+        self.events: queue.Queue[tuple[Slot, dict[str, Any]]] = queue.Queue()
+        self.slots: list[Slot] = []
+        self.started = time.monotonic()
+        self.killed_at: float | None = None
+        self.recovered_at: float | None = None
+        self.round_at_kill = 0
+        self.victim: Slot | None = None
+        self.failed = False
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+            transient=False,
+        )
+
+    def spawn(self) -> Slot:
+        args = self.args
         command = [
             sys.executable,
             "-m",
             "strata.demo.worker",
-            "--job",
-            job,
-            "--nats-url",
-            nats_url,
-            "--checkpoints",
-            str(data_dir / "checkpoints"),
-            "--world-size",
-            str(args.workers),
-            "--epochs",
-            str(args.epochs),
+            *("--job", self.job, "--nats-url", self.nats_url),
+            *("--checkpoints", str(self.data_dir / "checkpoints")),
+            *("--world-size", str(args.workers), "--epochs", str(args.epochs)),
         ]
-        index = len(slots)
-        with (logs / f"{job}-worker-{index}.log").open("ab") as log:
+        index = len(self.slots)
+        with (self.logs / f"{self.job}-worker-{index}.log").open("ab") as log:
             proc = subprocess.Popen(
                 command,
-                env={**os.environ, **env, Env.NATS_URL: nats_url, Env.JOB: job},
+                env={**os.environ, **self.env, Env.NATS_URL: self.nats_url, Env.JOB: self.job},
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
@@ -138,80 +181,80 @@ def _run_job(
             )
         slot = Slot(index, proc)
         assert proc.stdout is not None
-        threading.Thread(target=_pump, args=(slot, proc.stdout, events), daemon=True).start()
-        slots.append(slot)
+        threading.Thread(target=_pump, args=(slot, proc.stdout, self.events), daemon=True).start()
+        self.slots.append(slot)
         return slot
 
-    started = time.monotonic()
-    killed_at: float | None = None
-    recovered_at: float | None = None
-    round_at_kill = 0
-    victim: Slot | None = None
-    for _ in range(args.workers):
-        spawn()
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-        transient=False,
-    )
-    with progress:
-        for slot in slots:
-            slot.task = progress.add_task(f"worker {slot.index}", total=1, status="starting")
-        while not stop.is_set():
-            if time.monotonic() - started > JOB_TIMEOUT_S:
-                console.print(f"[red]the job did not finish within {JOB_TIMEOUT_S:.0f}s[/]")
-                break
-            try:
-                slot, event = events.get(timeout=0.2)
-            except queue.Empty:
-                pass
-            else:
-                _apply(progress, slot, event)
-                if (
-                    event["event"] == "round"
-                    and killed_at is not None
-                    and recovered_at is None
-                    and event["round"] > round_at_kill
-                ):
-                    recovered_at = time.monotonic()
-            live = [s for s in slots if not s.killed]
-            if (
-                args.kill_one
-                and victim is None
-                and len(live) == args.workers
-                and all(s.round >= KILL_AFTER_ROUND for s in live)
-            ):
-                victim = live[-1]
-                round_at_kill = max(s.round for s in live)
-                victim.proc.kill()
-                victim.killed = True
-                killed_at = time.monotonic()
-                progress.update(victim.task, status="[red]SIGKILLed")
-                console.print(f"[red]SIGKILL[/] worker {victim.index} ({victim.worker_id})")
-                _replace_when_failed(nats_url, job, victim, spawn, progress)
-            for s in slots:
-                if not s.killed and not s.done and s.proc.poll() not in (None, 0):
-                    console.print(
-                        f"[red]worker {s.index} exited with {s.proc.returncode}[/]; "
-                        f"see {logs / f'{job}-worker-{s.index}.log'}"
-                    )
-                    return False
-            if (
-                all(s.done for s in slots if not s.killed)
-                and len([s for s in slots if not s.killed]) == args.workers
-            ):
-                break
-    finished = all(s.done for s in slots if not s.killed)
-    for s in slots:
-        if s.proc.poll() is None:
-            try:
-                s.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-    _summary(args, job, nats_url, slots, started, killed_at, recovered_at, finished)
-    return finished
+    def live(self) -> list[Slot]:
+        return [s for s in self.slots if not s.killed]
+
+    def step(self) -> None:
+        """Take the next progress line (waiting a little for one), then act on the job's state."""
+        try:
+            slot, event = self.events.get(timeout=0.2)
+        except queue.Empty:
+            pass
+        else:
+            _apply(self.progress, slot, event)
+            self.note_recovery(event)
+        self.maybe_kill()
+        self.check_exits()
+
+    def note_recovery(self, event: dict[str, Any]) -> None:
+        if (
+            event["event"] == "round"
+            and self.killed_at is not None
+            and self.recovered_at is None
+            and event["round"] > self.round_at_kill
+        ):
+            self.recovered_at = time.monotonic()
+
+    def maybe_kill(self) -> None:
+        live = self.live()
+        if (
+            not self.args.kill_one
+            or self.victim is not None
+            or len(live) != self.args.workers
+            or not all(s.round >= KILL_AFTER_ROUND for s in live)
+        ):
+            return
+        victim = self.victim = live[-1]
+        self.round_at_kill = max(s.round for s in live)
+        victim.proc.kill()
+        victim.killed = True
+        self.killed_at = time.monotonic()
+        self.progress.update(victim.task, status="[red]SIGKILLed")
+        console.print(f"[red]SIGKILL[/] worker {victim.index} ({victim.worker_id})")
+        _replace_when_failed(self.nats_url, self.job, victim, self.spawn, self.progress)
+
+    def check_exits(self) -> None:
+        for s in self.slots:
+            if not s.killed and not s.done and s.proc.poll() not in (None, 0):
+                console.print(
+                    f"[red]worker {s.index} exited with {s.proc.returncode}[/]; "
+                    f"see {self.logs / f'{self.job}-worker-{s.index}.log'}"
+                )
+                self.failed = True
+
+    def over(self) -> bool:
+        if self.failed:
+            return True
+        if time.monotonic() - self.started > JOB_TIMEOUT_S:
+            console.print(f"[red]the job did not finish within {JOB_TIMEOUT_S:.0f}s[/]")
+            return True
+        live = self.live()
+        return len(live) == self.args.workers and all(s.done for s in live)
+
+    def finished(self) -> bool:
+        return not self.failed and all(s.done for s in self.live())
+
+    def wait_for_exits(self) -> None:
+        for s in self.slots:
+            if s.proc.poll() is None:
+                try:
+                    s.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
 
 
 def _apply(progress: Progress, slot: Slot, event: dict[str, Any]) -> None:
@@ -234,7 +277,25 @@ def _apply(progress: Progress, slot: Slot, event: dict[str, Any]) -> None:
         progress.update(slot.task, status="[yellow]barrier broken: restarting")
     elif kind == "done":
         slot.done, slot.loss = True, event["loss"]
+        slot.parameters, slot.exactly_once = event.get("parameters"), event.get("exactly_once")
         progress.update(slot.task, status=f"[green]done, loss {slot.loss:.3f}")
+
+
+def _model_summary(args: argparse.Namespace, done: list[Slot]) -> bool:
+    """One model, trained by every rank: its loss, and whether the ranks agree on it and trained
+    every sample exactly once per epoch (what the demo checks for itself)."""
+    if not done:
+        return False
+    digests = {s.parameters for s in done}
+    same = len(digests) == 1 and None not in digests
+    once = all(s.exactly_once for s in done)
+    Console().print(
+        f"model (DDP over gloo, {args.workers} ranks): final loss {done[0].loss:.4f} "
+        f"(mean over every rank's samples); parameters identical on every rank: "
+        f"{'yes' if same else 'NO'} ({', '.join(sorted(str(d) for d in digests))}); "
+        f"every sample trained exactly once per epoch: {'yes' if once else 'NO'}"
+    )
+    return same and once
 
 
 def _replace_when_failed(
@@ -265,17 +326,18 @@ def _summary(
     killed_at: float | None,
     recovered_at: float | None,
     finished: bool,
-) -> None:
+) -> bool:
+    """Print what the job did; whether its ranks agreed on one model trained exactly once."""
     table = Table(title=f"job {job}: {'finished' if finished else 'NOT finished'}")
-    for column in ("worker", "rank", "epochs", "rounds", "final loss", "restarts", "fate"):
+    for column in ("worker", "rank", "epochs", "rounds", "restarts", "fate"):
         table.add_column(column)
     for s in slots:
         fate = "killed" if s.killed else ("done" if s.done else "unfinished")
-        loss = f"{s.loss:.4f}" if s.loss is not None else "-"
         table.add_row(
-            str(s.index), str(s.rank), str(s.epoch + 1), str(s.round), loss, str(s.restarts), fate
+            str(s.index), str(s.rank), str(s.epoch + 1), str(s.round), str(s.restarts), fate
         )
     Console().print(table)
+    agreed = _model_summary(args, [s for s in slots if s.done])
     try:
         answer: CheckpointAnswer = asyncio.run(
             _ask(nats_url, "checkpoint", "status", CheckpointQuery(job=job), CheckpointAnswer)
@@ -297,3 +359,4 @@ def _summary(
             )
         else:
             Console().print("the job did not recover after the kill")
+    return agreed

@@ -1,26 +1,40 @@
-"""One worker of the demo job: a small PyTorch model trained on its shards of a synthetic dataset.
+"""One rank of the demo job: one small PyTorch model trained with DDP over gloo, synthetic data.
 
-Training goes in rounds: each worker trains a few batches, reports its progress, meets the others
-at a barrier, then every rank checkpoints its state under the same step (the round number). When a
-worker dies, the survivors' barrier breaks; each of them, and the replacement, reloads the latest
-committed checkpoint, resets the data progress to that checkpoint's cursors (to nothing without
-one), waits until the whole world is back, and goes on. Progress lines go to stdout as JSON for the
-demo driver.
+Strata gives the rank and the world; the ranks form a gloo process group through a
+`torch.distributed.FileStore` created anew for every (re)start of the job (named after the
+generation of the `world` barrier, so a restart never meets a store of an earlier group), and wrap
+the model in DistributedDataParallel: gradients are averaged over the ranks, so every rank holds
+the same parameters, and the reported loss is the mean over every rank's samples.
+
+Training goes in rounds: the ranks train a few steps in lockstep on their shards (a rank out of
+batches trains on an empty one), meet at a barrier, and every rank checkpoints its state and data
+cursor under the same step (the round number). When a worker dies, the survivors' collectives or
+barriers fail; each of them, and the replacement, drops the process group, reloads the latest
+complete checkpoint, resets the data progress to its cursors, waits until the whole world is
+back, forms a new group and goes on. `seen` counts how often each sample went into the model and
+is checkpointed with it, so the end of the job checks every sample was trained exactly once per
+epoch. Progress lines go to stdout as JSON for the demo driver.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import strata
@@ -35,14 +49,35 @@ def emit(kind: str, **fields: Any) -> None:
     print(json.dumps({"event": kind, "t": time.time(), **fields}), flush=True)
 
 
+MAX_RESTARTS = 20
+
+
 def synthetic_data(samples: int, seed: int) -> TensorDataset:
-    """The same labelled points in every worker: a noisy linear boundary in 16 dimensions."""
+    """The same labelled points in every worker, with their index: a noisy linear boundary in
+    16 dimensions."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(samples, 16, generator=generator)
     boundary = torch.randn(16, generator=generator)
     noise = 0.1 * torch.randn(samples, generator=generator)
     labels = ((inputs @ boundary + noise) > 0).long()
-    return TensorDataset(inputs, labels)
+    return TensorDataset(torch.arange(samples), inputs, labels)
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """A short digest of the model's parameters: equal on every rank when DDP kept them equal."""
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        digest.update(parameter.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def default_store_dir(checkpoints: str) -> Path:
+    """Where the process groups' FileStores go unless `--pg-store` says: beside local
+    checkpoints (a volume every rank shares), else the temp dir (one machine)."""
+    if "://" in checkpoints and not checkpoints.startswith("file://"):
+        return Path(tempfile.gettempdir()) / "strata-process-groups"
+    local = checkpoints.removeprefix("file://")
+    return Path(local).resolve().parent / "process-groups"
 
 
 def build_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -121,9 +156,15 @@ class Trainer:
         self.checkpoints = self.checkpoint_manager()
         self.data = synthetic_data(args.samples, args.seed)
         self.loss = math.nan
+        self.seen = torch.zeros(args.samples)
         self.record = Recorder(args.record)
         self.recorded_acks = 0
         self.carried: frozenset[int] = frozenset()
+        self.store_dir = (
+            Path(args.pg_store) if args.pg_store else default_store_dir(args.checkpoints)
+        )
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.model: nn.Module | None = None
         emit("started", rank=self.worker.rank, worker=self.worker.id)
 
     def run(self) -> None:
@@ -132,9 +173,14 @@ class Trainer:
             try:
                 self.train()
                 break
-            except (strata.BarrierBroken, strata.BarrierTimeout) as exc:
+            except (strata.BarrierBroken, strata.BarrierTimeout, RuntimeError) as exc:
+                # RuntimeError: a collective or the store of the process group failed (gloo's
+                # errors are RuntimeErrors), which a dead peer causes as a broken barrier does.
                 restarts += 1
-                emit("restart", rank=self.worker.rank, reason=str(exc), restarts=restarts)
+                if restarts > MAX_RESTARTS:
+                    raise
+                emit("restart", rank=self.worker.rank, reason=str(exc)[:300], restarts=restarts)
+                self.leave_group()
                 self.checkpoints.wait()
                 self.record_acks()
                 # The restarted job saves its rounds under the same step numbers again: a new
@@ -142,13 +188,43 @@ class Trainer:
                 self.checkpoints, self.recorded_acks = self.checkpoint_manager(), 0
         self.checkpoints.wait()
         self.record_acks()
-        emit("done", rank=self.worker.rank, loss=self.loss, worker=self.worker.id)
+        assert self.model is not None
+        emit(
+            "done",
+            rank=self.worker.rank,
+            loss=self.loss,
+            worker=self.worker.id,
+            parameters=parameters_digest(self.model),
+            exactly_once=bool((self.seen == self.args.epochs).all()),
+        )
+        self.leave_group()
         self.worker.stop()
 
     def checkpoint_manager(self) -> strata.CheckpointManager:
         return strata.CheckpointManager(
             self.worker, self.args.checkpoints, keep_count=self.args.keep_count
         )
+
+    def join_group(self, generation: int) -> None:
+        """The gloo process group of this (re)start of the job: Strata's rank and world, and a
+        FileStore of this start's own (the `world` barrier's generation names it)."""
+        rank = self.worker.rank
+        assert rank is not None
+        store = dist.FileStore(  # type: ignore[attr-defined]
+            str(self.store_dir / f"{self.args.job}-{generation}.store"), self.args.world_size
+        )
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=self.args.world_size,
+            timeout=datetime.timedelta(seconds=self.args.barrier_timeout),
+        )
+
+    def leave_group(self) -> None:
+        if dist.is_initialized():
+            with contextlib.suppress(RuntimeError):  # a group whose peers died may complain
+                dist.destroy_process_group()
 
     def record_acks(self) -> None:
         """Record the checkpoint acks the service answered since the last call (with the id of
@@ -181,13 +257,15 @@ class Trainer:
             )
 
     def resume(self, model: nn.Module, optimiser: torch.optim.Optimizer) -> tuple[int, int, bool]:
-        """(round, epoch, epoch finished) of the latest committed checkpoint, loaded; or a start.
+        """(round, epoch, epoch finished) of the latest complete checkpoint, loaded; or a start.
 
         Only complete checkpoints are committed (a shard of every rank of their world), and the
         job never saves in a world short of a worker, so the latest has a shard for every rank.
+        Under DDP every rank saved the same model; each loads its own rank's shard (its cursor).
         """
         manifest = self.checkpoints.latest()
         self.carried = frozenset()
+        self.seen = torch.zeros(self.args.samples)
         if manifest is None:
             # The job starts over, and so does its data: what was read before a failure is in
             # no model state.
@@ -197,6 +275,7 @@ class Trainer:
         model.load_state_dict(state["model"])
         optimiser.load_state_dict(state["optimiser"])
         self.loss = float(state["loss"])
+        self.seen = state["seen"]
         epoch, completed, partial = restore_point(manifest)
         self.registry.restore_progress(DATASET, epoch, manifest.step, completed, partial)
         assert self.worker.rank is not None
@@ -206,79 +285,129 @@ class Trainer:
         return int(state["round"]), epoch, bool(state["epoch_done"])
 
     def train(self) -> None:
-        args, worker = self.args, self.worker
-        model, optimiser = build_model(args.seed)
-        round_id, resumed_epoch, epoch_done = self.resume(model, optimiser)
+        args = self.args
+        module, optimiser = build_model(args.seed)
+        round_id, resumed_epoch, epoch_done = self.resume(module, optimiser)
         # Everyone, the replacement included, is back before anyone reads again. The generation
         # of this barrier counts the (re)starts of the job, the same for every worker.
-        self.barrier("world", expected=args.world_size)
+        generation = self.barrier("world", expected=args.world_size)
+        self.join_group(generation)
+        # DDP starts every rank from rank 0's parameters and averages the gradients from then on.
+        model = DistributedDataParallel(module)
+        self.model = module
         first_epoch = resumed_epoch + 1 if epoch_done else resumed_epoch
         for epoch in range(first_epoch, args.epochs):
             carried = self.carried if epoch == resumed_epoch else frozenset()
             sampler = ShardSampler(self.registry, DATASET, epoch, manual_ack=True, seed=args.seed)
             batches = iter(DataLoader(self.data, batch_size=args.batch_size, sampler=sampler))
-            worker.set_state("training", step=round_id, epoch=epoch)
+            self.worker.set_state("training", step=round_id, epoch=epoch)
             while True:
-                trained = 0
-                for inputs, labels in batches:
-                    optimiser.zero_grad()
-                    loss = nn.functional.cross_entropy(model(inputs), labels)
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    optimiser.step()
-                    sampler.ack(len(labels))
-                    self.loss = float(loss)
-                    trained += 1
-                    if trained >= args.round_batches:
-                        break
-                sampler.flush()
-                self.barrier("round")
-                round_id += 1
-                plan = self.registry.plan(DATASET, epoch)
-                epoch_done = plan.done_shards == plan.total_shards
-                # Nobody reads on before everyone has seen the same plan.
-                self.barrier("decided")
-                if worker.members().world_size < args.world_size:
-                    # A worker failed before this round's barriers opened, so they went on
-                    # without it: restart rather than checkpoint a world that is short of it.
-                    raise strata.BarrierBroken(
-                        f"the job has fewer than {args.world_size} workers: restarting from the "
-                        "latest complete checkpoint"
-                    )
-                worker.set_state("checkpointing", step=round_id, epoch=epoch)
-                step = round_id  # a round saved again after a restart is the step's next attempt
-                try:
-                    self.checkpoints.save_state(
-                        {
-                            "model": model.state_dict(),
-                            "optimiser": optimiser.state_dict(),
-                            "epoch_done": epoch_done,
-                            "loss": self.loss,
-                            "round": round_id,
-                        },
-                        step=step,
-                        epoch=epoch,
-                        cursors=[cursor_of(sampler, carried)],
-                    )
-                except strata.ConflictError as exc:
-                    # A worker failed since the check above: its rank of the world has no live
-                    # worker, so the step was aborted as it opened. Restart, as above.
-                    raise strata.BarrierBroken(
-                        f"the checkpoint of step {step} was refused, restarting: {exc.message}"
-                    ) from exc
-                self.record_acks()
-                worker.set_state("training", step=round_id, epoch=epoch)
-                emit(
-                    "round",
-                    rank=worker.rank,
-                    round=round_id,
-                    epoch=epoch,
-                    loss=self.loss,
-                    batches=trained,
-                    done_shards=plan.done_shards,
-                    total_shards=plan.total_shards,
+                trained = self.train_round(model, optimiser, sampler, batches)
+                round_id, epoch_done = self.end_round(
+                    module, optimiser, sampler, carried, round_id, epoch, trained
                 )
                 if epoch_done:
                     break
+
+    def train_round(
+        self,
+        model: nn.Module,
+        optimiser: torch.optim.Optimizer,
+        sampler: ShardSampler,
+        batches: Any,
+    ) -> int:
+        """Up to `--round-batches` steps, every rank in lockstep; how many were taken.
+
+        After a re-plan ranks hold different numbers of batches, and DDP needs every rank in
+        every all-reduce: a rank with none left trains on an empty batch (no gradient), and the
+        loss is scaled so that each step averages over the samples of all ranks.
+        """
+        world = self.args.world_size
+        empty = self.data[:0]
+        steps = 0
+        while steps < self.args.round_batches:
+            batch = next(batches, None)
+            count = torch.tensor(0 if batch is None else len(batch[0]))
+            dist.all_reduce(count)
+            if count.item() == 0:
+                break
+            index, inputs, labels = batch if batch is not None else empty
+            loss_sum = nn.functional.cross_entropy(model(inputs), labels, reduction="sum")
+            optimiser.zero_grad()
+            (loss_sum * world / count).backward()
+            optimiser.step()
+            total = loss_sum.detach().clone()
+            trained = torch.zeros(self.args.samples).index_add_(0, index, torch.ones(len(index)))
+            dist.all_reduce(total)
+            dist.all_reduce(trained)
+            self.seen += trained
+            self.loss = float(total) / int(count)  # the mean over every rank's samples
+            if batch is not None:
+                sampler.ack(len(index))
+            steps += 1
+        return steps
+
+    def end_round(
+        self,
+        module: nn.Module,
+        optimiser: torch.optim.Optimizer,
+        sampler: ShardSampler,
+        carried: frozenset[int],
+        round_id: int,
+        epoch: int,
+        trained: int,
+    ) -> tuple[int, bool]:
+        """Meet, decide whether the epoch is done, checkpoint; the new round and that decision."""
+        args, worker = self.args, self.worker
+        sampler.flush()
+        self.barrier("round")
+        round_id += 1
+        plan = self.registry.plan(DATASET, epoch)
+        epoch_done = plan.done_shards == plan.total_shards
+        # Nobody reads on before everyone has seen the same plan.
+        self.barrier("decided")
+        if worker.members().world_size < args.world_size:
+            # A worker failed before this round's barriers opened, so they went on without it:
+            # restart rather than checkpoint a world that is short of it.
+            raise strata.BarrierBroken(
+                f"the job has fewer than {args.world_size} workers: restarting from the "
+                "latest complete checkpoint"
+            )
+        worker.set_state("checkpointing", step=round_id, epoch=epoch)
+        step = round_id  # a round saved again after a restart is the step's next attempt
+        try:
+            self.checkpoints.save_state(
+                {
+                    "model": module.state_dict(),
+                    "optimiser": optimiser.state_dict(),
+                    "epoch_done": epoch_done,
+                    "loss": self.loss,
+                    "round": round_id,
+                    "seen": self.seen,
+                },
+                step=step,
+                epoch=epoch,
+                cursors=[cursor_of(sampler, carried)],
+            )
+        except strata.ConflictError as exc:
+            # A worker failed since the check above: its rank of the world has no live worker,
+            # so the step was aborted as it opened. Restart, as above.
+            raise strata.BarrierBroken(
+                f"the checkpoint of step {step} was refused, restarting: {exc.message}"
+            ) from exc
+        self.record_acks()
+        worker.set_state("training", step=round_id, epoch=epoch)
+        emit(
+            "round",
+            rank=worker.rank,
+            round=round_id,
+            epoch=epoch,
+            loss=self.loss,
+            batches=trained,
+            done_shards=plan.done_shards,
+            total_shards=plan.total_shards,
+        )
+        return round_id, epoch_done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
         "--keep-count", type=int, default=3, help="committed checkpoints kept (older are pruned)"
+    )
+    parser.add_argument(
+        "--pg-store",
+        metavar="DIR",
+        help="directory every rank shares for the process groups' FileStores (default: "
+        "'process-groups' beside local checkpoints, else the temp dir)",
     )
     parser.add_argument(
         "--record",

@@ -10,6 +10,7 @@ error to refuse, not one per item.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from typing import Annotated, Final, Literal, TypeAlias
@@ -17,6 +18,7 @@ from typing import Annotated, Final, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+METRIC_NAME_PATTERN: Final = r"^[a-z][a-z0-9_]{0,63}$"
 CHECKSUM_PATTERN: Final = r"^(sha256|crc32c|xxh64|xxh128|blake2b):[0-9a-f]{8,128}$"
 
 MAX_WORKERS: Final = 10_000
@@ -28,6 +30,14 @@ MAX_RANK: Final = MAX_WORKERS - 1
 MAX_BYTES: Final = 2**50  # 1 PiB: the largest single checkpoint shard we accept a record of
 MAX_PROGRESS_ITEMS: Final = 10_000
 MAX_LABELS: Final = 32
+MAX_COUNT: Final = 2**62
+"""Counters (a heartbeat's `seq`, an arrival count) and membership epochs."""
+MAX_TS: Final = 2**63 - 1
+"""The latest `ts` (ns since the epoch) an event may carry: a signed 64-bit integer."""
+MAX_CPU_PERCENT: Final = 100_000
+"""A heartbeat's `cpu_percent` bound: 100 per core, for up to 1000 cores."""
+MAX_GPU_PERCENT: Final = 100
+"""A heartbeat's `gpu_util_percent` bound."""
 
 Id = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 """Jobs, workers, datasets, barriers, event ids: letters, digits, `_.-`, at most 128 characters."""
@@ -40,12 +50,12 @@ LabelValue = Annotated[str, StringConstraints(max_length=256)]
 Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
 Rank = Annotated[int, Field(ge=0, le=MAX_RANK)]
-Count = Annotated[int, Field(ge=0, le=2**62)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 ByteCount = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
 ShardId = Annotated[int, Field(ge=0, lt=MAX_SHARDS)]
-MembershipEpoch = Annotated[int, Field(ge=0, le=2**62)]
+MembershipEpoch = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 WorldSize = Annotated[int, Field(ge=1, le=MAX_WORKERS)]
 
 WorkerState = Literal[
@@ -80,7 +90,7 @@ class Event(StrictModel):
     id: Id = Field(default_factory=new_event_id, description="Unique; the Nats-Msg-Id.")
     job: Id
     ts: int = Field(
-        default_factory=time.time_ns, ge=0, le=2**63 - 1, description="Unix time, nanoseconds."
+        default_factory=time.time_ns, ge=0, le=MAX_TS, description="Unix time, nanoseconds."
     )
     source: Id = Field(description="Who emitted it: a service name or a worker id.")
 
@@ -118,10 +128,96 @@ class WorkerHeartbeat(Event):
     state: LiveState
     step: Step = 0
     epoch: Epoch = 0
-    cpu_percent: Annotated[float, Field(ge=0, le=100_000, allow_inf_nan=False)] | None = None
+    cpu_percent: Annotated[float, Field(ge=0, le=MAX_CPU_PERCENT, allow_inf_nan=False)] | None = (
+        None
+    )
     rss_bytes: ByteCount | None = None
-    gpu_util_percent: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+    gpu_util_percent: (
+        Annotated[float, Field(ge=0, le=MAX_GPU_PERCENT, allow_inf_nan=False)] | None
+    ) = None
     gpu_mem_bytes: ByteCount | None = None
+
+
+HeartbeatFacts: TypeAlias = tuple[str, str, str, int, LiveState, int, int]
+"""What failure detection uses of a heartbeat: job, worker id, instance, seq, state, step, epoch."""
+
+_HEARTBEAT_FIELD_COUNT: Final = len(WorkerHeartbeat.model_fields)
+_LIVE: Final = frozenset(LIVE_STATES)
+_ID_MATCH: Final = re.compile(ID_PATTERN.removeprefix("^").removesuffix("$")).fullmatch
+_KNOWN_IDS_KEPT: Final = 65_536
+_known_ids: set[str] = set()
+"""Ids (jobs, workers, instances) already matched against the id pattern: every heartbeat of a
+worker repeats them, and a set lookup is several times cheaper than the regular expression."""
+
+
+def _new_valid_id(value: str) -> bool:
+    if _ID_MATCH(value) is None:
+        return False
+    if len(_known_ids) >= _KNOWN_IDS_KEPT:
+        _known_ids.clear()
+    _known_ids.add(value)
+    return True
+
+
+def plain_heartbeat(obj: object) -> HeartbeatFacts | None:
+    """The facts of a decoded heartbeat in the exact shape the SDK sends, or None for anything else.
+
+    The fast path of `WorkerHeartbeat` (validating the whole pydantic model is most of a
+    heartbeat's cost): it accepts only what the model accepts (same id pattern, same bounds, no
+    coercion, no unknown fields), and only with every field present and floats as floats;
+    whatever it does not accept goes through the model, which then accepts or refuses it with its
+    own reason, so a verdict never depends on the path taken. A heartbeat's source is the worker
+    it is of (the provenance rule), so this takes only those. Checks are written out inline
+    (`type(x) is int`, since the models are strict and True is no int for them): this runs for
+    every heartbeat.
+    """
+    if type(obj) is not dict or len(obj) != _HEARTBEAT_FIELD_COUNT:
+        return None
+    try:
+        kind, v, ts = obj["type"], obj["v"], obj["ts"]
+        event_id, job, source = obj["id"], obj["job"], obj["source"]
+        worker_id, instance, seq = obj["worker_id"], obj["instance"], obj["seq"]
+        state, step, epoch = obj["state"], obj["step"], obj["epoch"]
+        cpu, rss = obj["cpu_percent"], obj["rss_bytes"]
+        gpu, gpu_mem = obj["gpu_util_percent"], obj["gpu_mem_bytes"]
+    except KeyError:
+        return None
+    known = _known_ids
+    if not (
+        kind == "worker.heartbeat"
+        and type(kind) is str
+        and v == 1
+        and type(v) is int
+        and type(ts) is int
+        and 0 <= ts <= MAX_TS
+        and type(seq) is int
+        and 0 <= seq <= MAX_COUNT
+        and type(step) is int
+        and 0 <= step <= MAX_STEP
+        and type(epoch) is int
+        and 0 <= epoch <= MAX_EPOCH
+        and type(state) is str
+        and state in _LIVE
+        and type(job) is str
+        and (job in known or _new_valid_id(job))
+        and type(worker_id) is str
+        and (worker_id in known or _new_valid_id(worker_id))
+        and type(instance) is str
+        and (instance in known or _new_valid_id(instance))
+        and source == worker_id
+        and type(event_id) is str
+        and _ID_MATCH(event_id) is not None
+    ):
+        return None
+    if cpu is not None and not (type(cpu) is float and 0.0 <= cpu <= MAX_CPU_PERCENT):
+        return None
+    if rss is not None and not (type(rss) is int and 0 <= rss <= MAX_BYTES):
+        return None
+    if gpu is not None and not (type(gpu) is float and 0.0 <= gpu <= MAX_GPU_PERCENT):
+        return None
+    if gpu_mem is not None and not (type(gpu_mem) is int and 0 <= gpu_mem <= MAX_BYTES):
+        return None
+    return job, worker_id, instance, seq, state, step, epoch
 
 
 class WorkerStateChanged(Event):
@@ -442,9 +538,12 @@ class MetricSampled(Event):
 
     type: Literal["metric.sampled"] = "metric.sampled"
     v: Literal[1] = 1
-    name: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+    name: Annotated[str, StringConstraints(pattern=METRIC_NAME_PATTERN)]
     value: Annotated[float, Field(allow_inf_nan=False)]
     worker_id: Id | None = None
+    step: Step | None = Field(
+        default=None, description="The training step the figure is of (`log_metrics(step=...)`)."
+    )
     labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS, fail_fast=True)] = (
         Field(default_factory=dict)
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
+from strata.events import subjects
 from strata.events.models import Event, MetricSampled, WorkerHeartbeat
 from strata.events.routing import subject_for
 from strata.events.rpc import RPC_SERVICES
@@ -31,6 +32,10 @@ AREA_OWNERS: Final[dict[str, tuple[str, ...]]] = {
 
 WRONG_SUBJECT: Final = "wrong_subject"
 WRONG_SOURCE: Final = "wrong_source"
+BAD_SUBJECT: Final = "bad_subject"
+"""A heartbeat received on a subject that is no heartbeat subject at all."""
+SUBJECT_MISMATCH: Final = "subject_mismatch"
+"""A heartbeat received on another job's or worker's heartbeat subject."""
 
 
 class Refusal(NamedTuple):
@@ -79,3 +84,31 @@ def refusal(subject: str, event: Event) -> Refusal | None:
             f"subject {expected}",
         )
     return source_refusal(event)
+
+
+def heartbeat_belongs(subject: str, job: str, worker_id: str, source: str) -> bool:
+    """The provenance rule of heartbeats: one counts only on its own subject (the one of its job
+    and worker, which NATS permissions grant to that worker alone) and from its own worker.
+
+    Takes the plain fields so the registry's per-heartbeat fast path, which never builds the
+    model, applies the very rule every other reader does (`heartbeat_refusal`).
+    """
+    return source == worker_id and subject == subjects.heartbeat_subject(job, worker_id)
+
+
+def heartbeat_refusal(subject: str, heartbeat: WorkerHeartbeat) -> Refusal | None:
+    """Why `heartbeat`, received on `subject`, does not count (`heartbeat_belongs`), or None."""
+    if heartbeat_belongs(subject, heartbeat.job, heartbeat.worker_id, heartbeat.source):
+        return None
+    if subject != subjects.heartbeat_subject(heartbeat.job, heartbeat.worker_id):
+        try:
+            subjects.parse_heartbeat_subject(subject)
+        except ValueError as exc:
+            return Refusal(BAD_SUBJECT, str(exc)[:400])
+        return Refusal(
+            SUBJECT_MISMATCH,
+            f"heartbeat of worker {heartbeat.worker_id!r} (job {heartbeat.job!r}) was sent on "
+            f"{subject[:300]}, not on its own subject "
+            f"{subjects.heartbeat_subject(heartbeat.job, heartbeat.worker_id)}",
+        )
+    return source_refusal(heartbeat)

@@ -57,22 +57,25 @@ def _component(model: Any, components: dict[str, Any]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+JOB_PARAMETER = {"description": "Job id ('.' written as '~')."}
+
+
 def _event_channel(model: type[Event]) -> tuple[str, dict[str, Any]]:
     event_type = _event_type(model)
-    area, name = event_type.split(".")
+    params: dict[str, Any]
     if event_type == "worker.heartbeat":
-        address = f"{subjects.HEARTBEATS}.{{job}}.{{worker}}"
-        params = {"job": {"description": "Job id ('.' written as '~')."}, "worker": {}}
+        address = subjects.heartbeat_address()
+        params = {"job": JOB_PARAMETER, "worker": {}}
     elif event_type == "metric.sampled":
-        address = f"{subjects.METRICS}.{{job}}.{{worker}}.{{metric}}"
+        address = subjects.metric_address()
         params = {
-            "job": {"description": "Job id ('.' written as '~')."},
+            "job": JOB_PARAMETER,
             "worker": {"description": "The worker sampled (else the source)."},
             "metric": {},
         }
     else:
-        address = f"{subjects.EVENTS}.{{job}}.{area}.{name}"
-        params = {"job": {"description": "Job id ('.' written as '~')."}}
+        address = subjects.event_address(event_type)
+        params = {"job": JOB_PARAMETER}
     stream = subjects.TELEMETRY_STREAM if event_type in TELEMETRY_TYPES else subjects.EVENTS_STREAM
     channel_id = event_type.replace(".", "_")
     return channel_id, {
@@ -94,7 +97,7 @@ def _rpc_channel(endpoint: RpcEndpoint) -> tuple[str, dict[str, Any]]:
         "subject's (else `forbidden`; a worker_id left out is the subject's).",
     }[endpoint.scope]
     return channel_id, {
-        "address": f"{subjects.rpc_subject(endpoint.service, endpoint.verb)}.{{job}}.{{worker}}",
+        "address": subjects.rpc_address(endpoint.service, endpoint.verb),
         "title": f"{endpoint.service}.{endpoint.verb}",
         "description": (
             f"{endpoint.summary} Queue group {group}. The subject ends with the caller, which "
@@ -114,114 +117,143 @@ def _rpc_channel(endpoint: RpcEndpoint) -> tuple[str, dict[str, Any]]:
     }
 
 
+class _Document:
+    """The parts of the AsyncAPI document as they are gathered: channels, their messages, the
+    operations on them, and the schemas every message refers to."""
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, Any] = {}
+        self.messages: dict[str, Any] = {}
+        self.channels: dict[str, Any] = {}
+        self.operations: dict[str, Any] = {}
+
+    def component(self, model: Any) -> dict[str, str]:
+        return _component(model, self.schemas)
+
+    def send(self, operation: str, channel_id: str, **more: Any) -> None:
+        self.operations[operation] = {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{channel_id}"},
+            **more,
+        }
+
+    def core_channel(
+        self,
+        channel_id: str,
+        title: str,
+        operation: str,
+        *,
+        address: str,
+        description: str,
+        parameters: dict[str, Any],
+        payload: Any,
+    ) -> None:
+        """A channel of core NATS (not stored) with one kind of message, sent by the services."""
+        self.channels[channel_id] = {
+            "address": address,
+            "title": title,
+            "description": f"{description} Core NATS, not stored.",
+            "parameters": parameters,
+            "messages": {channel_id: {"$ref": f"#/components/messages/{channel_id}"}},
+        }
+        self.messages[channel_id] = {
+            "name": title,
+            "contentType": "application/msgpack",
+            "payload": self.component(payload),
+        }
+        self.send(operation, channel_id)
+
+    def events(self) -> None:
+        for model in EVENT_MODELS:
+            channel_id, channel = _event_channel(model)
+            self.channels[channel_id] = channel
+            self.messages[channel_id] = {
+                "name": _event_type(model),
+                "contentType": "application/msgpack",
+                "headers": {
+                    "type": "object",
+                    "properties": {"Nats-Msg-Id": {"type": "string", "description": "= event id"}},
+                },
+                "payload": self.component(model),
+            }
+            self.send(f"publish_{channel_id}", channel_id)
+
+    def notices(self) -> None:
+        self.core_channel(
+            "worker_notice",
+            "worker notice",
+            "notify_worker",
+            address=subjects.control_address(),
+            description=(WorkerNotice.__doc__ or "").strip(),
+            parameters={"job": {}, "worker": {}},
+            payload=WorkerNotice,
+        )
+        self.core_channel(
+            "world_notice",
+            "world notice",
+            "announce_world",
+            address=subjects.world_address(),
+            description=(WorldNotice.__doc__ or "").strip(),
+            parameters={"job": {}},
+            payload=WorldNotice,
+        )
+        self.core_channel(
+            "service_status",
+            "service status",
+            "announce_status",
+            address=subjects.status_address(),
+            description=(
+                f"Each service replica announces itself every {STATUS_INTERVAL_S:g} s; readers "
+                "that may not send requests (the gateway) learn from it who is up."
+            ),
+            parameters={"service": {}},
+            payload=PingResult,
+        )
+
+    def requests(self) -> None:
+        error_ref = self.component(ErrorReply)
+        self.component(OkReply)
+        for endpoint in RPC_ENDPOINTS:
+            channel_id, channel = _rpc_channel(endpoint)
+            self.channels[channel_id] = channel
+            result_ref = self.component(endpoint.result)
+            self.messages[f"{channel_id}_request"] = {
+                "name": f"{endpoint.service}.{endpoint.verb} request",
+                "contentType": "application/msgpack",
+                "payload": self.component(endpoint.request),
+            }
+            self.messages[f"{channel_id}_reply"] = {
+                "name": f"{endpoint.service}.{endpoint.verb} reply",
+                "contentType": "application/msgpack",
+                "payload": {
+                    "oneOf": [
+                        {
+                            "type": "object",
+                            "required": ["ok", "result"],
+                            "properties": {"ok": {"const": True}, "result": result_ref},
+                        },
+                        error_ref,
+                    ]
+                },
+            }
+            self.send(
+                f"request_{channel_id}",
+                channel_id,
+                messages=[{"$ref": f"#/channels/{channel_id}/messages/request"}],
+                reply={
+                    "address": {"location": "$message.header#/reply_to"},
+                    "channel": {"$ref": f"#/channels/{channel_id}"},
+                    "messages": [{"$ref": f"#/channels/{channel_id}/messages/reply"}],
+                },
+            )
+
+
 def asyncapi_document() -> dict[str, Any]:
     """Every subject Strata uses, with its message schemas (AsyncAPI 3.0)."""
-    schemas: dict[str, Any] = {}
-    messages: dict[str, Any] = {}
-    channels: dict[str, Any] = {}
-    operations: dict[str, Any] = {}
-    for model in EVENT_MODELS:
-        channel_id, channel = _event_channel(model)
-        channels[channel_id] = channel
-        messages[channel_id] = {
-            "name": _event_type(model),
-            "contentType": "application/msgpack",
-            "headers": {
-                "type": "object",
-                "properties": {"Nats-Msg-Id": {"type": "string", "description": "= event id"}},
-            },
-            "payload": _component(model, schemas),
-        }
-        operations[f"publish_{channel_id}"] = {
-            "action": "send",
-            "channel": {"$ref": f"#/channels/{channel_id}"},
-        }
-    channels["worker_notice"] = {
-        "address": f"{subjects.CONTROL}.{{job}}.{{worker}}",
-        "title": "worker notice",
-        "description": f"{(WorkerNotice.__doc__ or '').strip()} Core NATS, not stored.",
-        "parameters": {"job": {}, "worker": {}},
-        "messages": {"worker_notice": {"$ref": "#/components/messages/worker_notice"}},
-    }
-    messages["worker_notice"] = {
-        "name": "worker notice",
-        "contentType": "application/msgpack",
-        "payload": _component(WorkerNotice, schemas),
-    }
-    operations["notify_worker"] = {
-        "action": "send",
-        "channel": {"$ref": "#/channels/worker_notice"},
-    }
-    channels["world_notice"] = {
-        "address": f"{subjects.WORLD}.{{job}}",
-        "title": "world notice",
-        "description": f"{(WorldNotice.__doc__ or '').strip()} Core NATS, not stored.",
-        "parameters": {"job": {}},
-        "messages": {"world_notice": {"$ref": "#/components/messages/world_notice"}},
-    }
-    messages["world_notice"] = {
-        "name": "world notice",
-        "contentType": "application/msgpack",
-        "payload": _component(WorldNotice, schemas),
-    }
-    operations["announce_world"] = {
-        "action": "send",
-        "channel": {"$ref": "#/channels/world_notice"},
-    }
-    channels["service_status"] = {
-        "address": f"{subjects.STATUS}.{{service}}",
-        "title": "service status",
-        "description": (
-            f"Each service replica announces itself every {STATUS_INTERVAL_S:g} s; readers that "
-            "may not send requests (the gateway) learn from it who is up. Core NATS, not stored."
-        ),
-        "parameters": {"service": {}},
-        "messages": {"service_status": {"$ref": "#/components/messages/service_status"}},
-    }
-    messages["service_status"] = {
-        "name": "service status",
-        "contentType": "application/msgpack",
-        "payload": _component(PingResult, schemas),
-    }
-    operations["announce_status"] = {
-        "action": "send",
-        "channel": {"$ref": "#/channels/service_status"},
-    }
-    error_ref = _component(ErrorReply, schemas)
-    _component(OkReply, schemas)
-    for endpoint in RPC_ENDPOINTS:
-        channel_id, channel = _rpc_channel(endpoint)
-        channels[channel_id] = channel
-        result_ref = _component(endpoint.result, schemas)
-        messages[f"{channel_id}_request"] = {
-            "name": f"{endpoint.service}.{endpoint.verb} request",
-            "contentType": "application/msgpack",
-            "payload": _component(endpoint.request, schemas),
-        }
-        messages[f"{channel_id}_reply"] = {
-            "name": f"{endpoint.service}.{endpoint.verb} reply",
-            "contentType": "application/msgpack",
-            "payload": {
-                "oneOf": [
-                    {
-                        "type": "object",
-                        "required": ["ok", "result"],
-                        "properties": {"ok": {"const": True}, "result": result_ref},
-                    },
-                    error_ref,
-                ]
-            },
-        }
-        operations[f"request_{channel_id}"] = {
-            "action": "send",
-            "channel": {"$ref": f"#/channels/{channel_id}"},
-            "messages": [{"$ref": f"#/channels/{channel_id}/messages/request"}],
-            "reply": {
-                "address": {"location": "$message.header#/reply_to"},
-                "channel": {"$ref": f"#/channels/{channel_id}"},
-                "messages": [{"$ref": f"#/channels/{channel_id}/messages/reply"}],
-            },
-        }
+    doc = _Document()
+    doc.events()
+    doc.notices()
+    doc.requests()
     return {
         "asyncapi": "3.0.0",
         "info": {
@@ -236,9 +268,9 @@ def asyncapi_document() -> dict[str, Any]:
         "servers": {
             "local": {"host": "127.0.0.1:4222", "protocol": "nats", "description": "strata up"}
         },
-        "channels": channels,
-        "operations": operations,
-        "components": {"schemas": dict(sorted(schemas.items())), "messages": messages},
+        "channels": doc.channels,
+        "operations": doc.operations,
+        "components": {"schemas": dict(sorted(doc.schemas.items())), "messages": doc.messages},
     }
 
 

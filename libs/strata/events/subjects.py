@@ -225,6 +225,82 @@ def rpc_queue_group(service: str) -> str:
     return f"{ROOT}-{_check_name('service', service)}"
 
 
+# -- permissions ----------------------------------------------------------------------------------
+
+
+def all_strata() -> str:
+    """Every subject Strata uses (streams, requests, notices)."""
+    return f"{ROOT}.>"
+
+
+def all_control() -> str:
+    """Every notice to any worker (`control_subject`)."""
+    return f"{CONTROL}.>"
+
+
+DEFAULT_INBOXES: Final = "_INBOX.>"
+"""The inboxes of connections with the client's default inbox prefix (services, gateway)."""
+JETSTREAM_API: Final = "$JS.>"
+"""Every JetStream API subject (and flow control)."""
+KV_API: Final = "$KV.>"
+"""Every key-value bucket's subjects (the snapshot bucket among them)."""
+JETSTREAM_READ_API: Final = (
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.>",
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.STREAM.MSG.GET.>",
+    "$JS.API.DIRECT.GET.>",
+    "$JS.API.CONSUMER.CREATE.>",
+    "$JS.API.CONSUMER.INFO.>",
+    "$JS.API.CONSUMER.DELETE.>",
+    "$JS.FC.>",
+)
+"""The JetStream API a reader of the streams needs: look streams up, read messages, and create
+(and delete) its own consumers; nothing that writes to a stream."""
+
+
+# -- addresses (the documented shape of each subject) ---------------------------------------------
+# The subjects above with `{parameter}` in place of an id: the channel addresses of the AsyncAPI
+# document (`strata.events.schemagen`), and what people read.
+
+
+def event_address(event_type: str) -> str:
+    """`strata.evt.{job}.<area>.<event>`."""
+    return event_subject("{job}", event_type)
+
+
+def heartbeat_address() -> str:
+    return heartbeat_subject("{job}", "{worker}")
+
+
+def metric_address() -> str:
+    return f"{METRICS}.{{job}}.{{worker}}.{{metric}}"
+
+
+def control_address() -> str:
+    return control_subject("{job}", "{worker}")
+
+
+def world_address() -> str:
+    return world_subject("{job}")
+
+
+def status_address() -> str:
+    return f"{STATUS}.{{service}}"
+
+
+def rpc_address(service: str, verb: str) -> str:
+    """`strata.rpc.<service>.<verb>.{job}.{worker}`: a worker's request."""
+    return rpc_subject(service, verb, "{job}", "{worker}")
+
+
+def rpc_layout() -> str:
+    """The shape of every request subject, for people: `strata.rpc.<service>.<verb>.<job>.<worker>`
+    (the gateway's subject layout)."""
+    return f"{RPC}.<service>.<verb>.<job>.<worker>"
+
+
 # -- durable names --------------------------------------------------------------------------------
 
 

@@ -47,6 +47,14 @@ def step_prefix(job: str, step: int) -> str:
     return check_key(f"{job}/step-{step:012d}")
 
 
+def check_range(offset: int, length: int) -> None:
+    if offset < 0 or length < 0:
+        raise ValidationError(
+            f"byte range offset={offset} length={length} is not allowed: both must be >= 0",
+            field="range",
+        )
+
+
 @dataclass(frozen=True)
 class WriteResult:
     uri: str
@@ -71,6 +79,15 @@ class StorageBackend(ABC):
     @abstractmethod
     async def read(self, key: str, checksum: str | None = None) -> bytes:
         """The bytes under `key`; with `checksum`, `ChecksumMismatch` if they differ from it."""
+
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes of the object under `key` from `offset` (fewer at its end), unverified.
+
+        For formats that keep their own checksums per part (a DCP shard's items): reading a part
+        must not cost reading the whole object. Backends that can read a range override this.
+        """
+        check_range(offset, length)
+        return (await self.read(key))[offset : offset + length]
 
     @abstractmethod
     async def exists(self, key: str) -> bool: ...

@@ -27,7 +27,7 @@ from typing import Any, Final, TypeVar
 from strata.errors import NotFound, StorageError, ValidationError
 from strata.storage._checksum import check_checksum, checksum_of, verify
 from strata.storage._keys import valid_key
-from strata.storage.base import StorageBackend, WriteResult
+from strata.storage.base import StorageBackend, WriteResult, check_range
 
 CHECKSUM_XATTR: Final = "user.strata.checksum"
 DEFAULT_CHUNK_SIZE: Final = 8 * 1024 * 1024
@@ -219,6 +219,29 @@ class LocalStorage(StorageBackend):
             stored = _read_checksum_xattr(file.fileno())
             data = file.read()
         return data, stored
+
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        valid_key(key)
+        check_range(offset, length)
+        return await self._io("reading", key, self._read_file_range, key, offset, length)
+
+    def _read_file_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound(f"no object {key!r} in {self.root_uri}", key=key) from None
+        try:
+            parts: list[bytes] = []
+            while length > 0:
+                part = os.pread(fd, length, offset)
+                if not part:
+                    break
+                parts.append(part)
+                offset += len(part)
+                length -= len(part)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        finally:
+            os.close(fd)
 
     async def exists(self, key: str) -> bool:
         valid_key(key)

@@ -23,7 +23,7 @@ from strata.errors import ConfigError, MissingExtra, NotFound, StorageError, Val
 from strata.extras import install_command
 from strata.storage._checksum import check_checksum, checksum_of, verify
 from strata.storage._keys import valid_key
-from strata.storage.base import StorageBackend, WriteResult, check_key
+from strata.storage.base import StorageBackend, WriteResult, check_key, check_range
 
 try:
     import aioboto3
@@ -380,6 +380,32 @@ class S3Storage(StorageBackend):
         else:
             verify(key, self.uri(key), data, checksum, stored)
         return data
+
+    async def read_range(self, key: str, offset: int, length: int) -> bytes:
+        object_key = self.object_key(key)
+        check_range(offset, length)
+        if length == 0:
+            return b""
+        s3 = await self.client()
+
+        async def fetch() -> bytes:
+            response = await s3.get_object(
+                Bucket=self.bucket, Key=object_key, Range=f"bytes={offset}-{offset + length - 1}"
+            )
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+            return data
+
+        try:
+            return await self._retry(f"get {object_key} range", fetch)
+        except ClientError as exc:
+            if _error_code(exc) in _MISSING_CODES:
+                raise NotFound(f"no object {key!r} in {self.root_uri}", key=key) from None
+            if _error_code(exc) == "InvalidRange":
+                return b""
+            raise self._storage_error("reading", key, exc) from exc
+        except (BotoConnectionError, HTTPClientError, TimeoutError) as exc:
+            raise self._storage_error("reading", key, exc) from exc
 
     async def exists(self, key: str) -> bool:
         object_key = self.object_key(key)

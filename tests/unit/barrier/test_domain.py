@@ -122,11 +122,11 @@ class Driver:
         decision = domain.arrive(self.state, request, self.now)
         if decision.error is not None:
             return decision.error
-        assert decision.generation is not None
+        assert decision.result is not None
         self.fold(decision.events)
         self.fold(domain.conclude(self.state, JOB, name, self.now))
         try:
-            return domain.outcome(self.state, JOB, name, decision.generation)
+            return domain.outcome(self.state, JOB, name, decision.result)
         except NotFound as exc:  # a retry of an arrival whose generation is no longer kept
             return exc
 

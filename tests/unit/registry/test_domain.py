@@ -12,6 +12,7 @@ from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import WorkerFailed, WorkerHeartbeat, WorkerRegistered, WorkerStateChanged
 from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import LeaveRequest, RegisterRequest
+from strata.services.domain import Decision
 from strata.services.registry import domain
 from strata.services.registry.domain import (
     DetectFailures,
@@ -25,8 +26,13 @@ POLICY = Policy(heartbeat_interval=1.0, heartbeat_timeout=5.0)
 JOB = "job-a"
 
 
-def run(state: RegistryState, command: domain.Command, now: float) -> domain.Decision:
-    decision = domain.decide(state, command, now, POLICY)
+def ns(seconds: float) -> int:
+    """The domain's clock (wall-clock ns) at `seconds`: the tests read better in seconds."""
+    return round(seconds * 1e9)
+
+
+def run(state: RegistryState, command: domain.Command, now: float) -> Decision[bool]:
+    decision = domain.decide(state, command, ns(now), POLICY)
     for event in decision.events:
         domain.evolve(state, event)
     return decision
@@ -59,7 +65,7 @@ def heartbeat(
         seq=seq,
         state=status,  # type: ignore[arg-type]
     )
-    return domain.observe_heartbeat(state, hb, now)
+    return domain.observe_heartbeat(state, hb, ns(now))
 
 
 def test_ranks_are_dense_then_the_lowest_free_rank_is_reused() -> None:
@@ -102,9 +108,12 @@ def test_registration_is_idempotent_for_one_process_and_superseded_by_another() 
 def test_a_superseding_failure_has_the_id_a_timeout_of_that_registration_would_have() -> None:
     state = RegistryState()
     register(state, "w0", 10.0, instance="first")
-    timed_out = domain.detect_failures(copy.deepcopy(state), 100.0, POLICY)
+    timed_out = domain.detect_failures(copy.deepcopy(state), ns(100.0), POLICY)
     superseded = domain.decide(
-        state, Register(RegisterRequest(job=JOB, worker_id="w0", instance="second")), 11.0, POLICY
+        state,
+        Register(RegisterRequest(job=JOB, worker_id="w0", instance="second")),
+        ns(11.0),
+        POLICY,
     ).events[0]
     # One registration ends once: whichever decision of its end is stored first counts.
     assert [e.id for e in timed_out] == [superseded.id]
@@ -118,12 +127,12 @@ def test_the_superseded_process_is_fenced_off() -> None:
     stale = WorkerHeartbeat(
         job=JOB, source="w0", worker_id="w0", instance="old", seq=9, state="training"
     )
-    outcome = domain.observe_heartbeat(state, stale, 12.0)
+    outcome = domain.observe_heartbeat(state, stale, ns(12.0))
     # Told that it was superseded, never to register again (it would take the id back).
     assert (outcome.rejected, outcome.reregister, outcome.events) == ("instance_mismatch", None, [])
     assert outcome.superseded is not None
     assert "'w0'" in outcome.superseded
-    assert (member.last_seen, member.status) == (11.0, "idle")
+    assert (member.last_seen_ns, member.status) == (ns(11.0), "idle")
     leave = run(state, Leave(LeaveRequest(job=JOB, worker_id="w0", instance="old")), 12.0)
     assert isinstance(leave.error, WorkerSuperseded)
     rejoin = RegisterRequest(job=JOB, worker_id="w0", instance="old", rejoin=True)
@@ -132,7 +141,7 @@ def test_the_superseded_process_is_fenced_off() -> None:
     assert refused.events == []
     # Still refused once the newer process is gone: the id is no longer the old one's.
     run(state, DetectFailures(), 100.0)
-    assert domain.observe_heartbeat(state, stale, 101.0).reregister is None
+    assert domain.observe_heartbeat(state, stale, ns(101.0)).reregister is None
     assert isinstance(run(state, Register(rejoin), 101.0).error, WorkerSuperseded)
     # A process that failed and was not replaced rejoins with its own instance as before.
     assert run(state, Register(rejoin.model_copy(update={"instance": "new"})), 102.0).error is None
@@ -255,13 +264,13 @@ def test_heartbeat_of_a_stranger_or_an_impostor() -> None:
     stranger = WorkerHeartbeat(
         job=JOB, source="x", worker_id="ghost", instance="i", seq=1, state="idle"
     )
-    assert domain.observe_heartbeat(state, stranger, 1.0).reregister is not None
+    assert domain.observe_heartbeat(state, stranger, ns(1.0)).reregister is not None
     impostor = WorkerHeartbeat(
         job=JOB, source="x", worker_id="w0", instance="fake", seq=1, state="idle"
     )
-    outcome = domain.observe_heartbeat(state, impostor, 1.0)
+    outcome = domain.observe_heartbeat(state, impostor, ns(1.0))
     assert outcome.rejected == "instance_mismatch"
-    assert state.jobs[JOB].members["w0"].last_seen == 0.0
+    assert state.jobs[JOB].members["w0"].last_seen_ns == 0
 
 
 def test_state_change_is_announced_once() -> None:
@@ -288,9 +297,24 @@ def test_restart_grace_fails_nobody() -> None:
     state = RegistryState()
     register(state, "w0", 0.0)
     restored = domain.restore(domain.snapshot(state))
-    domain.begin_grace(restored, 100.0)
+    domain.begin_grace(restored, ns(100.0))
     assert run(restored, DetectFailures(), 100.0 + POLICY.heartbeat_timeout).events == []
     assert run(restored, DetectFailures(), 106.0).events != []
+
+
+def test_a_snapshot_of_the_seconds_era_restores_in_ns() -> None:
+    state = RegistryState()
+    register(state, "w0", 12.5)
+    snapshot = domain.snapshot(state)
+    assert snapshot["v"] == 2
+    assert snapshot["jobs"][0]["members"][0][10] == ns(12.5)
+    # Version 1 kept the last sign of life in wall seconds.
+    old = copy.deepcopy(snapshot)
+    old["v"] = 1
+    old["jobs"][0]["members"][0][10] = 12.5
+    assert domain.restore(old).jobs[JOB].members["w0"].last_seen_ns == ns(12.5)
+    with pytest.raises(ValueError, match="version 3"):
+        domain.restore({**snapshot, "v": 3})
 
 
 def test_a_job_forgets_its_oldest_gone_members_past_the_cap(
@@ -407,7 +431,7 @@ class Membership(RuleBasedStateMachine):
         generation = self.instances.get(worker, 0)
         if member is None or generation == 0:
             return
-        seen = member.last_seen
+        seen = member.last_seen_ns
         hb = WorkerHeartbeat(
             job=JOB,
             source=worker,
@@ -416,11 +440,11 @@ class Membership(RuleBasedStateMachine):
             seq=1,
             state="training",
         )
-        outcome = domain.observe_heartbeat(self.state, hb, self.now + now)
+        outcome = domain.observe_heartbeat(self.state, hb, ns(self.now + now))
         assert outcome.reregister is None
         assert outcome.superseded is not None
         assert outcome.events == []
-        assert member.last_seen == seen
+        assert member.last_seen_ns == seen
 
     @rule(n=st.integers(0, 9))
     def leave(self, n: int) -> None:
@@ -441,11 +465,11 @@ class Membership(RuleBasedStateMachine):
     def tick(self, dt: float) -> None:
         self.now += dt
         job = self.state.jobs.get(JOB)
-        before = {m.worker_id: m.last_seen for m in job.live_members()} if job else {}
+        before = {m.worker_id: m.last_seen_ns for m in job.live_members()} if job else {}
         failed = run(self.state, DetectFailures(), self.now).events
         failed_ids = {e.worker_id for e in failed if isinstance(e, WorkerFailed)}
         for worker, last_seen in before.items():
-            late = self.now - last_seen > POLICY.heartbeat_timeout
+            late = ns(self.now) - last_seen > ns(POLICY.heartbeat_timeout)
             assert (worker in failed_ids) == late
 
     @invariant()
@@ -477,8 +501,68 @@ def test_detection_boundary_for_any_timeout(timeout: float) -> None:
     domain.evolve(
         state,
         domain.decide(
-            state, Register(RegisterRequest(job=JOB, worker_id="w", instance="i")), 50.0, policy
+            state, Register(RegisterRequest(job=JOB, worker_id="w", instance="i")), ns(50.0), policy
         ).events[0],
     )
-    assert domain.detect_failures(state, 50.0 + timeout, policy) == []
-    assert len(domain.detect_failures(state, 50.0 + timeout * 1.0001, policy)) == 1
+    assert domain.detect_failures(state, ns(50.0 + timeout), policy) == []
+    assert len(domain.detect_failures(state, ns(50.0 + timeout * 1.0001), policy)) == 1
+
+
+# -- group commit ---------------------------------------------------------------------------------
+
+_batch_command = st.one_of(
+    st.builds(
+        lambda w, p, r: Register(
+            RegisterRequest(job=JOB, worker_id=f"w{w}", instance=f"p{p}", rank=r)
+        ),
+        st.integers(0, 5),
+        st.integers(0, 2),
+        st.one_of(st.none(), st.integers(0, 4)),
+    ),
+    st.builds(
+        lambda w, p: Leave(LeaveRequest(job=JOB, worker_id=f"w{w}", instance=f"p{p}")),
+        st.integers(0, 5),
+        st.integers(0, 2),
+    ),
+)
+
+
+def _outcome(decision: Decision[bool]) -> tuple[object, ...]:
+    error = decision.error
+    return (decision.events, error and (type(error), str(error)), decision.result)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.lists(_batch_command, max_size=8), batch=st.lists(_batch_command, max_size=12))
+def test_a_batch_decides_as_the_same_commands_one_at_a_time_and_leaves_the_state_alone(
+    before: list[Register | Leave], batch: list[Register | Leave]
+) -> None:
+    state = RegistryState()
+    for command in before:
+        run(state, command, 10.0)
+    untouched = copy.deepcopy(state)
+    one_at_a_time = copy.deepcopy(state)
+
+    decisions = domain.decide_all(state, batch, ns(11.0), POLICY)
+
+    expected = [run(one_at_a_time, command, 11.0) for command in batch]
+    assert [_outcome(d) for d in decisions] == [_outcome(d) for d in expected]
+    assert state == untouched
+    for decision in decisions:
+        for event in decision.events:
+            domain.evolve(state, event)
+    assert state == one_at_a_time
+
+
+def test_a_job_start_in_one_batch_gives_every_worker_its_own_rank_and_epoch() -> None:
+    state = RegistryState()
+    batch: list[Register | Leave] = [
+        Register(RegisterRequest(job=JOB, worker_id=f"w{i}", instance=f"p{i}")) for i in range(50)
+    ]
+    decisions = domain.decide_all(state, batch, ns(1.0), POLICY)
+    registered = [event for d in decisions for event in d.events]
+    assert [e.rank for e in registered] == list(range(50))  # type: ignore[attr-defined]
+    assert [e.membership_epoch for e in registered] == list(range(1, 51))  # type: ignore[attr-defined]
+    assert [e.world_size for e in registered] == list(range(1, 51))  # type: ignore[attr-defined]
+    assert len({e.id for e in registered}) == 50
+    assert state.jobs == {}

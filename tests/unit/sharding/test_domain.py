@@ -14,14 +14,14 @@ from strata.events.requests import (
     ReportProgressRequest,
     RestoreProgressRequest,
 )
+from strata.services.domain import Decision
 from strata.services.sharding import domain
-from strata.services.sharding.domain import Decision, ShardingState
-from strata.services.sharding.service import restore, snapshot
+from strata.services.sharding.domain import ShardingState, restore, snapshot
 
 JOB = "job-a"
 DATASET = "ds"
 WORKERS = ("w0", "w1")
-NOW = 1000.0
+NOW = 1_000_000_000_000
 
 
 def apply(state: ShardingState, decision: Decision) -> list[Event]:

@@ -20,9 +20,9 @@ from strata.events.requests import (
     ReportProgressRequest,
     RestoreProgressRequest,
 )
+from strata.services.domain import Decision
 from strata.services.sharding import domain
-from strata.services.sharding.domain import EPOCHS_KEPT, ShardingState
-from strata.services.sharding.service import restore, snapshot
+from strata.services.sharding.domain import EPOCHS_KEPT, ShardingState, restore, snapshot
 
 from tests.unit.sharding.test_domain import DATASET, JOB, NOW, apply, plan, started_job
 
@@ -31,7 +31,7 @@ def planned_epochs(state: ShardingState) -> list[int]:
     return sorted(epoch for (ds, epoch) in state.jobs[JOB].plans if ds == DATASET)
 
 
-def get_shards(state: ShardingState, epoch: int) -> domain.Decision:
+def get_shards(state: ShardingState, epoch: int) -> Decision[None]:
     request = GetShardsRequest(job=JOB, dataset_id=DATASET, worker_id="w0", epoch=epoch)
     return domain.get_shards(state, request, NOW)
 
@@ -176,7 +176,7 @@ def test_whatever_epochs_are_asked_for_the_plans_stay_bounded(
 def test_a_job_registers_a_bounded_number_of_datasets() -> None:
     state = ShardingState()
 
-    def register(name: str) -> domain.Decision:
+    def register(name: str) -> Decision[None]:
         request = RegisterDatasetRequest(
             job=JOB, dataset_id=name, total_samples=10, shard_size=5, shuffle=False, seed=0
         )

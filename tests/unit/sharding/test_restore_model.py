@@ -36,14 +36,15 @@ from strata.events.requests import (
     ReportProgressRequest,
     RestoreProgressRequest,
 )
+from strata.services.domain import Decision
 from strata.services.sharding import domain
-from strata.services.sharding.domain import Decision, EpochPlan, ShardingState
+from strata.services.sharding.domain import EpochPlan, ShardingState
 from strata.sharding import DatasetSpec
 
 JOB = "job"
 DATASET = "ds"
 EPOCH = 0
-NOW = 1000.0
+NOW = 1_000_000_000_000
 
 
 @dataclass(frozen=True)

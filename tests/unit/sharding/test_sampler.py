@@ -44,7 +44,7 @@ class LocalShards:
 
     def __init__(self, total: int, shard_size: int, members: Iterable[str], shuffle: bool = True):
         self.state = domain.ShardingState()
-        self.now = 1.0
+        self.now = 1_000_000_000
         self.membership = 0
         self.reports: list[tuple[str, list[int], list[tuple[int, int]]]] = []
         self.apply(

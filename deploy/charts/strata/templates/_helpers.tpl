@@ -58,12 +58,37 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- end }}
 
+{{/*
+The workers' image: workers.image when set; otherwise the example image, the coordinator image's
+repository with "-example" after its tag (deploy/docker/Dockerfile, target example: CPU PyTorch).
+*/}}
 {{- define "strata.workerImage" -}}
-{{- $image := .Values.workers.image -}}
+{{- $image := include "strata.workerImageValues" . | fromJson -}}
 {{- if $image.repository }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- else }}
-{{- include "strata.image" . }}
+{{- $coordinator := .Values.coordinator.image -}}
+{{- printf "%s:%s" $coordinator.repository (default (printf "%s-example" (default .Chart.AppVersion $coordinator.tag)) $image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+workers.image as {repository, tag, pullPolicy}: the seeds' values give it as one string,
+"repository[:tag]" (a colon after the last slash starts the tag).
+*/}}
+{{- define "strata.workerImageValues" -}}
+{{- $image := .Values.workers.image -}}
+{{- if kindIs "string" $image }}
+{{- $last := last (splitList "/" $image) }}
+{{- $tag := "" }}
+{{- $repository := $image }}
+{{- if contains ":" $last }}
+{{- $tag = last (splitList ":" $last) }}
+{{- $repository = trimSuffix (printf ":%s" $tag) $image }}
+{{- end }}
+{{- toJson (dict "repository" $repository "tag" $tag "pullPolicy" "IfNotPresent") }}
+{{- else }}
+{{- toJson $image }}
 {{- end }}
 {{- end }}
 
@@ -301,5 +326,33 @@ cluster of its own and nats.routeAuth.enabled.
 
 {{/* The Strata pods' components: the NATS client port is theirs alone. */}}
 {{- define "strata.clientComponents" -}}
-{{- toJson (list "registry" "sharding" "barrier" "checkpoint" "gateway" "worker") }}
+{{- toJson (list "registry" "sharding" "barrier" "checkpoint" "gateway" "worker" "test") }}
+{{- end }}
+
+{{/*
+Where the workers keep their checkpoints (STRATA_CHECKPOINTS): the shared volume's mount, or the
+bucket's checkpoints/ prefix. The SDK puts each job in a directory of its own below it.
+*/}}
+{{- define "strata.checkpoints.uri" -}}
+{{- if eq .Values.storage.backend "s3" }}
+{{- printf "s3://%s/checkpoints" .Values.storage.s3.bucket }}
+{{- else }}
+{{- print "/data/checkpoints" }}
+{{- end }}
+{{- end }}
+
+{{/* The demo job's arguments: the chart's settings through $(VAR), the sizes from values. */}}
+{{- define "strata.demoArgs" -}}
+{{- $demo := .Values.workers.demo -}}
+- --job=$(STRATA_JOB)
+- --nats-url=$(STRATA_NATS_URL)
+- --checkpoints=$(STRATA_CHECKPOINTS)
+- --world-size=$(STRATA_WORLD_SIZE)
+- {{ printf "--epochs=%d" (int $demo.epochs) | quote }}
+- {{ printf "--samples=%d" (int $demo.samples) | quote }}
+- {{ printf "--shard-size=%d" (int $demo.shardSize) | quote }}
+- {{ printf "--batch-size=%d" (int $demo.batchSize) | quote }}
+- {{ printf "--round-batches=%d" (int $demo.roundBatches) | quote }}
+- {{ printf "--barrier-timeout=%v" $demo.barrierTimeout | quote }}
+- {{ printf "--keep-count=%d" (int $demo.keepCount) | quote }}
 {{- end }}

@@ -1,0 +1,192 @@
+// Training metrics (what workers logged with `log_metrics`): one chart per metric against the
+// training step, a line per rank and the job's line on top: the mean over ranks (a loss), or
+// their total for a rate (names ending in `_per_s`, which add up across ranks).
+
+import { memo, useMemo } from "react";
+import type { MetricView, MetricsHistoryView } from "../api/types";
+import { formatNumber } from "../format";
+import { Empty, Panel } from "./Panel";
+
+const WIDTH = 360;
+const HEIGHT = 150;
+const PAD = { left: 44, right: 8, top: 10, bottom: 20 };
+const MAX_CHARTS = 6;
+const MAX_RANK_LINES = 16;
+const RANK_COLOURS = ["#38bdf8", "#fbbf24", "#a78bfa", "#22c55e", "#f472b6", "#fb923c"];
+const JOB_COLOUR = "#f8fafc";
+
+interface Line {
+  readonly label: string;
+  readonly colour: string;
+  readonly width: number;
+  readonly steps: readonly number[];
+  readonly values: readonly number[];
+}
+
+/** Rates add up across ranks; anything else (a loss, an accuracy) is averaged. */
+export function addsUp(name: string): boolean {
+  return name.endsWith("_per_s") || name.includes("throughput");
+}
+
+function niceCeiling(value: number): number {
+  if (value <= 0 || !Number.isFinite(value)) return 1;
+  const power = 10 ** Math.floor(Math.log10(value));
+  for (const step of [1, 2, 2.5, 5, 10]) if (value <= step * power) return step * power;
+  return 10 * power;
+}
+
+function linesOf(name: string, history: MetricView): Line[] {
+  const total = addsUp(name);
+  const ranks = history.workers.slice(0, MAX_RANK_LINES).map((worker, index) => ({
+    label: worker.rank === null ? worker.worker : `rank ${worker.rank}`,
+    colour: RANK_COLOURS[index % RANK_COLOURS.length] ?? "#94a3b8",
+    width: 1.1,
+    steps: worker.steps,
+    values: worker.values,
+  }));
+  const job: Line = {
+    label: total ? "job total" : "job mean",
+    colour: JOB_COLOUR,
+    width: 2.2,
+    steps: history.job.steps,
+    values: total ? history.job.total : history.job.mean,
+  };
+  // With one rank the job's line is that rank's: draw it once.
+  return history.workers.length > 1 ? [...ranks, job] : [job];
+}
+
+const StepChart = memo(function StepChart(props: { name: string; history: MetricView }) {
+  const { name, history } = props;
+  const lines = useMemo(() => linesOf(name, history), [name, history]);
+  let first = Infinity;
+  let last = -Infinity;
+  let low = 0;
+  let high = 0;
+  for (const line of lines) {
+    line.steps.forEach((step, index) => {
+      const value = line.values[index] ?? 0;
+      first = Math.min(first, step);
+      last = Math.max(last, step);
+      low = Math.min(low, value);
+      high = Math.max(high, value);
+    });
+  }
+  if (!Number.isFinite(first)) first = last = 0;
+  const span = Math.max(1, last - first);
+  const top = niceCeiling(high * 1.05);
+  const bottom = low < 0 ? -niceCeiling(-low * 1.05) : 0;
+  const plotW = WIDTH - PAD.left - PAD.right;
+  const plotH = HEIGHT - PAD.top - PAD.bottom;
+  const x = (step: number): number => PAD.left + ((step - first) / span) * plotW;
+  const y = (value: number): number => PAD.top + plotH - ((value - bottom) / (top - bottom)) * plotH;
+  const jobLine = lines[lines.length - 1];
+  const latest = jobLine ? jobLine.values[jobLine.values.length - 1] : undefined;
+  return (
+    <figure>
+      <figcaption>
+        {name} <strong>{formatNumber(latest ?? null)}</strong>
+        <span className="muted"> · {jobLine?.label}</span>
+      </figcaption>
+      <svg
+        className="chart"
+        viewBox={`0 0 ${WIDTH} ${HEIGHT}`}
+        role="img"
+        aria-label={`${name} by step: ${lines.map((line) => line.label).join(", ")}`}
+        data-testid={`training-chart-${name}`}
+        data-points={history.job.steps.length}
+        data-last-step={history.job.steps[history.job.steps.length - 1] ?? ""}
+        data-ranks={history.workers.length}
+      >
+        {[bottom, (bottom + top) / 2, top].map((tick) => (
+          <g key={tick}>
+            <line
+              className="gridline"
+              x1={PAD.left}
+              x2={WIDTH - PAD.right}
+              y1={y(tick)}
+              y2={y(tick)}
+            />
+            <text className="axis" x={PAD.left - 4} y={y(tick) + 3} textAnchor="end">
+              {formatNumber(tick)}
+            </text>
+          </g>
+        ))}
+        <text className="axis" x={PAD.left} y={HEIGHT - 5}>
+          step {formatNumber(first)}
+        </text>
+        <text className="axis" x={WIDTH - PAD.right} y={HEIGHT - 5} textAnchor="end">
+          {formatNumber(last)}
+        </text>
+        {history.stride > 1 && (
+          <text className="axis unit" x={PAD.left + plotW / 2} y={HEIGHT - 5} textAnchor="middle">
+            per {formatNumber(history.stride)} steps
+          </text>
+        )}
+        {lines.map((line) => (
+          <path
+            key={line.label}
+            d={line.steps
+              .map((step, index) => {
+                const point = `${x(step).toFixed(1)},${y(line.values[index] ?? 0).toFixed(1)}`;
+                return `${index === 0 ? "M" : "L"}${point}`;
+              })
+              .join("")}
+            fill="none"
+            stroke={line.colour}
+            strokeWidth={line.width}
+          >
+            <title>{line.label}</title>
+          </path>
+        ))}
+      </svg>
+      <ul className="chart-legend">
+        {lines.map((line) => (
+          <li key={line.label}>
+            <span className="swatch line" style={{ backgroundColor: line.colour }} />
+            {line.label} <strong>{formatNumber(line.values[line.values.length - 1] ?? null)}</strong>
+          </li>
+        ))}
+      </ul>
+    </figure>
+  );
+});
+
+/** Loss first, then the other metrics by name. */
+function ordered(names: readonly string[]): string[] {
+  return [...names].sort((a, b) => Number(b === "loss") - Number(a === "loss") || a.localeCompare(b));
+}
+
+export function TrainingCharts(props: { metrics: MetricsHistoryView | null; replaying: boolean }) {
+  const { metrics, replaying } = props;
+  const names = metrics ? ordered(Object.keys(metrics.metrics)) : [];
+  const shown = names.slice(0, MAX_CHARTS);
+  const subtitle = replaying
+    ? "as logged up to the replayed point"
+    : names.length > MAX_CHARTS
+      ? `${MAX_CHARTS} of ${names.length} metrics`
+      : "logged by the workers, by step";
+  return (
+    <Panel
+      title="Training metrics"
+      subtitle={subtitle}
+      className="span-3 charts"
+      testId="training-metrics"
+    >
+      {metrics === null ? (
+        <Empty>Loading the training metrics…</Empty>
+      ) : shown.length === 0 ? (
+        <Empty>
+          No training metrics {replaying ? "by then" : "yet"}: workers log them with{" "}
+          <code>worker.log_metrics({"{"}"loss": 0.31{"}"}, step=step)</code>.
+        </Empty>
+      ) : (
+        <div className="chart-row">
+          {shown.map((name) => {
+            const history = metrics.metrics[name];
+            return history ? <StepChart key={name} name={name} history={history} /> : null;
+          })}
+        </div>
+      )}
+    </Panel>
+  );
+}

@@ -1,0 +1,66 @@
+
+{{/*
+The NATS users and what each may publish and subscribe to (auth.conf): the chart's NATS includes
+it, and with externalNats.url it is rendered on its own for that server to include. Passwords
+are $VARIABLES the server reads from its environment (the auth Secret).
+*/}}
+{{- define "strata.nats.authConf" -}}
+authorization {
+  users = [
+    {{- range include "strata.nats.users" . | fromJsonArray }}
+    {{- if eq .role "services" }}
+    # The services own the streams, the snapshot bucket and every event.
+    {user: {{ .user | quote }}, password: ${{ .env }}, permissions: {
+      publish: {allow: [">"]}
+      subscribe: {allow: [">"]}
+    }}
+    {{- else if eq .role "gateway" }}
+    # The gateway only reads: JetStream consumers and lookups, never a strata subject.
+    {user: {{ .user | quote }}, password: ${{ .env }}, permissions: {
+      publish: {
+        allow: [
+          "$JS.API.INFO", "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.NAMES",
+          "$JS.API.STREAM.LIST", "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>",
+          "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.INFO.>",
+          "$JS.API.CONSUMER.DELETE.>", "$JS.FC.>"
+        ]
+        deny: ["strata.>"]
+      }
+      subscribe: {allow: ["strata.>", "_INBOX.>"]}
+    }}
+    {{- else }}
+    {{- $job := .job }}
+    {{- $worker := default "*" .worker }}
+    {{- if eq .role "workers" }}
+    # The workers of job {{ $job | quote }}, sharing this user: their heartbeats, samples and
+    # requests, each on a subject that ends with the job and the sending worker. A shared
+    # user confines them to the job, not to one worker: the worker part is a wildcard.
+    {{- else }}
+    # Worker {{ $worker | quote }} of job {{ $job | quote }} alone: its own heartbeats, samples
+    # and requests, its own notices and replies.
+    {{- end }}
+    # Nothing on strata.evt: the services record every event themselves.
+    {user: {{ .user | quote }}, password: ${{ .env }}, permissions: {
+      publish: {
+        allow: [
+          {{ printf "strata.hb.%s.%s" $job $worker | quote }},
+          {{ printf "strata.metric.%s.%s.*" $job $worker | quote }},
+          {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }}
+        ]
+        deny: ["strata.ctl.>", "$KV.>", "$JS.>"]
+      }
+      subscribe: {
+        allow: [
+          {{ printf "strata.evt.%s.barrier.*" $job | quote }},
+          {{ printf "strata.evt.%s.shard.plan_changed" $job | quote }},
+          {{ printf "strata.world.%s" $job | quote }},
+          {{ printf "strata.ctl.%s.%s" $job $worker | quote }},
+          {{ printf "_INBOX_strata.%s.%s.>" $job $worker | quote }}
+        ]
+      }
+    }}
+    {{- end }}
+    {{- end }}
+  ]
+}
+{{- end }}

@@ -1,0 +1,376 @@
+"""The worker's identity, settings and registration: what every other part of it builds on.
+
+`_WorkerCore` holds the state of one worker (its job, ids, registration, progress, connection)
+and answers the questions about it (the public properties); it asks the registry to register and
+to leave. The heartbeats, membership and life of the worker are layered on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final, Protocol
+
+import pydantic
+import structlog
+from nats.aio.subscription import Subscription
+
+from strata._barrier import BarrierClient
+from strata._checks import check_id, check_int
+from strata._metrics import MetricBatcher
+from strata.aio._sampling import ProcessSampler
+from strata.bus import Bus
+from strata.config import Settings, load_settings
+from strata.errors import ConfigError, ConflictError, NotFound, StrataError, ValidationError
+from strata.events import LIVE_STATES, LiveState, MetricSampled
+from strata.events.codec import validation_error
+from strata.events.models import MAX_RANK
+from strata.events.requests import LeaveRequest, LeaveResult, RegisterRequest, Registration
+from strata.logs import configure_library_logging
+from strata.security import worker_identity
+
+REGISTRY: Final = "registry"
+RPC_TIMEOUT_S: Final = 5.0
+REGISTER_RETRY_S: Final = 60.0
+"""How long start() and a re-registration keep trying: long enough for a registry restart."""
+LEAVE_RETRY_S: Final = 5.0
+MEMBERS_RETRY_S: Final = 30.0
+"""How long members() keeps asking while no registry answers: long enough for a restart."""
+CLOSE_TIMEOUT_S: Final = 5.0
+SAVES_TIMEOUT_S: Final = 300.0
+"""How long stop() (the end of a `with` block) waits for pending checkpoint saves by default."""
+_NATS_SCHEMES: Final = ("nats://", "tls://", "ws://", "wss://")
+
+OnRejoin = Callable[[Registration], Awaitable[None] | None]
+"""Called after the worker re-registered on its own, having been marked failed."""
+
+
+class _Saver(Protocol):
+    """What `stop()` needs of a checkpoint manager: wait until its saves are durable."""
+
+    async def wait(self) -> None: ...
+
+
+log = structlog.get_logger("strata.worker")
+
+
+class WorkerNotStarted(StrataError):
+    """A property or call that needs a registration was used before `start()`."""
+
+    code = "not_started"
+
+
+def _check_state(state: object) -> LiveState:
+    for live in LIVE_STATES:
+        if state == live:
+            return live
+    raise ValidationError(
+        f"unknown worker state {state!r}; a worker can set one of: {', '.join(LIVE_STATES)} "
+        "(failed and left are decided by the registry)",
+        field="state",
+    )
+
+
+def _check_nats_url(url: str) -> str:
+    for part in url.split(","):
+        if not part.strip().startswith(_NATS_SCHEMES):
+            raise ConfigError(
+                f"{part.strip()!r} is not a NATS URL; use nats://host:port "
+                "(several may be given, separated by commas)"
+            )
+    return url
+
+
+def _credential_identity(
+    settings: Settings, job: str | None, worker_id: str | None
+) -> tuple[str | None, str | None]:
+    """The job and worker id a worker credential (`STRATA_NATS_USER=<worker>@<job>`, as `strata
+    up --secure` makes them) stands for, checked against those asked for; with any other user,
+    those asked for. A worker credential lets its holder act as that worker of that job only."""
+    user = settings.nats_user
+    identity = worker_identity(user)
+    if identity is None:
+        return job, worker_id
+    own_job, own_worker = identity
+    if job is None and "job" in settings.model_fields_set:
+        job = settings.job
+    for kind, asked, own, how in (
+        ("job", job, own_job, "pass job=... or set STRATA_JOB"),
+        ("worker id", worker_id, own_worker, "pass worker_id=..."),
+    ):
+        if asked is not None and asked != own:
+            raise ConfigError(
+                f"the NATS credential {user!r} is for worker {own_worker!r} of job {own_job!r}, "
+                f"but {kind} {asked!r} was asked for: {how} to match it, or use that "
+                f"{kind}'s own credential"
+            )
+    return own_job, own_worker
+
+
+class _WorkerCore:
+    """A worker's state and registration; see `strata.aio.Worker`."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        nats_url: str | None = None,
+        *,
+        worker_id: str | None = None,
+        hostname: str | None = None,
+        gpus: int = 0,
+        labels: dict[str, str] | None = None,
+        settings: Settings | None = None,
+        on_rejoin: OnRejoin | None = None,
+        rank: int | None = None,
+        saves_timeout: float = SAVES_TIMEOUT_S,
+    ) -> None:
+        self._settings = settings if settings is not None else load_settings()
+        if not isinstance(saves_timeout, int | float) or not 0 <= saves_timeout <= 86_400:
+            raise ValidationError(
+                f"saves_timeout must be seconds in [0, 86400], got {saves_timeout!r}",
+                field="saves_timeout",
+            )
+        self._saves_timeout = float(saves_timeout)
+        self._savers: weakref.WeakSet[_Saver] = weakref.WeakSet()
+        if not structlog.is_configured():
+            # structlog's default prints to stdout, which belongs to the training program: hand
+            # the lines to stdlib logging instead, whose set-up is the program's.
+            configure_library_logging(self._settings.log_format)
+        job, worker_id = _credential_identity(self._settings, job, worker_id)
+        self._job = check_id(
+            "job",
+            job if job is not None else self._settings.job,
+            "pass job=... or set STRATA_JOB",
+        )
+        if worker_id is not None:
+            check_id("worker_id", worker_id, "pass another worker_id=..., or none to get one")
+        if rank is None:
+            rank = self._settings.rank
+        if rank is not None:
+            rank = check_int("rank", rank, 0, MAX_RANK)
+        self._nats_url = _check_nats_url(nats_url if nats_url else self._settings.nats_url)
+        self._instance = uuid.uuid4().hex
+        # The registry's rule for an id it has to make up; its reply has the last word.
+        self._worker_id = worker_id or f"w-{self._instance[:24]}"
+        try:
+            self._register_request = RegisterRequest(
+                job=self._job,
+                instance=self._instance,
+                worker_id=worker_id,
+                hostname=(hostname if hostname is not None else socket.gethostname())[:253],
+                gpus=gpus,
+                labels=dict(labels or {}),
+                rank=rank,
+            )
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc, "worker settings") from None
+        self._on_rejoin = on_rejoin
+
+        # One tuple, replaced whole: a heartbeat never mixes one call's step with another's epoch.
+        self._progress: tuple[LiveState, int, int] = ("idle", 0, 0)
+        self._registration: Registration | None = None
+        self._membership_view: tuple[int, int] = (0, 0)
+        """(membership epoch, world size), replaced whole for readers on other threads."""
+        self._rejoin_count = 0
+        self._registered_at = 0.0
+        self._superseded: str | None = None
+        """Why another process now holds this worker id, once this one was told."""
+
+        self._bus: Bus | None = None
+        self._control: Subscription | None = None
+        self._world_sub: Subscription | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._rejoin_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._lifecycle_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._started = False
+        self._stopping = False
+
+        self._seq = 0
+        self._heartbeat_failures = 0
+        self._heartbeats_suspended = False
+        self._sampler = ProcessSampler()
+        self._barriers: BarrierClient | None = None
+        self._metrics = MetricBatcher(self._job, lambda: self._worker_id, self._publish_sample)
+        self._log = log.bind(job=self._job, worker=self._worker_id)
+
+    def __repr__(self) -> str:
+        where = f"rank={self._registration.rank}" if self._registration else "not registered"
+        state = self._progress[0]
+        return f"<strata.aio.Worker {self._job}/{self._worker_id} {where} state={state}>"
+
+    # -- properties -------------------------------------------------------------------------------
+
+    async def _publish_sample(self, sample: MetricSampled) -> None:
+        """One batch's sample of `log_metrics`, unless the worker id is another process's now."""
+        if self._superseded is None:
+            await self.bus.publish_telemetry(sample)
+
+    def _registered(self, what: str) -> Registration:
+        if self._registration is None:
+            raise WorkerNotStarted(
+                f"worker {self._worker_id!r} of job {self._job!r} has no {what} yet: "
+                "call start() first (or use the worker as a context manager)"
+            )
+        return self._registration
+
+    @property
+    def id(self) -> str:
+        """The worker id: the one given, else the one the registry derived from `instance`."""
+        return self._worker_id
+
+    @property
+    def instance(self) -> str:
+        """Random per Worker object: tells the registry a retry from a second process."""
+        return self._instance
+
+    @property
+    def settings(self) -> Settings:
+        """The settings this worker was built with (storage, heartbeats, NATS)."""
+        return self._settings
+
+    @property
+    def job(self) -> str:
+        """The job this worker belongs to."""
+        return self._job
+
+    @property
+    def rank(self) -> int:
+        """The rank the registry gave this worker: the one asked for with `rank=` (or
+        `STRATA_RANK`), else the lowest free one when it registered."""
+        return self._registered("rank").rank
+
+    @property
+    def requested_rank(self) -> int | None:
+        """The rank asked for (`rank=` or `STRATA_RANK`), or None for the lowest free one."""
+        return self._register_request.rank
+
+    @property
+    def world_size(self) -> int:
+        """Live workers in the job, kept current from the registry's membership events."""
+        self._registered("world size")
+        return self._membership_view[1]
+
+    @property
+    def membership_epoch(self) -> int:
+        """Grows with every join, leave and failure in the job."""
+        self._registered("membership epoch")
+        return self._membership_view[0]
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats, as the registry asked at registration."""
+        return self._registered("heartbeat interval").heartbeat_interval
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """Seconds without a heartbeat after which the registry fails this worker."""
+        return self._registered("heartbeat timeout").heartbeat_timeout
+
+    @property
+    def registration(self) -> Registration:
+        """The registry's latest answer to this worker's registration."""
+        return self._registered("registration")
+
+    @property
+    def state(self) -> LiveState:
+        """What the worker last said it is doing (idle, loading, training, ...)."""
+        return self._progress[0]
+
+    @property
+    def step(self) -> int:
+        """The step last recorded with `set_state`."""
+        return self._progress[1]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch last recorded with `set_state`."""
+        return self._progress[2]
+
+    @property
+    def started(self) -> bool:
+        """True from a successful `start()` until `stop()`."""
+        return self._started
+
+    @property
+    def rejoined(self) -> bool:
+        """The current registration took over an id that had failed or left (restore state!)."""
+        return self._registration is not None and self._registration.rejoined
+
+    @property
+    def rejoin_count(self) -> int:
+        """How often this worker registered again on its own after being marked failed."""
+        return self._rejoin_count
+
+    @property
+    def superseded(self) -> bool:
+        """A newer process registered this worker id (a restart): this one no longer counts
+        as the worker. It stops heartbeating and never registers again; stop it."""
+        return self._superseded is not None
+
+    @property
+    def bus(self) -> Bus:
+        """The NATS connection, for the other SDK parts that work on behalf of this worker."""
+        if self._bus is None:
+            raise WorkerNotStarted(
+                f"worker {self._worker_id!r} is not connected: call start() first"
+            )
+        return self._bus
+
+    # -- the registry and tasks -------------------------------------------------------------------
+
+    def _lock(self) -> asyncio.Lock:
+        # The sync Worker may run this object on more than one loop over its life (start, stop,
+        # start again), and an asyncio.Lock belongs to one loop.
+        loop = asyncio.get_running_loop()
+        if self._lifecycle_lock is None or self._lifecycle_lock[0] is not loop:
+            self._lifecycle_lock = (loop, asyncio.Lock())
+        return self._lifecycle_lock[1]
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=f"{name}-{self._worker_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _register(self, *, rejoin: bool = False) -> Registration:
+        # The same instance makes a retried register idempotent on the registry's side. A rejoin
+        # asks for the same rank as the first registration did (its request is the same).
+        request = self._register_request
+        if rejoin:
+            request = request.model_copy(update={"rejoin": True})
+        return await self.bus.rpc.call(
+            REGISTRY,
+            "register",
+            request,
+            result=Registration,
+            timeout=RPC_TIMEOUT_S,
+            retry_for=REGISTER_RETRY_S,
+            idempotent=True,
+        )
+
+    async def _leave(self) -> None:
+        request = LeaveRequest(job=self._job, worker_id=self._worker_id, instance=self._instance)
+        try:
+            result = await self.bus.rpc.call(
+                REGISTRY,
+                "leave",
+                request,
+                result=LeaveResult,
+                timeout=RPC_TIMEOUT_S,
+                retry_for=LEAVE_RETRY_S,
+                idempotent=True,
+            )
+        except (NotFound, ConflictError) as exc:
+            self._log.info("worker_leave_not_needed", reason=exc.message)
+        except StrataError as exc:
+            self._log.warning(
+                "worker_leave_failed",
+                error=str(exc),
+                consequence="the registry marks this worker failed after its heartbeat timeout",
+            )
+        else:
+            self._log.info("worker_left", membership_epoch=result.membership_epoch)

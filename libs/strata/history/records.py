@@ -1,0 +1,73 @@
+"""A job's history as records, and the export format that keeps it in a file.
+
+A `Record` is one event with where JetStream stored it (stream, sequence, time). `strata export`
+writes one JSON line per record (`Record.to_json`); `read_records` reads such a file back, every
+line validated against the event models, so `strata replay --file` needs no server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+
+from strata.errors import CodecError
+from strata.events import AnyEvent
+from strata.events.codec import validation_error
+
+Stream = Literal["events", "telemetry"]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """An event as read from a stream (or an exported line): its stream sequence and stored time."""
+
+    seq: int
+    stored_ns: int
+    event: AnyEvent
+    stream: Stream = "events"
+
+    def to_json(self) -> str:
+        """One line of an export file."""
+        return (
+            f'{{"seq":{self.seq},"stored_ns":{self.stored_ns},"stream":"{self.stream}",'
+            f'"event":{self.event.model_dump_json()}}}'
+        )
+
+
+class _Line(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    seq: int = pydantic.Field(ge=0)
+    stored_ns: int = pydantic.Field(ge=0)
+    stream: Stream = "events"
+    event: AnyEvent
+
+
+def record_from_json(line: str | bytes, where: str = "line") -> Record:
+    """A `Record` from one export line; `ValidationError` or `CodecError` naming `where`."""
+    try:
+        parsed = _Line.model_validate_json(line)
+    except pydantic.ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise CodecError(f"{where} is not valid JSON: {first['msg']}") from None
+        raise validation_error(exc, where) from None
+    return Record(parsed.seq, parsed.stored_ns, parsed.event, parsed.stream)
+
+
+def read_records(path: Path) -> Iterator[Record]:
+    """Every record of an export file, in file order; blank lines are skipped."""
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                yield record_from_json(line, f"line {number} of {path}")
+
+
+def dumps(document: Any) -> str:
+    """Compact JSON, as the gateway and `strata replay --state` write it."""
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False)

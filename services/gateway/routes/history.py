@@ -1,0 +1,105 @@
+"""Jobs' history, read from JetStream on demand: pages of events, and the state at a past point.
+
+A replay is bounded in what it folds (`ReplayLimits`), in time, and in how many run at once
+(`ReplaySlots`), so no caller can tie the gateway up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated, Any, Final
+
+from fastapi import APIRouter, HTTPException, Query, Request, Response
+from strata.events import EVENT_TYPES, subjects
+from strata.history import ReplayLimits, job_history, stream_records, summarize
+from strata.services.gateway.api import Dashboard, EventPage
+from strata.services.gateway.context import (
+    MAX_PAGE,
+    JobId,
+    JobInPath,
+    ReplaySlots,
+    bus,
+    json_response,
+)
+from strata.services.readmodel import JobState, fold_history, render_dashboard
+
+MAX_EVENTS_SCANNED: Final = 50_000
+AREAS: Final = frozenset(event_type.split(".")[0] for event_type in EVENT_TYPES)
+
+router = APIRouter(tags=["history"])
+
+
+def _type_filter(job: str, prefix: str | None) -> tuple[str, str | None]:
+    """The subject that selects events of `prefix` on the server, and what is left to check here."""
+    if not prefix:
+        return subjects.job_events(job), None
+    if prefix in EVENT_TYPES:
+        return subjects.event_subject(job, prefix), None
+    area = prefix.removesuffix(".")
+    if area in AREAS:
+        return subjects.area_events(job, area), None
+    return subjects.job_events(job), prefix
+
+
+@router.get("/jobs/{job}/events", response_model=EventPage)
+async def events(
+    request: Request,
+    job: JobInPath,
+    after_seq: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 200,
+    type: Annotated[
+        str | None, Query(max_length=64, description="Event type prefix, e.g. 'barrier.'")
+    ] = None,
+) -> Response:
+    """A job's events after a stream sequence, from JetStream, with their full JSON."""
+    subject, prefix = _type_filter(job, type)
+    items: list[dict[str, Any]] = []
+    last_seq, scanned = after_seq, 0
+    records = stream_records(bus(request).js, "events", subject, start_seq=after_seq + 1)
+    async with contextlib.aclosing(records):
+        async for record in records:
+            last_seq, scanned = record.seq, scanned + 1
+            event = record.event
+            if prefix is None or event.type.startswith(prefix):
+                items.append(
+                    {
+                        "seq": record.seq,
+                        "ts": event.ts,
+                        "type": event.type,
+                        "summary": summarize(event),
+                        "event": event.model_dump(mode="json"),
+                    }
+                )
+            if len(items) >= limit or scanned >= MAX_EVENTS_SCANNED:
+                break
+    return json_response({"items": items, "last_seq": last_seq})
+
+
+@router.get("/replay", response_model=Dashboard)
+async def replay(
+    request: Request,
+    job: JobId,
+    seq: Annotated[int | None, Query(ge=0, description="Fold events up to this seq")] = None,
+    at: Annotated[
+        int | None, Query(ge=0, description="Fold what was stored at or before (ns)")
+    ] = None,
+    telemetry: Annotated[
+        bool, Query(description="Fold heartbeats too (last heartbeat, step, epoch)")
+    ] = False,
+) -> Response:
+    """The dashboard of a job as it was at a point of its history; live rates are null.
+    Bounded: too many events to fold is a 422 (`too_large`), too long a 504
+    (`deadline_exceeded`), too many replays at once a 429 (`busy`)."""
+    if (seq is None) == (at is None):
+        raise HTTPException(422, detail="give exactly one of seq (a stream sequence) or at (ns)")
+    narrow = "ask for an earlier point (a smaller seq or at)" + (
+        ", or leave heartbeats out (telemetry=false)" if telemetry else ""
+    )
+    replays: ReplaySlots = request.app.state.replays
+    limits: ReplayLimits = request.app.state.replay_limits
+    with replays.hold():
+        history = job_history(bus(request).js, job, until_seq=seq, until_ns=at, telemetry=telemetry)
+        rebuilt = await fold_history(history, JobState(job), limits, narrow)
+    if rebuilt.events == 0:
+        raise HTTPException(404, detail=f"job {job!r} has no events at that point")
+    return json_response(render_dashboard(rebuilt))

@@ -1,0 +1,40 @@
+"""Kubernetes probes and Prometheus metrics: never behind the API token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from strata.services.gateway.context import gateway
+
+router = APIRouter(tags=["probes"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """Connected to NATS, the streams exist, and the events stored at start are folded."""
+    state = gateway(request)
+    connected = state.bus is not None and state.bus.nc.is_connected
+    folded = state.live is None or state.live.caught_up.is_set()
+    ready = connected and state.streams_ready and folded
+    if ready:
+        detail = "ok"
+    elif not connected:
+        detail = "no NATS"
+    elif not state.streams_ready:
+        detail = "streams not provisioned"
+    else:
+        detail = "folding the event stream"
+    return JSONResponse({"ready": ready, "detail": detail}, status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus metrics of this process."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

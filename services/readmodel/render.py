@@ -1,0 +1,58 @@
+"""The `/api/dashboard` document of a job, rendered from its folded state into `views.Dashboard`.
+
+The live rates (events, requests and heartbeats per second) are known only to a running gateway:
+`with_rates` is the one place they enter a document; a replay leaves them null.
+"""
+
+from __future__ import annotations
+
+from strata.services.readmodel.state import JobState, LiveRates
+from strata.services.readmodel.views import Dashboard, ShardDistribution
+
+
+def shard_distribution(shards: dict[str, int]) -> ShardDistribution:
+    if not shards:
+        return {"max_over_mean": None, "min": None, "max": None}
+    counts = list(shards.values())
+    mean = sum(counts) / len(counts)
+    return {
+        "max_over_mean": round(max(counts) / mean, 4) if mean > 0 else None,
+        "min": min(counts),
+        "max": max(counts),
+    }
+
+
+def render_dashboard(state: JobState, rates: LiveRates | None = None) -> Dashboard:
+    """The `/api/dashboard` document; without `rates` (a replay) the live rates are null."""
+    shards = state.shards_per_worker()
+    document: Dashboard = {
+        "job": state.job,
+        "seq": state.seq,
+        "ts": state.ts,
+        "workers": state.workers(shards),
+        "datasets": state.datasets(),
+        "checkpoints": state.checkpoint_rows(),
+        "barriers": state.barrier_rows(),
+        "metrics": {
+            "checkpoint_mb_s": state.checkpoint_mb_s(),
+            "requests_per_s": None,
+            "heartbeats_per_s": None,
+            "events_per_s": None,
+            "barrier_p99_ms": state.barrier_p99_ms(),
+            "shard_distribution": shard_distribution(shards),
+        },
+        "recent_events": state.recent_rows(),
+    }
+    return document if rates is None else with_rates(document, rates)
+
+
+def with_rates(document: Dashboard, rates: LiveRates) -> Dashboard:
+    """`document` with the live rates in it, as a new document: the one given is left as it was
+    (the gateway renders a job once per change and adds the rates, which move with the clock)."""
+    metrics = document["metrics"].copy()
+    metrics["events_per_s"] = rates.events_per_s
+    metrics["requests_per_s"] = rates.requests_per_s
+    metrics["heartbeats_per_s"] = rates.heartbeats_per_s
+    merged = document.copy()
+    merged["metrics"] = metrics
+    return merged

@@ -1,0 +1,141 @@
+"""The read model's documents, typed once: what `render_dashboard` and the rows of a `JobState` are.
+
+Typed dicts rather than models: the read model builds plain dicts (a 1,000-worker dashboard is
+rendered many times a second, and validating it each time would cost more than rendering it),
+mypy holds every row built to its type, and pydantic reads the same types for the gateway's
+OpenAPI document, from which `dashboard/src/api/types.ts` is generated (`scripts/gen_api_types.py`).
+`extra="forbid"` makes a rendered document that strays from its type fail validation in the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, with_config
+from typing_extensions import TypedDict
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+@with_config(_STRICT)
+class WorkerView(TypedDict):
+    id: str
+    rank: int
+    status: Literal["idle", "loading", "training", "checkpointing", "recovering", "failed", "left"]
+    step: int
+    epoch: int
+    last_heartbeat: Annotated[
+        int | None, Field(description="ns; time the worker stamped its last beat")
+    ]
+    shards: Annotated[
+        int, Field(description="Shards it holds in the latest epoch plan of every dataset")
+    ]
+    hostname: str
+
+
+@with_config(_STRICT)
+class DatasetView(TypedDict):
+    id: str
+    total_samples: int
+    shard_size: int
+    num_shards: int
+    epoch: Annotated[int | None, Field(description="The latest epoch planned")]
+    plan_version: int | None
+    done_shards: int
+    loads: Annotated[dict[str, int], Field(description="Shards per worker in the latest plan")]
+
+
+@with_config(_STRICT)
+class CheckpointView(TypedDict):
+    step: int
+    epoch: int
+    status: Literal["open", "committed", "aborted", "pruned"]
+    bytes: Annotated[
+        int, Field(description="Committed: total; open or aborted: bytes acked so far")
+    ]
+    committed_at: Annotated[int | None, Field(description="ns")]
+    duration_ms: Annotated[
+        float | None, Field(description="From opening to the manifest being written")
+    ]
+    reason: str
+
+
+@with_config(_STRICT)
+class BarrierView(TypedDict):
+    name: str
+    generation: int
+    arrived: int
+    expected: int
+    status: Literal["waiting", "released", "broken", "timed_out"]
+    latency_ms: Annotated[
+        float | None,
+        Field(description="Last arrival to release, both as the events stream stored them"),
+    ]
+
+
+@with_config(_STRICT)
+class ShardDistribution(TypedDict):
+    max_over_mean: float | None
+    min: int | None
+    max: int | None
+
+
+@with_config(_STRICT)
+class Metrics(TypedDict):
+    checkpoint_mb_s: Annotated[
+        float | None,
+        Field(
+            description="Total bytes / duration of the checkpoint committed last (MB = 10^6 bytes)"
+        ),
+    ]
+    requests_per_s: Annotated[
+        float | None,
+        Field(
+            description="Events caused by worker requests (registered, left, dataset.registered, "
+            "barrier.arrived, checkpoint.shard_saved, shard.progress) per second over the last "
+            "10 s; null in a replay"
+        ),
+    ]
+    heartbeats_per_s: Annotated[
+        float | None, Field(description="Over the last 10 s; null in a replay")
+    ]
+    events_per_s: Annotated[float | None, Field(description="Over the last 10 s; null in a replay")]
+    barrier_p99_ms: Annotated[
+        float | None,
+        Field(description="p99 of last-arrival-to-release latency over the last 1000 releases"),
+    ]
+    shard_distribution: ShardDistribution
+
+
+@with_config(_STRICT)
+class RecentEvent(TypedDict):
+    seq: int
+    ts: int
+    type: str
+    summary: str
+
+
+@with_config(_STRICT)
+class Dashboard(TypedDict):
+    """`GET /api/dashboard`, a `dashboard` message of `GET /api/stream`, and `GET /api/replay`."""
+
+    job: str
+    seq: Annotated[int, Field(description="Stream sequence of the last event folded")]
+    ts: Annotated[int, Field(description="ns; the last event's own time")]
+    workers: list[WorkerView]
+    datasets: list[DatasetView]
+    checkpoints: list[CheckpointView]
+    barriers: list[BarrierView]
+    metrics: Metrics
+    recent_events: Annotated[
+        list[RecentEvent], Field(description="The last 200 events, oldest first")
+    ]
+
+
+@with_config(_STRICT)
+class JobSummary(TypedDict):
+    job: str
+    workers: int
+    live: int
+    last_event_ts: int
+    events: int
