@@ -20,6 +20,7 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import write_example
+from tests.rendezvous import kill_tree
 from tests.support import new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -108,10 +109,9 @@ class Torchrun:
             pytest.fail(f"torchrun still running after {timeout}s:\n{self.output()[-6000:]}")
 
     def kill_all(self) -> None:
-        """SIGKILL the agent and every rank at once, as losing the node would."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGKILL the agent and every rank at once, as losing the node would (torchrun starts
+        each rank in a session of its own: the agent's process group alone is not all of it)."""
+        kill_tree(self.proc)
 
 
 def committed_steps(data_dir: Path, job: str) -> list[int]:

@@ -66,7 +66,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, nats.js.errors.APIError) and not isinstance(
         exc, nats.js.errors.NoStreamResponseError
     ):
-        return (exc.code or 0) in _TRANSIENT_STATUS
+        # Some subclasses (KeyWrongLastSequenceError) are built without a status code.
+        return (getattr(exc, "code", None) or 0) in _TRANSIENT_STATUS
     return isinstance(
         exc,
         (

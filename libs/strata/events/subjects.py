@@ -14,6 +14,7 @@ also builds the wildcard pattern that NATS permissions are written in.
 
 from __future__ import annotations
 
+import base64
 import functools
 import re
 from typing import Final, NamedTuple
@@ -23,6 +24,7 @@ from strata.events.models import ID_PATTERN
 EVENTS_STREAM: Final = "STRATA_EVENTS"
 TELEMETRY_STREAM: Final = "STRATA_TELEMETRY"
 SNAPSHOT_BUCKET: Final = "STRATA_SNAPSHOTS"
+RENDEZVOUS_BUCKET: Final = "STRATA_RENDEZVOUS"
 
 ROOT: Final = "strata"
 EVENTS: Final = f"{ROOT}.evt"
@@ -305,3 +307,35 @@ def rpc_layout() -> str:
 def durable_name(*parts: str) -> str:
     """A JetStream consumer or KV key name from ids (no `.`, `*`, `>` or whitespace allowed)."""
     return "_".join(token(part) for part in parts)
+
+
+# -- torchrun rendezvous keys ---------------------------------------------------------------------
+
+
+def _rendezvous_prefix(job: str) -> str:
+    # KV keys allow `=` but ids never hold it, so `.` -> `=` keeps one job's keys apart from
+    # another's whose id is this one's with more dot-separated parts.
+    if not _ID.match(job):
+        raise ValueError(f"invalid rendezvous id {job!r}: it must match {ID_PATTERN}")
+    return job.replace(".", "=")
+
+
+def rendezvous_state_key(job: str) -> str:
+    """The key of a job's torchrun rendezvous state in the rendezvous bucket."""
+    return f"{_rendezvous_prefix(job)}.state"
+
+
+def rendezvous_store_key(job: str, key: str) -> str:
+    """The bucket key of one key of a job's torch.distributed store (any string: it is encoded)."""
+    encoded = base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+    return f"{_rendezvous_prefix(job)}.store.k{encoded}"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject JetStream stores a key-value bucket's `key` on (puts can be listened to)."""
+    return f"$KV.{bucket}.{key}"
+
+
+def rendezvous_store_keys(job: str) -> str:
+    """The pattern of every key of a job's torch.distributed store."""
+    return f"{_rendezvous_prefix(job)}.store.>"
