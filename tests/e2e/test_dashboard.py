@@ -467,6 +467,8 @@ class BenchGateway:
                 stream = f"event: dashboard\ndata: {json.dumps(body)}\n\n"
                 route.fulfill(status=200, content_type="text/event-stream", body=stream)
                 return
+        elif url.path.startswith("/api/jobs/") and url.path.endswith("/metrics"):
+            body = {"job": BENCH_JOB, "until_ns": None, "metrics": {}}
         elif url.path.startswith("/api/jobs/"):
             body = {"items": [], "last_seq": 0}
         elif url.path.startswith("/api/"):
