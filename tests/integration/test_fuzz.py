@@ -65,6 +65,7 @@ from strata.events.requests import (
     ShardAssignment,
 )
 from strata.events.rpc import RPC_ENDPOINTS, RPC_SERVICES, ErrorReply, PingRequest, PingResult
+from strata.services.gateway import metrics_history
 from strata.storage import open_storage, shard_key
 
 from tests.strategies import from_json_schema, simplest
@@ -93,6 +94,7 @@ HEARTBEAT_TIMEOUT = 120.0
 """Long enough that a worker the fuzz registered stays a member (until a fuzzed leave)."""
 REJECTED = "strata_messages_rejected_total"
 HEARTBEAT_CONSUMER = "registry.heartbeats"
+METRICS_CONSUMER = metrics_history.CONSUMER
 
 
 # -- what is sent where ---------------------------------------------------------------------------
@@ -138,7 +140,7 @@ def _targets(checkpoints: Path) -> list[Target]:
         elif subject.startswith(subjects.HEARTBEATS + "."):
             consumers = (HEARTBEAT_CONSUMER, GATEWAY)
         else:
-            consumers = ()  # samples are kept for readers; no service consumes them
+            consumers = (METRICS_CONSUMER,)  # samples: the gateway's training-metric history
         targets.append(Target(subject, model, template, consumers=consumers))
     return targets
 
@@ -492,7 +494,12 @@ def test_random_and_malformed_messages_are_refused_counted_and_never_stall_a_ser
             pytest.fail(f"after {SETTLE}s, rejections counted {counted}, sent {tally.errors}")
         time.sleep(POLL)
     settled = time.monotonic() - started
-    expected_consumers = {f"rpc.{s}" for s in SERVICES} | {*SERVICES, HEARTBEAT_CONSUMER, GATEWAY}
+    expected_consumers = {f"rpc.{s}" for s in SERVICES} | {
+        *SERVICES,
+        HEARTBEAT_CONSUMER,
+        GATEWAY,
+        METRICS_CONSUMER,
+    }
     assert set(tally.errors) == expected_consumers
     assert counted == tally.errors
     assert not [key for key in counts if key[1] == "not_folded"], counts
@@ -515,7 +522,14 @@ VICTIMS = ("v-0", "v-1")
 INTRUDER = Caller("fuzz-intruder", "mallory")
 DATASET = "d"
 FORGED_CODES = frozenset(
-    {"forbidden", "wrong_source", "wrong_subject", "not_a_heartbeat", "subject_mismatch"}
+    {
+        "forbidden",
+        "wrong_source",
+        "wrong_subject",
+        "not_a_heartbeat",
+        "not_a_sample",
+        "subject_mismatch",
+    }
 )
 
 
@@ -670,6 +684,9 @@ async def _forge(url: str, root: Path) -> Counter[tuple[str, str]]:
             code = "subject_mismatch" if event_type == "worker.heartbeat" else "not_a_heartbeat"
             expected[(HEARTBEAT_CONSUMER, code)] += 1
             expected[(GATEWAY, "not_a_heartbeat")] += 1
+            # A sample of the victim's job on the intruder's sample subject: not its subject.
+            sample_code = "wrong_subject" if event_type == "metric.sampled" else "not_a_sample"
+            expected[(METRICS_CONSUMER, sample_code)] += 1
             if event_type in TELEMETRY_TYPES:
                 continue
             # On the event stream: as itself on the event's own subject, as the owner on its
