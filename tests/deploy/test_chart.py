@@ -429,7 +429,7 @@ def test_autoscaling_replaces_a_fixed_replica_count(render: Render) -> None:
 
 
 def test_the_jobs_ranks_meet_at_rank_0s_pod_through_a_headless_service(render: Render) -> None:
-    rendered = render("storage.backend=s3", "storage.s3.bucket=b", "workers.demo.pgPort=29600")
+    rendered = render("storage.backend=s3", "storage.s3.bucket=ckpt", "workers.demo.pgPort=29600")
     pod = rendered.get("Job", _name("worker"))["spec"]["template"]["spec"]
     service = rendered.get("Service", pod["subdomain"])
     assert service["spec"]["clusterIP"] == "None"
