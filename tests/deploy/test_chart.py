@@ -428,6 +428,29 @@ def test_autoscaling_replaces_a_fixed_replica_count(render: Render) -> None:
     assert not render().of_kind("HorizontalPodAutoscaler")
 
 
+def test_the_jobs_ranks_meet_at_rank_0s_pod_through_a_headless_service(render: Render) -> None:
+    rendered = render("storage.backend=s3", "storage.s3.bucket=ckpt", "workers.demo.pgPort=29600")
+    pod = rendered.get("Job", _name("worker"))["spec"]["template"]["spec"]
+    service = rendered.get("Service", pod["subdomain"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["ports"] == [
+        {"name": "pg", "port": 29600, "targetPort": "pg", "protocol": "TCP"}
+    ]
+    (container,) = pod["containers"]
+    assert {"name": "pg", "containerPort": 29600, "protocol": "TCP"} in container["ports"]
+    # Pod i of an Indexed Job is <job>-i under its subdomain; rank 0 hosts the store.
+    (master,) = [a for a in container["args"] if a.startswith("--pg-master=")]
+    assert master == (
+        f"--pg-master={_name('worker')}-0.{service['metadata']['name']}.{NAMESPACE}.svc:29600"
+    )
+    # Elastic workers have no rank-0 pod to name: no Service, the FileStore as before.
+    elastic = render("workers.kind=Deployment")
+    (container,) = _containers(elastic.get("Deployment", _name("worker")))
+    assert not any(a.startswith("--pg-master") for a in container["args"])
+    assert not [s for s in elastic.of_kind("Service") if s["metadata"]["name"] == pod["subdomain"]]
+
+
 # -- storage --------------------------------------------------------------------------------------
 
 

@@ -7,8 +7,10 @@ service's Deployment runs its container's command and environment; the workers' 
 one process per completion index with its pod's command and environment, restarted with the same
 index when it fails (restartPolicy OnFailure); the `helm test` pod checks the installation.
 Service DNS names become 127.0.0.1 ports and the checkpoints claim a directory (tests/deploy/
-localpods.py); with S3 configured instead, the bucket is on a real S3 server (moto). One worker is
-SIGKILLed midway: the job must still finish, from a checkpoint.
+localpods.py); with S3 configured instead, the bucket is on a real S3 server (moto). The ranks'
+process groups meet at rank 0's TCPStore, through the DNS name its pod gets from the workers'
+headless Service (a 127.0.0.1 port here too). One worker is SIGKILLed midway (rank 1 with the
+claim, rank 0, the store's host, with S3): the job must still finish, from a checkpoint.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ class Storage:
     claim: Path | None = None
     s3: S3Endpoint | None = None
     bucket: str = ""
+    victim: int = 1
+    """The rank this variant's run SIGKILLs."""
 
     def manifests(self) -> list[str]:
         if self.claim is not None:
@@ -150,8 +154,11 @@ def installed(
 ) -> Iterator[tuple[Cluster, Storage]]:
     """The default values (PVC), or S3 as docs/deployment.md configures it: a bucket on an
     S3-compatible store, credentials in a Secret made outside the chart."""
+    # Rank 0 serves the process groups' store on the pg port: a free one, as the pod's own.
+    (pg_port,) = procutil.free_ports(1)
+    small_job = (*SMALL_JOB, f"workers.demo.pgPort={pg_port}")
     if request.param == "pvc":
-        local = Cluster(render(*SMALL_JOB), tmp_path)
+        local = Cluster(render(*small_job), tmp_path)
         # The checkpoints claim, mounted by the workers and the checkpoint service alike.
         claim = local.paths["/data/checkpoints"] = tmp_path / "checkpoints-pvc"
         claim.mkdir()
@@ -160,7 +167,7 @@ def installed(
         endpoint: S3Endpoint = request.getfixturevalue("moto_server")
         bucket = endpoint.new_bucket("chart")
         rendered = render(
-            *SMALL_JOB,
+            *small_job,
             "storage.backend=s3",
             f"storage.s3.bucket={bucket}",
             f"storage.s3.region={endpoint.region}",
@@ -174,6 +181,11 @@ def installed(
             "AWS_SECRET_ACCESS_KEY": endpoint.secret_key,
         }
         storage = Storage(s3=endpoint, bucket=bucket)
+    # Rank 0's pod by its name under the headless Service (subdomain) of the Indexed Job.
+    pod = local.rendered.get("Job", name("worker"))["spec"]["template"]["spec"]
+    rank0 = f"{name('worker')}-0.{pod['subdomain']}.{NAMESPACE}.svc:{pg_port}"
+    local.hosts[rank0] = f"127.0.0.1:{pg_port}"
+    storage.victim = 1 if request.param == "pvc" else 0
     try:
         yield local, storage
     finally:
@@ -260,8 +272,12 @@ def test_the_install_trains_a_job_that_survives_a_killed_worker(
     else:
         assert first["STRATA_CHECKPOINTS"] == f"s3://{storage.bucket}/checkpoints"
         assert first["AWS_SECRET_ACCESS_KEY"] == storage.s3.secret_key  # type: ignore[union-attr]
+    # Every rank meets the others at rank 0's TCPStore (the name mapped to this machine).
+    for index in job.indexes:
+        (master,) = [a for a in index.current.argv if a.startswith("--pg-master=")]
+        assert master.startswith("--pg-master=127.0.0.1:"), master
 
-    victim = job.indexes[1]
+    victim = job.indexes[storage.victim]
     killed_at: float | None = None
 
     def progressed() -> bool:
@@ -279,7 +295,7 @@ def test_the_install_trains_a_job_that_survives_a_killed_worker(
     wait_until(progressed, "the training job to finish", 150)
     assert killed_at is not None, "the job finished before a worker could be killed"
 
-    # The Job's restart policy brought rank 1 back as a new process of the same index, which
+    # The Job's restart policy brought the victim back as a new process of the same index, which
     # resumed from a committed checkpoint with the others.
     assert len(victim.processes) >= 2
     assert victim.failures >= 1

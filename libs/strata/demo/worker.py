@@ -2,9 +2,11 @@
 
 Strata gives the rank and the world; the ranks form a gloo process group through a
 `torch.distributed.FileStore` created anew for every (re)start of the job (named after the
-generation of the `world` barrier, so a restart never meets a store of an earlier group), and wrap
-the model in DistributedDataParallel: gradients are averaged over the ranks, so every rank holds
-the same parameters, and the reported loss is the mean over every rank's samples.
+generation of the `world` barrier, so a restart never meets a store of an earlier group), or, with
+`--pg-master HOST:PORT` (pods without a shared volume), through a `TCPStore` that rank 0 hosts,
+every (re)start under a key prefix of its own; and wrap the model in DistributedDataParallel:
+gradients are averaged over the ranks, so every rank holds the same parameters, and the reported
+loss is the mean over every rank's samples.
 
 Training goes in rounds: the ranks train a few steps in lockstep on their shards (a rank out of
 batches trains on an empty one), meet at a barrier, and every rank checkpoints its state and data
@@ -164,6 +166,8 @@ class Trainer:
             Path(args.pg_store) if args.pg_store else default_store_dir(args.checkpoints)
         )
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.tcp_server: Any = None
+        """Rank 0's TCPStore with `--pg-master`, made at its first join."""
         self.model: nn.Module | None = None
         emit("started", rank=self.worker.rank, worker=self.worker.id)
 
@@ -207,19 +211,40 @@ class Trainer:
 
     def join_group(self, generation: int) -> None:
         """The gloo process group of this (re)start of the job: Strata's rank and world, and a
-        FileStore of this start's own (the `world` barrier's generation names it)."""
+        store of this start's own (the `world` barrier's generation names it)."""
         rank = self.worker.rank
         assert rank is not None
-        store = dist.FileStore(  # type: ignore[attr-defined]
-            str(self.store_dir / f"{self.args.job}-{generation}.store"), self.args.world_size
-        )
         dist.init_process_group(
             "gloo",
-            store=store,
+            store=self.group_store(rank, generation),
             rank=rank,
             world_size=self.args.world_size,
             timeout=datetime.timedelta(seconds=self.args.barrier_timeout),
         )
+
+    def group_store(self, rank: int, generation: int) -> dist.Store:  # type: ignore[name-defined]
+        """A FileStore in the shared directory, or, with `--pg-master`, rank 0's TCPStore with
+        this start's prefix. Rank 0 hosts one server for the life of its process; the other
+        ranks connect anew each start, since a replaced rank 0 hosts a new one at the address."""
+        name = f"{self.args.job}-{generation}"
+        if self.args.pg_master is None:
+            return dist.FileStore(  # type: ignore[attr-defined]
+                str(self.store_dir / f"{name}.store"), self.args.world_size
+            )
+        host, port = self.args.pg_master
+        timeout = datetime.timedelta(seconds=self.args.barrier_timeout)
+        if rank == 0:
+            if self.tcp_server is None:
+                # The server listens on every interface; the pod's peers reach it at `host`.
+                self.tcp_server = dist.TCPStore(  # type: ignore[attr-defined]
+                    host, port, is_master=True, timeout=timeout, wait_for_workers=False
+                )
+            store = self.tcp_server
+        else:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, is_master=False, timeout=timeout
+            )
+        return dist.PrefixStore(name, store)  # type: ignore[attr-defined]
 
     def leave_group(self) -> None:
         if dist.is_initialized():
@@ -410,6 +435,16 @@ class Trainer:
         return round_id, epoch_done
 
 
+def host_port(text: str) -> tuple[str, int]:
+    """`HOST:PORT` of `--pg-master`."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address, as in a URL
+        host = host[1:-1]
+    return host, int(port)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A worker of `strata demo`.")
     parser.add_argument("--job", required=True)
@@ -431,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="directory every rank shares for the process groups' FileStores (default: "
         "'process-groups' beside local checkpoints, else the temp dir)",
+    )
+    parser.add_argument(
+        "--pg-master",
+        metavar="HOST:PORT",
+        type=host_port,
+        help="form the process groups through a TCPStore that rank 0 serves on PORT (on every "
+        "interface) and the other ranks reach at HOST:PORT, instead of FileStores in --pg-store",
     )
     parser.add_argument(
         "--record",

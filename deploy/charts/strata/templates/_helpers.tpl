@@ -355,4 +355,18 @@ bucket's checkpoints/ prefix. The SDK puts each job in a directory of its own be
 - {{ printf "--round-batches=%d" (int $demo.roundBatches) | quote }}
 - {{ printf "--barrier-timeout=%v" $demo.barrierTimeout | quote }}
 - {{ printf "--keep-count=%d" (int $demo.keepCount) | quote }}
+{{- if eq .Values.workers.kind "Job" }}
+{{- $svc := include "strata.workerService" . }}
+- {{ printf "--pg-master=%s-0.%s.%s.svc:%d" (include "strata.workerName" .) $svc .Release.Namespace (int $demo.pgPort) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The workers' Job or Deployment. */}}
+{{- define "strata.workerName" -}}
+{{ include "strata.fullname" . }}-worker
+{{- end }}
+
+{{/* The headless Service that names the Indexed Job's pods: <job>-<index>.<service>. */}}
+{{- define "strata.workerService" -}}
+{{ include "strata.fullname" . }}-worker
 {{- end }}
