@@ -156,8 +156,11 @@ def test_the_handler_is_torchs_dynamic_rendezvous_on_this_backend(
     nats_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = new_job("rdzv")
-    # What the agent passes on to its workers, kept out of this process's environment.
-    monkeypatch.delenv(Env.JOB, raising=False)
+    # What the agent passes on to its workers, kept out of this process's environment: set
+    # first so that monkeypatch restores the variable's absence after the test (a delenv of an
+    # absent variable records nothing to undo, and the job would leak into later tests).
+    monkeypatch.setenv(Env.JOB, "unset")
+    monkeypatch.delenv(Env.JOB)
     monkeypatch.setenv(Env.NATS_URL, nats_url)
     params = RendezvousParameters(
         backend="strata", endpoint=nats_url, run_id=job, min_nodes=1, max_nodes=1
