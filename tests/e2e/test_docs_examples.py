@@ -80,6 +80,11 @@ UNRUN = [
     ),
     ("docs/barriers.md", ".venv/bin/python bench/barrier.py", "benchmark: minutes of full load"),
     ("docs/registry.md", ".venv/bin/python bench/registry.py", "benchmark: minutes of full load"),
+    (
+        "docs/registry.md",
+        ".venv/bin/python -m bench.membership",
+        "benchmark: thousands of workers, minutes of full load",
+    ),
     ("docs/sharding.md", ".venv/bin/python bench/sharding.py", "benchmark: minutes of full load"),
     ("docs/storage.md", ".venv/bin/python bench/storage.py", "benchmark: minutes of full load"),
     ("docs/storage.md", ".venv/bin/python bench/checkpoint.py", "benchmark: minutes of full load"),
