@@ -32,6 +32,7 @@ from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 from strata.bus import Caller, RpcClient
 from strata.bus.server import NatsServer
+from strata.bus.streams import MAX_MSG_SIZE, TELEMETRY_MAX_MSG_SIZE
 from strata.config import Env
 from strata.errors import Forbidden, StrataError
 from strata.events import (
@@ -110,7 +111,13 @@ class Target:
     service: str | None = None
     """The service that answers (a request); None for a subject that is published to."""
     consumers: tuple[str, ...] = ()
-    """Consumers (the metric's label) that must count each message published here as rejected."""
+    """Consumers (the metric's label) reading the stream that must count each message published
+    here as rejected, if the stream stores it (see `stored_up_to`)."""
+    core_consumers: tuple[str, ...] = ()
+    """Core NATS subscribers that must count each message published here, stored or not."""
+    stored_up_to: int = MAX_MSG_SIZE
+    """The stream's largest message: a larger one is refused by JetStream, so only the core
+    subscribers see it."""
 
 
 def _template(model: type[BaseModel], checkpoints: Path) -> dict[str, Any]:
@@ -136,12 +143,28 @@ def _targets(checkpoints: Path) -> list[Target]:
         template = _template(model, checkpoints)
         subject = subject_for(model.model_validate(template))
         if subject.startswith(subjects.EVENTS + "."):
-            consumers: tuple[str, ...] = (*SERVICES, GATEWAY)
+            targets.append(Target(subject, model, template, consumers=(*SERVICES, GATEWAY)))
         elif subject.startswith(subjects.HEARTBEATS + "."):
-            consumers = (HEARTBEAT_CONSUMER, GATEWAY)
-        else:
-            consumers = (METRICS_CONSUMER,)  # samples: the gateway's training-metric history
-        targets.append(Target(subject, model, template, consumers=consumers))
+            targets.append(
+                Target(
+                    subject,
+                    model,
+                    template,
+                    consumers=(GATEWAY,),
+                    core_consumers=(HEARTBEAT_CONSUMER,),
+                    stored_up_to=TELEMETRY_MAX_MSG_SIZE,
+                )
+            )
+        else:  # samples: the gateway's training-metric history
+            targets.append(
+                Target(
+                    subject,
+                    model,
+                    template,
+                    consumers=(METRICS_CONSUMER,),
+                    stored_up_to=TELEMETRY_MAX_MSG_SIZE,
+                )
+            )
     return targets
 
 
@@ -315,7 +338,9 @@ async def _send(nc: NATS, batch: list[tuple[Target, str, bytes]], tally: Tally) 
         tally.subjects[target.subject] += 1
         if target.service is None:
             await nc.publish(target.subject, data)
-            tally.errors.update(target.consumers)
+            tally.errors.update(target.core_consumers)
+            if len(data) <= target.stored_up_to:
+                tally.errors.update(target.consumers)
         else:
             tally.requests += 1
             requests.append(request(target, data))
