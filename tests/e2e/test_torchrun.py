@@ -20,7 +20,7 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import write_example
-from tests.rendezvous import kill_tree
+from tests.rendezvous import children, env_of, kill_tree
 from tests.support import new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -36,30 +36,9 @@ def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
         yield own_nats_server.url
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: the fields start after the last ')'.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
 def rank_of(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
+    rank = env_of(pid, "RANK")
+    return None if rank is None else int(rank)
 
 
 class Torchrun:
