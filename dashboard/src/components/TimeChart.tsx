@@ -3,6 +3,7 @@
 
 import { memo } from "react";
 import { formatNumber } from "../format";
+import { CHART_PAD, CHART_WIDTH, ValueGrid } from "./ChartFrame";
 
 export interface Series {
   readonly label: string;
@@ -17,9 +18,7 @@ export interface Dot {
   readonly label: string;
 }
 
-const WIDTH = 360;
 const HEIGHT = 140;
-const PAD = { left: 44, right: 8, top: 10, bottom: 20 };
 
 function niceCeiling(value: number): number {
   if (value <= 0 || !Number.isFinite(value)) return 1;
@@ -58,10 +57,10 @@ export const TimeChart = memo(function TimeChart(props: {
   }
   for (const dot of dots) if (dot.t >= startMs && dot.value > maxValue) maxValue = dot.value;
   const top = niceCeiling(maxValue * 1.05);
-  const plotW = WIDTH - PAD.left - PAD.right;
-  const plotH = HEIGHT - PAD.top - PAD.bottom;
-  const x = (t: number): number => PAD.left + ((t - startMs) / windowMs) * plotW;
-  const y = (value: number): number => PAD.top + plotH - (value / top) * plotH;
+  const plotW = CHART_WIDTH - CHART_PAD.left - CHART_PAD.right;
+  const plotH = HEIGHT - CHART_PAD.top - CHART_PAD.bottom;
+  const x = (t: number): number => CHART_PAD.left + ((t - startMs) / windowMs) * plotW;
+  const y = (value: number): number => CHART_PAD.top + plotH - (value / top) * plotH;
 
   const segmentsOf = (line: Series): string[] => {
     const segments: string[] = [];
@@ -84,32 +83,19 @@ export const TimeChart = memo(function TimeChart(props: {
   return (
     <svg
       className="chart"
-      viewBox={`0 0 ${WIDTH} ${HEIGHT}`}
+      viewBox={`0 0 ${CHART_WIDTH} ${HEIGHT}`}
       role="img"
       aria-label={series.map((line) => line.label).join(", ")}
       data-testid={props.testId}
     >
-      {ticks.map((tick) => (
-        <g key={tick}>
-          <line
-            className="gridline"
-            x1={PAD.left}
-            x2={WIDTH - PAD.right}
-            y1={y(tick)}
-            y2={y(tick)}
-          />
-          <text className="axis" x={PAD.left - 4} y={y(tick) + 3} textAnchor="end">
-            {formatNumber(tick)}
-          </text>
-        </g>
-      ))}
-      <text className="axis" x={PAD.left} y={HEIGHT - 5}>
+      <ValueGrid ticks={ticks} y={y} />
+      <text className="axis" x={CHART_PAD.left} y={HEIGHT - 5}>
         −{formatNumber(minutes)} min
       </text>
-      <text className="axis" x={WIDTH - PAD.right} y={HEIGHT - 5} textAnchor="end">
+      <text className="axis" x={CHART_WIDTH - CHART_PAD.right} y={HEIGHT - 5} textAnchor="end">
         now
       </text>
-      <text className="axis unit" x={PAD.left + plotW / 2} y={HEIGHT - 5} textAnchor="middle">
+      <text className="axis unit" x={CHART_PAD.left + plotW / 2} y={HEIGHT - 5} textAnchor="middle">
         {unit}
       </text>
       {props.markerMs !== undefined && props.markerMs !== null && props.markerMs >= startMs && (
@@ -117,8 +103,8 @@ export const TimeChart = memo(function TimeChart(props: {
           className="marker"
           x1={x(props.markerMs)}
           x2={x(props.markerMs)}
-          y1={PAD.top}
-          y2={PAD.top + plotH}
+          y1={CHART_PAD.top}
+          y2={CHART_PAD.top + plotH}
         />
       )}
       {series.map((line) =>

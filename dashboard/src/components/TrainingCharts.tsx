@@ -5,11 +5,10 @@
 import { memo, useMemo } from "react";
 import type { MetricView, MetricsHistoryView } from "../api/types";
 import { formatNumber } from "../format";
+import { CHART_PAD, CHART_WIDTH, ValueGrid } from "./ChartFrame";
 import { Empty, Panel } from "./Panel";
 
-const WIDTH = 360;
 const HEIGHT = 150;
-const PAD = { left: 44, right: 8, top: 10, bottom: 20 };
 const MAX_CHARTS = 6;
 const MAX_RANK_LINES = 16;
 const RANK_COLOURS = ["#38bdf8", "#fbbf24", "#a78bfa", "#22c55e", "#f472b6", "#fb923c"];
@@ -75,10 +74,10 @@ const StepChart = memo(function StepChart(props: { name: string; history: Metric
   const span = Math.max(1, last - first);
   const top = niceCeiling(high * 1.05);
   const bottom = low < 0 ? -niceCeiling(-low * 1.05) : 0;
-  const plotW = WIDTH - PAD.left - PAD.right;
-  const plotH = HEIGHT - PAD.top - PAD.bottom;
-  const x = (step: number): number => PAD.left + ((step - first) / span) * plotW;
-  const y = (value: number): number => PAD.top + plotH - ((value - bottom) / (top - bottom)) * plotH;
+  const plotW = CHART_WIDTH - CHART_PAD.left - CHART_PAD.right;
+  const plotH = HEIGHT - CHART_PAD.top - CHART_PAD.bottom;
+  const x = (step: number): number => CHART_PAD.left + ((step - first) / span) * plotW;
+  const y = (value: number): number => CHART_PAD.top + plotH - ((value - bottom) / (top - bottom)) * plotH;
   const jobLine = lines[lines.length - 1];
   const latest = jobLine ? jobLine.values[jobLine.values.length - 1] : undefined;
   return (
@@ -89,7 +88,7 @@ const StepChart = memo(function StepChart(props: { name: string; history: Metric
       </figcaption>
       <svg
         className="chart"
-        viewBox={`0 0 ${WIDTH} ${HEIGHT}`}
+        viewBox={`0 0 ${CHART_WIDTH} ${HEIGHT}`}
         role="img"
         aria-label={`${name} by step: ${lines.map((line) => line.label).join(", ")}`}
         data-testid={`training-chart-${name}`}
@@ -97,28 +96,15 @@ const StepChart = memo(function StepChart(props: { name: string; history: Metric
         data-last-step={history.job.steps[history.job.steps.length - 1] ?? ""}
         data-ranks={history.workers.length}
       >
-        {[bottom, (bottom + top) / 2, top].map((tick) => (
-          <g key={tick}>
-            <line
-              className="gridline"
-              x1={PAD.left}
-              x2={WIDTH - PAD.right}
-              y1={y(tick)}
-              y2={y(tick)}
-            />
-            <text className="axis" x={PAD.left - 4} y={y(tick) + 3} textAnchor="end">
-              {formatNumber(tick)}
-            </text>
-          </g>
-        ))}
-        <text className="axis" x={PAD.left} y={HEIGHT - 5}>
+        <ValueGrid ticks={[bottom, (bottom + top) / 2, top]} y={y} />
+        <text className="axis" x={CHART_PAD.left} y={HEIGHT - 5}>
           step {formatNumber(first)}
         </text>
-        <text className="axis" x={WIDTH - PAD.right} y={HEIGHT - 5} textAnchor="end">
+        <text className="axis" x={CHART_WIDTH - CHART_PAD.right} y={HEIGHT - 5} textAnchor="end">
           {formatNumber(last)}
         </text>
         {history.stride > 1 && (
-          <text className="axis unit" x={PAD.left + plotW / 2} y={HEIGHT - 5} textAnchor="middle">
+          <text className="axis unit" x={CHART_PAD.left + plotW / 2} y={HEIGHT - 5} textAnchor="middle">
             per {formatNumber(history.stride)} steps
           </text>
         )}
