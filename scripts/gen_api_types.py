@@ -22,7 +22,7 @@ REF = "#/components/schemas/"
 IDENTIFIER = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$]*$")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_types import SchemaError, ts_type  # noqa: E402
+from gen_types import SchemaError, ts_type, write_generated  # noqa: E402
 
 Schema = dict[str, Any]
 
@@ -143,17 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except SchemaError as exc:
         print(f"gen_api_types: {exc}", file=sys.stderr)
         return 1
-    out: Path = args.out
-    if args.check:
-        current = out.read_text(encoding="utf-8") if out.is_file() else None
-        if current != text:
-            print(f"gen_api_types: {out} is stale; run scripts/gen_api_types.py", file=sys.stderr)
-            return 1
-        return 0
-    if not out.is_file() or out.read_text(encoding="utf-8") != text:
-        out.write_text(text, encoding="utf-8")
-    print(f"gen_api_types: {len(text.splitlines())} lines -> {out}")
-    return 0
+    return write_generated("gen_api_types", args.out, text, check=args.check)
 
 
 if __name__ == "__main__":

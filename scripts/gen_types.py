@@ -203,17 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     except (SchemaError, OSError, ValueError, KeyError) as exc:
         print(f"gen_types: {exc}", file=sys.stderr)
         return 1
-    out: Path = args.out
-    if args.check:
+    return write_generated("gen_types", args.out, text, check=args.check)
+
+
+def write_generated(tool: str, out: Path, text: str, *, check: bool) -> int:
+    """Write `text` to `out` (left untouched when it already holds it); with `check`, only say
+    whether `out` is stale. The exit status of `tool`."""
+    if check:
         current = out.read_text(encoding="utf-8") if out.is_file() else None
         if current != text:
-            print(f"gen_types: {out} is stale; run scripts/gen_types.py", file=sys.stderr)
+            print(f"{tool}: {out} is stale; run scripts/{tool}.py", file=sys.stderr)
             return 1
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     if not out.is_file() or out.read_text(encoding="utf-8") != text:
         out.write_text(text, encoding="utf-8")
-    print(f"gen_types: {len(text.splitlines())} lines -> {out}")
+    print(f"{tool}: {len(text.splitlines())} lines -> {out}")
     return 0
 
 
