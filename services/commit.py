@@ -5,6 +5,9 @@ fold back in) per request; when a job's workers all ask at once (a job start, ev
 a step together) that wait is the whole cost. `GroupCommit` queues each command with its caller,
 and one task takes everything queued at a moment, under the service's lock:
 
+0. `prepare`, when given, is awaited once for the batch before the lock is taken (a service that
+   must see everything stored before its callers asked, such as a registration the registry has
+   just written, catches up with the stream here: once per batch, not once per request);
 1. `decide_all` decides the batch in arrival order, each command against the state the previous
    ones' events make (the domain works on a fork of its state; the projection's own state still
    changes only by folding what the stream stored);
@@ -21,7 +24,7 @@ afresh against what the stream holds.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -72,10 +75,12 @@ class GroupCommit(Generic[C, D]):
         decide_all: Callable[[list[C]], list[D]],
         *,
         max_batch: int = MAX_BATCH,
+        prepare: Callable[[list[C]], Awaitable[None]] | None = None,
     ) -> None:
         self._projection = projection
         self._decide_all = decide_all
         self._max_batch = max_batch
+        self._prepare = prepare
         self._queue: list[_Waiting[C, D]] = []
         self._wakeup = asyncio.Event()
         self.batches = 0
@@ -103,6 +108,12 @@ class GroupCommit(Generic[C, D]):
     async def _commit(self, batch: list[_Waiting[C, D]]) -> None:
         self.batches += 1
         self.commands += len(batch)
+        if self._prepare is not None:
+            try:
+                await self._prepare([waiting.command for waiting in batch])
+            except Exception as exc:  # nothing decided yet: every caller may retry
+                self._fail(batch, exc)
+                return
         async with self._projection.lock:
             try:
                 decisions = self._decide_all([waiting.command for waiting in batch])
@@ -110,9 +121,7 @@ class GroupCommit(Generic[C, D]):
                 if events:
                     await self._projection.publish_all(events)
             except Exception as exc:  # nothing of the batch is known to be stored: all retry
-                for waiting in batch:
-                    if not waiting.future.done():
-                        waiting.future.set_exception(exc)
+                self._fail(batch, exc)
                 return
             for waiting, decision in zip(batch, decisions, strict=True):
                 if waiting.future.done():  # the caller went away (cancelled)
@@ -124,3 +133,9 @@ class GroupCommit(Generic[C, D]):
                     waiting.future.set_result(waiting.answer(decision))
                 except Exception as exc:
                     waiting.future.set_exception(exc)
+
+    @staticmethod
+    def _fail(batch: list[_Waiting[C, D]], exc: Exception) -> None:
+        for waiting in batch:
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)

@@ -14,7 +14,8 @@ further, or jumping ahead, is a restore (`restore_progress`), which replaces the
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -70,6 +71,11 @@ class EpochPlan:
     offsets: dict[int, int] = field(default_factory=dict)
     """Samples consumed of shards not yet done."""
 
+    def fork(self) -> EpochPlan:
+        """A copy that `evolve` may change without changing this one. Only progress (`done`,
+        `offsets`) and the version change in place; a re-plan makes new owner arrays."""
+        return EpochPlan(replace(self.plan, done=self.plan.done.copy()), dict(self.offsets))
+
 
 @dataclass
 class JobSharding:
@@ -88,6 +94,23 @@ class JobSharding:
     """Dataset id -> how many restores it has had: part of a restore's event id, so a second
     restore to the same checkpoint (a failure before the next one committed) is not dropped as
     a duplicate of the first."""
+
+    def fork(self, dataset_ids: set[str]) -> JobSharding:
+        """A copy that `evolve` may change without changing this one, for events of the datasets
+        `dataset_ids` (and membership): the plans of other datasets are shared, not copied."""
+        return JobSharding(
+            job=self.job,
+            membership_epoch=self.membership_epoch,
+            live=set(self.live),
+            datasets=dict(self.datasets),
+            plans={
+                key: plan.fork() if key[0] in dataset_ids else plan
+                for key, plan in self.plans.items()
+            },
+            restored=dict(self.restored),
+            retired=dict(self.retired),
+            restores=dict(self.restores),
+        )
 
     def latest_epoch(self, dataset_id: str) -> int | None:
         epochs = [epoch for (ds, epoch) in self.plans if ds == dataset_id]
@@ -367,7 +390,14 @@ def get_shards(state: ShardingState, request: GetShardsRequest, now_ns: int) -> 
 
 def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignment:
     job = state.job(request.job)
-    epoch_plan = job.plans[(request.dataset_id, request.epoch)]
+    epoch_plan = job.plans.get((request.dataset_id, request.epoch))
+    if epoch_plan is None:
+        # Planned by this request, then dropped by a restore decided right after it (the same
+        # batch): the epoch is no longer the one to read.
+        raise ConflictError(
+            f"the plan of epoch {request.epoch} of {request.dataset_id!r} was dropped by a "
+            "restore of the job's progress; ask for the shards of the restored epoch"
+        )
     plan = epoch_plan.plan
     spans = []
     for shard in plan.shards_of(request.worker_id):
@@ -564,6 +594,46 @@ def progress_result(
         done_shards=int(plan.done.sum()),
         total_shards=int(plan.owner.size),
     )
+
+
+# -- batches (group commit) -----------------------------------------------------------------------
+
+Command = RegisterDatasetRequest | GetShardsRequest | ReportProgressRequest | RestoreProgressRequest
+"""The requests this service decides: each names its job and dataset."""
+
+
+def decide(state: ShardingState, command: Command, now_ns: int) -> Decision[None]:
+    """The events of one request, or its error."""
+    if isinstance(command, RegisterDatasetRequest):
+        return register_dataset(state, command, now_ns)
+    if isinstance(command, GetShardsRequest):
+        return get_shards(state, command, now_ns)
+    if isinstance(command, ReportProgressRequest):
+        return report_progress(state, command, now_ns)
+    return restore_progress(state, command, now_ns)
+
+
+def decide_all(
+    state: ShardingState, commands: Sequence[Command], now_ns: int
+) -> list[Decision[None]]:
+    """Decide `commands` in order, each against the state the previous ones' events make: one
+    batch of a group commit. `state` itself is left as it is (it changes only by folding what the
+    stream stored): the batch works on forks of the jobs it touches, in which only the plans of
+    the datasets it names are copied (a job's other datasets' plans are shared, unchanged)."""
+    touched: dict[str, set[str]] = {}
+    for command in commands:
+        touched.setdefault(command.job, set()).add(command.dataset_id)
+    scratch = ShardingState(dict(state.jobs), state.last_seq)
+    for name, dataset_ids in touched.items():
+        if name in scratch.jobs:
+            scratch.jobs[name] = scratch.jobs[name].fork(dataset_ids)
+    decisions: list[Decision[None]] = []
+    for command in commands:
+        decision = decide(scratch, command, now_ns)
+        for event in decision.events:
+            evolve(scratch, event)
+        decisions.append(decision)
+    return decisions
 
 
 def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int) -> PlanSummary:

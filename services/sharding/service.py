@@ -1,8 +1,11 @@
 """The sharding service's NATS adapter: dataset registration, shard requests, progress, re-planning.
 
-A worker's shards are answered after `sync()`, so a worker that has just registered (an event the
-registry wrote a moment ago) is already a member here. Membership changes re-plan the latest epoch
-of every dataset of the job at once, not on the next request.
+Requests are decided in batches (group commit, `strata.services.commit`): when a job's workers all
+ask for their epoch's shards at once, the epoch is planned by the first request of the batch, the
+others read it, and the whole batch costs one round trip to the stream. A batch that asks for
+shards or restores progress first catches up with the stream (`sync()`), so a worker that has just
+registered (an event the registry wrote a moment ago) is already a member here. Membership changes
+re-plan the latest epoch of every dataset of the job at once, not on the next request.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 import structlog
 from strata.bus import Bus, RpcServer
 from strata.config import Settings
-from strata.events import WorkerFailed, WorkerLeft, WorkerRegistered
+from strata.events import ShardPlanChanged, WorkerFailed, WorkerLeft, WorkerRegistered
 from strata.events.models import Event
 from strata.events.requests import (
     GET_SHARDS,
@@ -30,12 +33,16 @@ from strata.events.requests import (
     RestoreProgressRequest,
     ShardAssignment,
 )
+from strata.services.commit import MAX_BATCH, GroupCommit
 from strata.services.domain import Decision
 from strata.services.projection import Projection
 from strata.services.sharding import domain
-from strata.services.sharding.domain import ShardingState
+from strata.services.sharding.domain import Command, ShardingState
 
 log = structlog.get_logger("strata.sharding")
+
+RPC_CONCURRENCY = 4096
+"""Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
 
 
 class Sharding(Projection[ShardingState]):
@@ -53,23 +60,28 @@ class Sharding(Projection[ShardingState]):
     def restore(self, data: dict[str, Any]) -> ShardingState:
         return domain.restore(data)
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_batch: int = MAX_BATCH) -> None:
+        """`max_batch=1` decides and stores one request at a time (the benchmark's baseline)."""
         super().__init__()
         self._rpc: RpcServer | None = None
+        self.commits: GroupCommit[Command, Decision[None]] = GroupCommit(
+            self, self._decide_all, max_batch=max_batch, prepare=self._catch_up
+        )
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
-        self._rpc = RpcServer(bus.nc, self.name)
+        # Membership may have changed while this service was down.
+        async with self.lock:
+            for job in list(self.state.jobs):
+                now_ns = self.now_ns()
+                await self._apply(domain.replan_after_membership_change(self.state, job, now_ns))
+        self.spawn(self.commits.run(), "commits")
+        self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER_DATASET, self._register_dataset)
         self._rpc.serve(GET_SHARDS, self._get_shards)
         self._rpc.serve(REPORT_PROGRESS, self._report_progress)
         self._rpc.serve(PLAN, self._plan)
         self._rpc.serve(RESTORE_PROGRESS, self._restore_progress)
         await self._rpc.start()
-        # Membership may have changed while this service was down.
-        async with self.lock:
-            for job in list(self.state.jobs):
-                now_ns = self.now_ns()
-                await self._apply(domain.replan_after_membership_change(self.state, job, now_ns))
 
     async def before_stop(self) -> None:
         if self._rpc is not None:
@@ -82,48 +94,57 @@ class Sharding(Projection[ShardingState]):
                 await self._apply(events)
 
     async def _apply(self, events: list[Event]) -> None:
+        """Record re-plans this service decided on its own (membership changes)."""
         for event in events:
-            log.info(
-                "plan_changed",
-                job=event.job,
-                dataset=getattr(event, "dataset_id", None),
-                epoch=getattr(event, "epoch", None),
-                moved=getattr(event, "moved_shards", None),
-            )
-        await self.publish_and_apply(events)
+            _log_plan(event)
+        await self.publish_all(events)
 
-    async def _decided(self, decision: Decision[None]) -> None:
-        if decision.error is not None:
-            raise decision.error
-        await self._apply(decision.events)
+    def _decide_all(self, commands: list[Command]) -> list[Decision[None]]:
+        decisions = domain.decide_all(self.state, commands, self.now_ns())
+        for decision in decisions:
+            for event in decision.events:
+                _log_plan(event)
+        return decisions
+
+    async def _catch_up(self, commands: list[Command]) -> None:
+        # Everything stored before the batch's requests arrived is folded in before they are
+        # decided: one look at the stream for the batch.
+        if any(isinstance(c, GetShardsRequest | RestoreProgressRequest) for c in commands):
+            await self.sync()
 
     async def _register_dataset(self, request: RegisterDatasetRequest) -> DatasetInfo:
-        async with self.lock:
-            decision = domain.register_dataset(self.state, request, self.now_ns())
-            await self._decided(decision)
+        def answer(decision: Decision[None]) -> DatasetInfo:
             return domain.dataset_info(
                 self.state, request.job, request.dataset_id, created=bool(decision.events)
             )
 
+        return await self.commits.submit(request, answer)
+
     async def _get_shards(self, request: GetShardsRequest) -> ShardAssignment:
-        await self.sync()
-        async with self.lock:
-            await self._decided(domain.get_shards(self.state, request, self.now_ns()))
-            return domain.assignment(self.state, request)
+        return await self.commits.submit(request, lambda _: domain.assignment(self.state, request))
 
     async def _report_progress(self, request: ReportProgressRequest) -> ProgressResult:
-        async with self.lock:
-            await self._decided(domain.report_progress(self.state, request, self.now_ns()))
-            return domain.progress_result(self.state, request)
+        return await self.commits.submit(request, lambda _: self._progress(request))
 
     async def _restore_progress(self, request: RestoreProgressRequest) -> ProgressResult:
-        await self.sync()
-        async with self.lock:
-            await self._decided(domain.restore_progress(self.state, request, self.now_ns()))
-            return domain.progress_result(self.state, request)
+        return await self.commits.submit(request, lambda _: self._progress(request))
+
+    def _progress(self, request: ReportProgressRequest | RestoreProgressRequest) -> ProgressResult:
+        return domain.progress_result(self.state, request)
 
     async def _plan(self, request: PlanRequest) -> PlanSummary:
         return domain.plan_summary(self.state, request.job, request.dataset_id, request.epoch)
+
+
+def _log_plan(event: Event) -> None:
+    if isinstance(event, ShardPlanChanged):
+        log.info(
+            "plan_changed",
+            job=event.job,
+            dataset=event.dataset_id,
+            epoch=event.epoch,
+            moved=event.moved_shards,
+        )
 
 
 def create() -> Sharding:
