@@ -15,8 +15,8 @@ here; the adapter does the storage work the decisions call for, on keys derived 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
@@ -88,6 +88,10 @@ class OpenCheckpoint:
     def missing_ranks(self) -> list[int]:
         return sorted(self.required_ranks() - set(self.acks))
 
+    def fork(self) -> OpenCheckpoint:
+        """A copy that `evolve` may change without changing this one (it adds acks, intents)."""
+        return replace(self, acks=dict(self.acks), intents=dict(self.intents))
+
 
 @dataclass
 class CommittedCheckpoint:
@@ -122,6 +126,19 @@ class JobCheckpoints:
     """Where the job's checkpoints are stored: fixed by its first `checkpoint.started`."""
     keep_count: int | None = None
     """How many committed checkpoints retention keeps: fixed with the root."""
+
+    def fork(self) -> JobCheckpoints:
+        """A copy that `evolve` may change without changing this one. Committed and aborted
+        checkpoints are never changed in place, so they are shared."""
+        return replace(
+            self,
+            live=dict(self.live),
+            instances=dict(self.instances),
+            open={step: opened.fork() for step, opened in self.open.items()},
+            committed=dict(self.committed),
+            aborted=dict(self.aborted),
+            pruned=set(self.pruned),
+        )
 
     def latest(self, *, include_incomplete: bool = False) -> CommittedCheckpoint | None:
         """The newest committed checkpoint that holds every rank of its world (or any)."""
@@ -614,6 +631,53 @@ def _ack_after_commit(
             "committed checkpoint never changes: save under a later step"
         )
     )
+
+
+# -- batches (group commit) -----------------------------------------------------------------------
+
+Command = BeginCheckpointRequest | AckShardRequest
+"""The requests this service decides."""
+BatchDecision = Decision[CheckpointInfo] | AckDecision
+"""A request's decision in a batch: a begin's answer is the step as its own events left it."""
+
+
+def decide(state: CheckpointState, command: Command, now_ns: int) -> BatchDecision:
+    """One request decided on its own: a batch of one."""
+    return decide_all(state, [command], now_ns)[0]
+
+
+def decide_all(
+    state: CheckpointState, commands: Sequence[Command], now_ns: int
+) -> list[BatchDecision]:
+    """Decide `commands` in order, each against the state the previous ones' events make: one
+    batch of a group commit. `state` itself is left as it is (it changes only by folding what the
+    stream stored): the batch works on forks of the jobs it touches. A begin's answer is the
+    step's `info` once its events are in; an ack's is its `result`."""
+    scratch = CheckpointState(dict(state.jobs))
+    forked: set[str] = set()
+    decisions: list[BatchDecision] = []
+    for command in commands:
+        if command.job not in forked:
+            forked.add(command.job)
+            if command.job in scratch.jobs:
+                scratch.jobs[command.job] = scratch.jobs[command.job].fork()
+        if isinstance(command, AckShardRequest):
+            decision: BatchDecision = ack(scratch, command, now_ns)
+            for event in decision.events:
+                evolve(scratch, event)
+        else:
+            begun = begin(scratch, command, now_ns)
+            for event in begun.events:
+                evolve(scratch, event)
+            # Its answer is the step as its own events leave it, not as later ones in the batch
+            # do (a later begin may abort the step and open it again as a new attempt).
+            decision = (
+                Decision(begun.events, begun.error)
+                if begun.error is not None
+                else Decision(begun.events, result=info(scratch, command.job, command.step))
+            )
+        decisions.append(decision)
+    return decisions
 
 
 def ack_result(

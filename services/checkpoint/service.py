@@ -10,13 +10,19 @@ every acked shard at its acked size, writes the manifest to the job's storage ro
 An abort records `checkpoint.aborted`, then removes the step's files under the job's root; the
 root and retention of a job are fixed by its first checkpoint. After a restart, open steps that
 completed or lost a participant meanwhile are settled before going live.
+
+Begins and acks are decided in batches (group commit, `strata.services.commit`): when every rank
+of a job saves at once, the begins (or the acks) waiting at a moment are decided in order against
+a fork of the state, their events stored pipelined, and each caller answered once they are folded
+in: a step of a thousand ranks is a few round trips to the stream, not a thousand. What the
+service decides on its own (commit, abort, prune) is stored the same way (`publish_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 from strata.bus import Bus, RpcServer
@@ -41,7 +47,13 @@ from strata.events.requests import (
     CheckpointQuery,
 )
 from strata.services.checkpoint import domain
-from strata.services.checkpoint.domain import CheckpointState, OpenCheckpoint
+from strata.services.checkpoint.domain import (
+    BatchDecision,
+    CheckpointState,
+    Command,
+    OpenCheckpoint,
+)
+from strata.services.commit import MAX_BATCH, GroupCommit
 from strata.services.projection import Projection
 from strata.storage import StorageBackend, manifest_key, open_storage
 
@@ -50,16 +62,36 @@ log = structlog.get_logger("strata.checkpoint")
 TIMEOUT_CHECK_S = 0.25
 SIZE_CHECKS_IN_FLIGHT = 32
 """Shards checked in storage at once before a commit (HEAD requests, or stats)."""
+RPC_CONCURRENCY = 4096
+"""Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
+
+
+class _Recording:
+    """What the group commit stores a batch through: `Checkpoints.record`, so that an abort a
+    request caused removes its step's files before anyone is answered."""
+
+    def __init__(self, service: Checkpoints) -> None:
+        self.lock = service.lock
+        self._service = service
+
+    async def publish_all(self, events: Sequence[Event]) -> None:
+        await self._service.record(events)
 
 
 class Checkpoints(Projection[CheckpointState]):
     name = "checkpoint"
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, *, max_batch: int = MAX_BATCH
+    ) -> None:
+        """`max_batch=1` decides and stores one request at a time (the benchmark's baseline)."""
         super().__init__(clock)
         self._rpc: RpcServer | None = None
         self._settings: Settings | None = None
         self._storages: dict[str, StorageBackend] = {}
+        self.commits: GroupCommit[Command, BatchDecision] = GroupCommit(
+            _Recording(self), self._decide_all, max_batch=max_batch, prepare=self._catch_up
+        )
 
     def initial_state(self) -> CheckpointState:
         return CheckpointState()
@@ -91,7 +123,8 @@ class Checkpoints(Projection[CheckpointState]):
                                 self.now_ns(),
                             )
                         )
-        self._rpc = RpcServer(bus.nc, self.name)
+        self.spawn(self.commits.run(), "commits")
+        self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(BEGIN_CHECKPOINT, self._begin)
         self._rpc.serve(ACK_SHARD, self._ack)
         self._rpc.serve(CHECKPOINT_STATUS, self._status)
@@ -106,39 +139,44 @@ class Checkpoints(Projection[CheckpointState]):
 
     # -- requests ---------------------------------------------------------------------------------
 
-    async def _begin(self, request: BeginCheckpointRequest) -> CheckpointInfo:
-        # The begin of a worker that has just registered must see its registration.
-        await self.sync()
-        async with self.lock:
-            decision = domain.begin(self.state, request, self.now_ns())
-            if decision.events:
-                self.storage(request.root_uri)  # fails here, clearly, for a root it cannot use
-            for event in decision.events:
-                if isinstance(event, CheckpointAborted):
-                    await self._abort([event])
-                else:
-                    await self.publish_and_apply([event])
-            if decision.error is not None:
-                raise decision.error
-            return domain.info(self.state, request.job, request.step)
-
-    async def _ack(self, request: AckShardRequest) -> AckShardResult:
-        async with self.lock:
-            decision = domain.ack(self.state, request, self.now_ns())
-            if decision.error is not None:
+    def _decide_all(self, commands: list[Command]) -> list[BatchDecision]:
+        decisions = domain.decide_all(self.state, commands, self.now_ns())
+        for command, decision in zip(commands, decisions, strict=True):
+            if isinstance(command, AckShardRequest) and decision.error is not None:
                 log.warning(
                     "ack_refused",
-                    job=request.job,
-                    step=request.step,
-                    rank=request.rank,
-                    worker=request.worker_id,
+                    job=command.job,
+                    step=command.step,
+                    rank=command.rank,
+                    worker=command.worker_id,
                     code=decision.error.code,
                     why=decision.error.message,
                 )
-                raise decision.error
-            await self.publish_and_apply(decision.events)
-            assert decision.result is not None
+        return decisions
+
+    async def _catch_up(self, commands: list[Command]) -> None:
+        # The begin of a worker that has just registered must see its registration: everything
+        # stored before the batch's requests arrived is folded in first, one look for the batch.
+        if any(isinstance(command, BeginCheckpointRequest) for command in commands):
+            await self.sync()
+
+    async def _begin(self, request: BeginCheckpointRequest) -> CheckpointInfo:
+        fixed = self.state.jobs.get(request.job)
+        if fixed is None or fixed.root_uri in (None, request.root_uri):
+            self.storage(request.root_uri)  # fails here, clearly, for a root it cannot use
+
+        def answer(decision: BatchDecision) -> CheckpointInfo:
+            assert isinstance(decision.result, CheckpointInfo)
+            return decision.result
+
+        return await self.commits.submit(request, answer)
+
+    async def _ack(self, request: AckShardRequest) -> AckShardResult:
+        def answer(decision: BatchDecision) -> AckShardResult:
+            assert isinstance(decision.result, AckShardResult)
             return domain.ack_result(self.state, request, decision.result)
+
+        return await self.commits.submit(request, answer)
 
     async def _status(self, query: CheckpointQuery) -> CheckpointAnswer:
         job = self.state.job(query.job)
@@ -190,11 +228,13 @@ class Checkpoints(Projection[CheckpointState]):
         manifest = domain.manifest(opened, job, now)
         key = manifest_key(job, opened.step)
         await storage.write(key, manifest.model_dump_json(indent=2).encode())
-        await self.publish_and_apply([domain.committed(job, opened, storage.uri(key), now)])
+        await self.publish_all([domain.committed(job, opened, storage.uri(key), now)])
         log.info("checkpoint_committed", job=job, step=opened.step, bytes=manifest.total_bytes)
-        for old in domain.to_prune(self.state.job(job)):
-            await self._cleanup(domain.step_files(self.state.job(job), old.step, root))
-            await self.publish_and_apply([domain.pruned(job, old, self.now_ns())])
+        # Files first, then the record: a crash in between leaves a step that is pruned again.
+        old = domain.to_prune(self.state.job(job))
+        for checkpoint in old:
+            await self._cleanup(domain.step_files(self.state.job(job), checkpoint.step, root))
+        await self.publish_all([domain.pruned(job, c, self.now_ns()) for c in old])
 
     @staticmethod
     async def _stored_sizes(
@@ -212,12 +252,23 @@ class Checkpoints(Projection[CheckpointState]):
         return dict(zip(ranks, sizes, strict=True))
 
     async def _abort(self, events: list[Event]) -> None:
+        await self.record(events)
+
+    async def record(self, events: Sequence[Event]) -> None:
+        """Store `events` pipelined and wait until they are folded in; then remove the files of
+        the steps they abort (asked before the aborts are folded, while those steps are open)."""
+        orphans = {
+            files: None
+            for event in events
+            if isinstance(event, CheckpointAborted)
+            and (files := domain.orphaned_by(self.state, event)) is not None
+        }
+        await self.publish_all(events)
         for event in events:
-            orphans = domain.orphaned_by(self.state, event)
-            await self.publish_and_apply([event])
-            log.warning("checkpoint_aborted", job=event.job, reason=getattr(event, "reason", ""))
-            if orphans is not None:
-                await self._cleanup(orphans)
+            if isinstance(event, CheckpointAborted):
+                log.warning("checkpoint_aborted", job=event.job, reason=event.reason)
+        for files in orphans:
+            await self._cleanup(files)
 
     async def _cleanup(self, files: domain.StepFiles) -> None:
         """Remove the files of an aborted or pruned step (`domain.step_files`); a failure is
