@@ -76,6 +76,14 @@ class OpenCheckpoint:
     """Rank -> the writer that declared itself for it (the first one)."""
     attempt: int = 0
     """0, or how many times the step was opened before and aborted."""
+    _roster: list[Participant] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def roster(self) -> list[Participant]:
+        """The participants as the step's answers list them, built once: they never change after
+        the step opens, and every rank's begin is answered with them."""
+        if self._roster is None:
+            self._roster = _participants(self.participants)
+        return self._roster
 
     def required_ranks(self) -> set[int]:
         if self.world_size is None:
@@ -701,7 +709,7 @@ def info(state: CheckpointState, job_id: str, step: int) -> CheckpointInfo:
             epoch=opened.epoch,
             status="open",
             root_uri=opened.root_uri,
-            participants=_participants(opened.participants),
+            participants=opened.roster(),
             acked_ranks=sorted(opened.acks),
             world_size=opened.world_size,
             membership_epoch=opened.membership_epoch,
