@@ -8,13 +8,21 @@
     buffers; later saves copy into the same ones, which is what a training loop sees every save
     after the first. Both are printed.
 
+(d) The checkpoint service under a burst (`bench.burst`): N ranks declaring their shards of a step
+    at once, then acknowledging them at once, until `checkpoint.committed`; against a checkpoint
+    service that decides one request at a time, in the same run (no registry: the workers'
+    registrations are written to the stream as the registry would).
+
 It starts its own nats-server, registry and checkpoint service:
-`.venv/bin/python bench/checkpoint.py [--sizes 256M,1G] [--rounds 5] [--part save|state|all]`.
+`.venv/bin/python bench/checkpoint.py [--sizes 256M,1G] [--rounds 5] [--part save|state|burst|all]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import gc
 import os
 import platform
@@ -23,16 +31,35 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import strata
 import torch
+from nats.aio.msg import Msg
 from strata import procutil
+from strata.bus import Bus
 from strata.bus.server import NatsServer
+from strata.events import subjects
+from strata.events.requests import (
+    AckShardRequest,
+    AckShardResult,
+    BeginCheckpointRequest,
+)
+from strata.storage.base import shard_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.burst import (
+    VARIANTS,
+    Row,
+    register_workers,
+    render_rows,
+    round_order,
+    service_stack,
+    timed_burst,
+)
 from bench.storage import format_size, parse_size, plain_local_write, random_bytes
 
 SAVE_AIM = 0.90
@@ -173,11 +200,120 @@ def measure_state(url: str, base: Path, rounds: int) -> list[str]:
     ]
 
 
+BURST_SHARD_BYTES = 4096
+RPC_TIMEOUT_S = 120.0
+
+
+async def one_burst(bus: Bus, root: Path, ranks: int) -> tuple[float, float, float]:
+    """A fresh job of `ranks` workers saving step 1 at once: seconds until every begin is
+    answered; then, the shards written (untimed), until every ack is answered and until the
+    service has recorded `checkpoint.committed`."""
+    job = f"bench-ckpt-{uuid.uuid4().hex[:8]}"
+    workers = await register_workers(bus, job, ranks)
+    committed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+    async def on_committed(_: Msg) -> None:
+        if not committed.done():
+            committed.set_result(time.perf_counter())
+
+    sub = await bus.nc.subscribe(
+        subjects.event_subject(job, "checkpoint.committed"), cb=on_committed
+    )
+    attempts: dict[int, int] = {}
+
+    async def begin(rank: int) -> None:
+        request = BeginCheckpointRequest(
+            job=job,
+            worker_id=workers[rank],
+            step=1,
+            epoch=0,
+            root_uri=str(root),
+            keep_count=2,
+            world_size=ranks,
+            membership_epoch=ranks,
+            instance=f"proc-{workers[rank]}",
+            save_id=uuid.uuid4().hex,
+        )
+        # Each answer lists the step's participants: every real rank decodes its own in its own
+        # process, so this one process takes the plain data and leaves out the model validation.
+        info = await bus.rpc.call("checkpoint", "begin", request, timeout=RPC_TIMEOUT_S)
+        if info["status"] != "open":
+            raise SystemExit(f"a burst's step is {info['status']}, not open")
+        attempts[rank] = info["attempt"]
+
+    begun = await timed_burst([functools.partial(begin, rank) for rank in range(ranks)])
+    shard = random_bytes(BURST_SHARD_BYTES)
+    for rank, attempt in attempts.items():
+        path = root / shard_key(job, 1, rank, attempt)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(shard)
+
+    async def ack(rank: int) -> None:
+        request = AckShardRequest(
+            job=job,
+            worker_id=workers[rank],
+            step=1,
+            epoch=0,
+            rank=rank,
+            bytes=BURST_SHARD_BYTES,
+            checksum="xxh128:" + "ab" * 16,
+            instance=f"proc-{workers[rank]}",
+        )
+        await bus.rpc.call(
+            "checkpoint", "ack", request, result=AckShardResult, timeout=RPC_TIMEOUT_S
+        )
+
+    started = time.perf_counter()
+    acked = await timed_burst([functools.partial(ack, rank) for rank in range(ranks)])
+    done = await asyncio.wait_for(committed, RPC_TIMEOUT_S)
+    await sub.unsubscribe()
+    return begun, acked, done - started
+
+
+async def measure_bursts(base: Path, ranks: int, rounds: int) -> list[Row]:
+    begins = Row(f"{ranks:,} ranks declare their shards (begin)")
+    acks = Row(f"{ranks:,} ranks ack their shards")
+    commits = Row(f"{ranks:,} ranks ack, until checkpoint.committed")
+    with contextlib.ExitStack() as stacks:
+        buses: dict[str, Bus] = {}
+        for variant in VARIANTS:
+            url = stacks.enter_context(service_stack(base, "checkpoint", "Checkpoints", variant))
+            buses[variant.label] = await Bus.connect(url, name=f"bench-{variant.max_batch}")
+        try:
+            for variant in VARIANTS:  # warm-up: connections, imports, the storage backend
+                root = base / f"ckpt-{variant.max_batch}"
+                await one_burst(buses[variant.label], root, min(ranks, 50))
+            for number in range(rounds):
+                for variant in round_order(number):
+                    gc.collect()
+                    root = base / f"ckpt-{variant.max_batch}"
+                    begun, acked, until_committed = await one_burst(
+                        buses[variant.label], root, ranks
+                    )
+                    begins.add(variant, begun)
+                    acks.add(variant, acked)
+                    commits.add(variant, until_committed)
+        finally:
+            for bus in buses.values():
+                await bus.close()
+    return [begins, acks, commits]
+
+
+def measure_burst(base: Path, ranks: int, rounds: int) -> list[str]:
+    rows = asyncio.run(measure_bursts(base / "burst", ranks, rounds))
+    table = render_rows(rows, rounds)
+    return [
+        f"  (d) checkpoint service under a burst of {ranks:,} ranks, one service per variant:",
+        *(f"      {line}" for line in table.splitlines()),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--sizes", default="256M,1G", help="sizes for (a), comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--part", choices=("save", "state", "all"), default="all")
+    parser.add_argument("--part", choices=("save", "state", "burst", "all"), default="all")
+    parser.add_argument("--burst-ranks", type=int, default=1_000, help="ranks in (d)")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to test")
     args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(dir=args.dir or "/tmp"))
@@ -186,12 +322,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cores, "
         f"{args.rounds} rounds"
     ]
-    with stack(base) as url:
-        if args.part in ("save", "all"):
-            sizes = [parse_size(s) for s in args.sizes.split(",") if s]
-            lines += measure_save(url, base, sizes, args.rounds)
-        if args.part in ("state", "all"):
-            lines += measure_state(url, base, max(args.rounds, 2))
+    if args.part != "burst":
+        with stack(base) as url:
+            if args.part in ("save", "all"):
+                sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+                lines += measure_save(url, base, sizes, args.rounds)
+            if args.part in ("state", "all"):
+                lines += measure_state(url, base, max(args.rounds, 2))
+    if args.part in ("burst", "all"):
+        lines += measure_burst(base, args.burst_ranks, args.rounds)
     print("\n".join(lines))
 
 

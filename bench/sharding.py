@@ -4,26 +4,58 @@ Both sides plan the same shards over the same workers in the same process: plan 
 shards per worker (max/mean, std/mean), the time to re-plan after one join or leave, and the
 fraction of shards that move when one worker joins a hundred. Repetitions alternate the two sides
 and each time is the median of its repetitions, so a noisy machine slows both alike.
+
+`--part burst` measures the sharding service itself (`bench.burst`): N workers asking for their
+epoch's shards at once, then reporting them all done at once, against a sharding service that
+decides one request at a time, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
+import contextlib
+import functools
 import gc
 import hashlib
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from strata.bus import Bus
+from strata.events.requests import (
+    GetShardsRequest,
+    PlanRequest,
+    PlanSummary,
+    ProgressResult,
+    RegisterDatasetRequest,
+    ReportProgressRequest,
+    ShardAssignment,
+)
 from strata.sharding import DatasetSpec, initial_plan, replan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.burst import (
+    VARIANTS,
+    Row,
+    Variant,
+    register_workers,
+    render_rows,
+    round_order,
+    service_stack,
+    timed_burst,
+)
 
 VNODES = 150
 AIM_PLAN_MS = 50.0
@@ -285,6 +317,100 @@ def run(args: argparse.Namespace) -> bool:
     return not misses
 
 
+# -- the service under a burst --------------------------------------------------------------------
+
+RPC_TIMEOUT_S = 120.0
+
+
+async def one_burst(bus: Bus, workers: int, shards_per_worker: int) -> tuple[float, float]:
+    """A fresh job of `workers` workers: seconds until every worker has its epoch-0 shards (all
+    asking at once), then until every worker's report of them all done is answered."""
+    job = f"bench-shards-{uuid.uuid4().hex[:8]}"
+    names = await register_workers(bus, job, workers)
+    dataset = RegisterDatasetRequest(
+        job=job,
+        dataset_id="ds",
+        total_samples=workers * shards_per_worker * 100,
+        shard_size=100,
+        seed=7,
+    )
+    await bus.rpc.call("sharding", "register_dataset", dataset, timeout=RPC_TIMEOUT_S)
+    assignments: list[ShardAssignment] = []
+
+    async def ask(worker: str) -> None:
+        request = GetShardsRequest(job=job, dataset_id="ds", worker_id=worker, epoch=0)
+        assignments.append(
+            await bus.rpc.call(
+                "sharding", "get_shards", request, result=ShardAssignment, timeout=RPC_TIMEOUT_S
+            )
+        )
+
+    asked = await timed_burst([functools.partial(ask, worker) for worker in names])
+    owned = sorted(span.shard_id for a in assignments for span in a.shards)
+    if owned != list(range(workers * shards_per_worker)) or len(assignments) != workers:
+        raise SystemExit("a burst's assignments do not cover every shard exactly once")
+
+    async def report(assignment: ShardAssignment) -> None:
+        request = ReportProgressRequest(
+            job=job,
+            dataset_id="ds",
+            epoch=0,
+            worker_id=assignment.worker_id,
+            completed=[span.shard_id for span in assignment.shards],
+        )
+        await bus.rpc.call(
+            "sharding", "report_progress", request, result=ProgressResult, timeout=RPC_TIMEOUT_S
+        )
+
+    reported = await timed_burst([functools.partial(report, a) for a in assignments])
+    summary = await bus.rpc.call(
+        "sharding",
+        "plan",
+        PlanRequest(job=job, dataset_id="ds", epoch=0),
+        result=PlanSummary,
+        timeout=RPC_TIMEOUT_S,
+    )
+    if summary.done_shards != summary.total_shards:
+        raise SystemExit(f"{summary.done_shards} of {summary.total_shards} shards done")
+    return asked, reported
+
+
+async def measure_bursts(args: argparse.Namespace, base: Path) -> list[Row]:
+    n = args.burst_workers
+    ask = Row(f"{n:,} workers ask for their epoch's shards")
+    report = Row(f"{n:,} workers report their shards done")
+    with contextlib.ExitStack() as stacks:
+        buses: dict[str, Bus] = {}
+        for variant in VARIANTS:
+            url = stacks.enter_context(service_stack(base, "sharding", "Sharding", variant))
+            buses[variant.label] = await Bus.connect(url, name=f"bench-{variant.max_batch}")
+        try:
+            for variant in VARIANTS:  # warm-up: connections, imports, first allocations
+                await one_burst(buses[variant.label], min(n, 50), args.burst_shards)
+            for number in range(args.burst_rounds):
+                order: tuple[Variant, ...] = round_order(number)
+                for variant in order:
+                    gc.collect()
+                    asked, reported = await one_burst(buses[variant.label], n, args.burst_shards)
+                    ask.add(variant, asked)
+                    report.add(variant, reported)
+        finally:
+            for bus in buses.values():
+                await bus.close()
+    return [ask, report]
+
+
+def run_bursts(args: argparse.Namespace) -> None:
+    print(
+        f"sharding service under a burst: {args.burst_workers:,} workers, "
+        f"{args.burst_shards} shards each, one sharding process per variant, "
+        f"{cores()} cores\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = asyncio.run(measure_bursts(args, Path(tmp)))
+    print(render_rows(rows, args.burst_rounds))
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per side")
@@ -295,6 +421,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--join-workers", type=int, default=100)
     parser.add_argument("--join-shards", type=int, default=10_000)
     parser.add_argument("--check", action="store_true", help="exit 1 when an aim is missed")
+    parser.add_argument(
+        "--part",
+        choices=("plans", "burst", "all"),
+        default="plans",
+        help="the planner (plans), the service under a burst of requests (burst), or both",
+    )
+    parser.add_argument("--burst-workers", type=int, default=1_000)
+    parser.add_argument("--burst-shards", type=int, default=4, help="shards per worker")
+    parser.add_argument("--burst-rounds", type=int, default=5)
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")
@@ -303,7 +438,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    met = run(args)
+    met = True
+    if args.part in ("plans", "all"):
+        met = run(args)
+    if args.part in ("burst", "all"):
+        if args.part == "all":
+            print()
+        run_bursts(args)
     return 1 if args.check and not met else 0
 
 
