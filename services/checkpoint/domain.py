@@ -98,7 +98,9 @@ class OpenCheckpoint:
 
     def fork(self) -> OpenCheckpoint:
         """A copy that `evolve` may change without changing this one (it adds acks, intents)."""
-        return replace(self, acks=dict(self.acks), intents=dict(self.intents))
+        forked = replace(self, acks=dict(self.acks), intents=dict(self.intents))
+        forked._roster = self.roster()  # the participants never change: built once per step
+        return forked
 
 
 @dataclass
