@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 from strata.bus import Bus, RpcServer
@@ -64,6 +65,10 @@ SIZE_CHECKS_IN_FLIGHT = 32
 """Shards checked in storage at once before a commit (HEAD requests, or stats)."""
 RPC_CONCURRENCY = 4096
 """Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
+ROSTERS_KEPT = 64
+"""Open steps whose participant lists are kept in plain form for their begins' answers."""
+RosterKey = tuple[str, int, int, int | None, int | None]
+"""An open step's job, step, attempt, membership epoch and world size: its participants."""
 
 
 class _Recording:
@@ -89,6 +94,7 @@ class Checkpoints(Projection[CheckpointState]):
         self._rpc: RpcServer | None = None
         self._settings: Settings | None = None
         self._storages: dict[str, StorageBackend] = {}
+        self._plain_rosters: dict[RosterKey, list[dict[str, Any]]] = {}
         self.commits: GroupCommit[Command, BatchDecision] = GroupCommit(
             _Recording(self), self._decide_all, max_batch=max_batch, prepare=self._catch_up
         )
@@ -160,16 +166,32 @@ class Checkpoints(Projection[CheckpointState]):
         if any(isinstance(command, BeginCheckpointRequest) for command in commands):
             await self.sync()
 
-    async def _begin(self, request: BeginCheckpointRequest) -> CheckpointInfo:
+    async def _begin(self, request: BeginCheckpointRequest) -> dict[str, Any]:
         fixed = self.state.jobs.get(request.job)
         if fixed is None or fixed.root_uri in (None, request.root_uri):
             self.storage(request.root_uri)  # fails here, clearly, for a root it cannot use
 
-        def answer(decision: BatchDecision) -> CheckpointInfo:
+        def answer(decision: BatchDecision) -> dict[str, Any]:
             assert isinstance(decision.result, CheckpointInfo)
-            return decision.result
+            return self.info_data(decision.result)
 
         return await self.commits.submit(request, answer)
+
+    def info_data(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The plain data of a begin's answer (`CheckpointInfo`), with the participant list of an
+        open step converted once for all its ranks' answers, not once per answer: when every
+        rank of a large world begins at once, that conversion was most of the service's work."""
+        data = info.model_dump(mode="python", exclude={"participants"})
+        key = (info.job, info.step, info.attempt, info.membership_epoch, info.world_size)
+        plain = self._plain_rosters.get(key) if info.status == "open" else None
+        if plain is None or len(plain) != len(info.participants):
+            plain = [participant.model_dump(mode="python") for participant in info.participants]
+            if info.status == "open":
+                if len(self._plain_rosters) >= ROSTERS_KEPT:
+                    del self._plain_rosters[next(iter(self._plain_rosters))]
+                self._plain_rosters[key] = plain
+        data["participants"] = plain
+        return data
 
     async def _ack(self, request: AckShardRequest) -> AckShardResult:
         def answer(decision: BatchDecision) -> AckShardResult:

@@ -13,9 +13,10 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strata.events.requests import AckShardRequest, BeginCheckpointRequest
+from strata.events.requests import AckShardRequest, BeginCheckpointRequest, CheckpointInfo
 from strata.services.checkpoint import domain
 from strata.services.checkpoint.domain import BatchDecision, CheckpointState, Command
+from strata.services.checkpoint.service import Checkpoints
 from strata.services.domain import Decision
 
 from tests.unit.checkpoint.test_domain import JOB, SECOND, failed, fold, registered
@@ -205,3 +206,23 @@ def test_every_rank_acking_at_once_completes_the_step_in_one_batch() -> None:
     assert not state.job(JOB).open[5].acks
     fold(state, [event for d in acked for event in d.events])
     assert state.job(JOB).open[5].complete()
+
+
+def test_a_begins_answer_is_the_infos_plain_data_with_the_roster_converted_once() -> None:
+    service = Checkpoints()
+    state = CheckpointState()
+    fold(state, [registered(rank, rank + 1) for rank in range(WORKERS)])
+    begins: list[Command] = [
+        BeginCheckpointRequest(
+            job=JOB, worker_id=f"w{r}", step=5, epoch=0, root_uri=ROOTS[0], instance=f"proc-w{r}"
+        )
+        for r in range(WORKERS)
+    ]
+    infos = [d.result for d in domain.decide_all(state, begins, NOW)]
+    assert all(isinstance(info, CheckpointInfo) for info in infos)
+
+    answers = [service.info_data(info) for info in infos if isinstance(info, CheckpointInfo)]
+
+    assert answers == [info.model_dump(mode="python") for info in infos if info is not None]
+    assert all(a["participants"] is answers[0]["participants"] for a in answers)
+    assert [p["rank"] for p in answers[0]["participants"]] == list(range(WORKERS))
