@@ -14,17 +14,28 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import strata
 import strata.aio
 import torch
+from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
-from strata.events.requests import Manifest
-from strata.storage import StorageBackend, WriteResult, manifest_key, shard_key
+from strata.events import WorkerRegistered
+from strata.events.requests import (
+    AckShardRequest,
+    AckShardResult,
+    BeginCheckpointRequest,
+    CheckpointAnswer,
+    CheckpointInfo,
+    CheckpointQuery,
+    Manifest,
+)
+from strata.storage import StorageBackend, WriteResult, manifest_key, open_storage, shard_key
 
 from tests.s3 import S3Endpoint, moto_server  # noqa: F401
 from tests.support import (
@@ -32,6 +43,7 @@ from tests.support import (
     HEARTBEAT_TIMEOUT,
     ServiceProcess,
     async_wait_until,
+    job_events,
     new_job,
 )
 
@@ -688,3 +700,110 @@ async def test_a_rank_the_checkpoint_lacks_is_a_missing_shard_not_a_not_found(
     assert [m.step for m in await managers[0].manifests(include_incomplete=True)] == [2, 1]
     with pytest.raises(strata.MissingShard, match="rank 2: it holds ranks 0, 1, 3 of its world"):
         managers[0]._shard(anything, 2)
+
+
+# -- a burst (group commit) -----------------------------------------------------------------------
+
+BURST = 100
+
+
+async def test_every_rank_saving_at_once_opens_the_step_once_and_commits_it_once(
+    own_nats_server: NatsServer, tmp_path: Path
+) -> None:
+    # The checkpoint service alone, with registrations written as the registry writes them: no
+    # registry fails these heartbeat-less workers in the middle of the burst.
+    service = ServiceProcess("checkpoint", own_nats_server.url, tmp_path / "logs").start()
+    bus = await Bus.connect(own_nats_server.url, deadline=10)
+    storage = open_storage(str(tmp_path / "checkpoints"))
+    job = new_job("burst")
+    workers = [f"w{i:03d}" for i in range(BURST)]
+    try:
+        await bus.publish_many(
+            [
+                WorkerRegistered(
+                    job=job,
+                    source="registry",
+                    worker_id=worker,
+                    instance=f"p-{worker}",
+                    rank=rank,
+                    world_size=rank + 1,
+                    membership_epoch=rank + 1,
+                    heartbeat_interval=1.0,
+                    heartbeat_timeout=5.0,
+                )
+                for rank, worker in enumerate(workers)
+            ]
+        )
+        infos = await asyncio.gather(
+            *(
+                bus.rpc.call(
+                    "checkpoint",
+                    "begin",
+                    BeginCheckpointRequest(
+                        job=job,
+                        worker_id=worker,
+                        step=1,
+                        epoch=0,
+                        root_uri=storage.root_uri,
+                        world_size=BURST,
+                        membership_epoch=BURST,
+                        instance=f"p-{worker}",
+                        save_id=f"save-{worker}",
+                    ),
+                    result=CheckpointInfo,
+                    timeout=60,
+                )
+                for worker in workers
+            )
+        )
+        assert {(i.status, i.attempt, i.world_size) for i in infos} == {("open", 0, BURST)}
+        assert [p.worker_id for p in infos[0].participants] == workers
+        written = [
+            await storage.write(shard_key(job, 1, rank), payload(rank, 1)) for rank in range(BURST)
+        ]
+
+        def ack(rank: int) -> Awaitable[AckShardResult]:
+            return bus.rpc.call(
+                "checkpoint",
+                "ack",
+                AckShardRequest(
+                    job=job,
+                    worker_id=workers[rank],
+                    step=1,
+                    epoch=0,
+                    rank=rank,
+                    bytes=written[rank].bytes,
+                    checksum=written[rank].checksum,
+                    instance=f"p-{workers[rank]}",
+                ),
+                result=AckShardResult,
+                timeout=60,
+            )
+
+        acked = await asyncio.gather(*(ack(rank) for rank in range(BURST)))
+        assert len({a.event_id for a in acked}) == BURST
+
+        async def committed() -> bool:
+            answer = await bus.rpc.call(
+                "checkpoint", "status", CheckpointQuery(job=job, step=1), result=CheckpointAnswer
+            )
+            return answer.checkpoint is not None and answer.checkpoint.status == "committed"
+
+        await async_wait_until(committed, 30, "the burst's step to commit")
+        # Every ack again, at once (a retry after a lost answer): the first answers, nothing new.
+        again = await asyncio.gather(*(ack(rank) for rank in range(BURST)))
+        assert [a.event_id for a in again] == [a.event_id for a in acked]
+        assert {a.status for a in again} == {"committed"}
+        manifest = Manifest.model_validate_json(await storage.read(manifest_key(job, 1)))
+        assert [s.rank for s in manifest.shards] == list(range(BURST))
+
+        counts = Counter(event.type for event in await job_events(bus, job))
+        assert counts["checkpoint.started"] == 1
+        assert counts["checkpoint.shard_started"] == BURST
+        assert counts["checkpoint.shard_saved"] == BURST
+        assert counts["checkpoint.committed"] == 1
+        assert counts["checkpoint.aborted"] == 0
+    finally:
+        await bus.close()
+        await storage.close()
+        service.stop()

@@ -16,16 +16,31 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import strata
 from nats.aio.msg import Msg
 from strata import procutil
+from strata.bus import Bus
+from strata.bus.server import NatsServer
 from strata.datasets import AsyncDatasetRegistry
 from strata.errors import EpochOutOfRange
-from strata.events import ShardPlanChanged, ShardProgress, decode_event, subjects
+from strata.events import (
+    ShardPlanChanged,
+    ShardProgress,
+    WorkerRegistered,
+    decode_event,
+    subjects,
+)
 from strata.events.models import MAX_EPOCH
-from strata.events.requests import ShardAssignment
+from strata.events.requests import (
+    GetShardsRequest,
+    ProgressResult,
+    RegisterDatasetRequest,
+    ReportProgressRequest,
+    ShardAssignment,
+)
 from strata.services.sharding.domain import EPOCHS_KEPT
 from strata.torch import ShardSampler, within_shard_order
 from torch.utils.data import DataLoader, Dataset
@@ -466,3 +481,88 @@ def test_epochs_are_planned_in_order_and_only_the_newest_plans_are_kept(
         reg.assignment("ds", epoch=3)
     assert reg.plan("ds", 0).done_shards == 2
     assert len(reg.assignment("ds", epoch=2).shards) == 10
+
+
+# -- a burst (group commit) -----------------------------------------------------------------------
+
+BURST = 200
+
+
+async def test_a_burst_of_workers_asking_at_once_is_planned_once_and_covers_every_shard(
+    own_nats_server: NatsServer, tmp_path: Path
+) -> None:
+    # The sharding service alone, with registrations written as the registry writes them: no
+    # registry fails these heartbeat-less workers in the middle of the burst.
+    sharding = ServiceProcess("sharding", own_nats_server.url, tmp_path / "logs").start()
+    bus = await Bus.connect(own_nats_server.url, deadline=10)
+    try:
+        job = support.new_job("burst")
+        workers = [f"w{i:03d}" for i in range(BURST)]
+        await bus.publish_many(
+            [
+                WorkerRegistered(
+                    job=job,
+                    source="registry",
+                    worker_id=worker,
+                    instance=f"p-{worker}",
+                    rank=rank,
+                    world_size=rank + 1,
+                    membership_epoch=rank + 1,
+                    heartbeat_interval=1.0,
+                    heartbeat_timeout=5.0,
+                )
+                for rank, worker in enumerate(workers)
+            ]
+        )
+        dataset = RegisterDatasetRequest(
+            job=job, dataset_id="ds", total_samples=BURST * 3 * 10, shard_size=10, seed=3
+        )
+        await bus.rpc.call("sharding", "register_dataset", dataset, timeout=30)
+
+        assignments = await asyncio.gather(
+            *(
+                bus.rpc.call(
+                    "sharding",
+                    "get_shards",
+                    GetShardsRequest(job=job, dataset_id="ds", worker_id=worker, epoch=0),
+                    result=ShardAssignment,
+                    timeout=60,
+                )
+                for worker in workers
+            )
+        )
+        # Every shard to exactly one worker, all from the one plan.
+        assert sorted(s for a in assignments for s in shard_ids(a)) == list(range(BURST * 3))
+        assert {a.plan_version for a in assignments} == {0}
+        assert [len(a.shards) for a in assignments] == [3] * BURST
+
+        results = await asyncio.gather(
+            *(
+                bus.rpc.call(
+                    "sharding",
+                    "report_progress",
+                    ReportProgressRequest(
+                        job=job,
+                        dataset_id="ds",
+                        epoch=0,
+                        worker_id=a.worker_id,
+                        completed=shard_ids(a),
+                    ),
+                    result=ProgressResult,
+                    timeout=60,
+                )
+                for a in assignments
+            )
+        )
+        # Each answer is given once its report is stored and folded: at least its own shards.
+        assert all(r.done_shards >= 3 for r in results)
+        assert max(r.done_shards for r in results) == BURST * 3
+
+        events = await support.job_events(bus, job)
+        plans = [e for e in events if isinstance(e, ShardPlanChanged)]
+        progress = [e for e in events if isinstance(e, ShardProgress)]
+        assert [(p.epoch, p.plan_version, len(p.members)) for p in plans] == [(0, 0, BURST)]
+        assert sorted(s for p in progress for s in p.completed) == list(range(BURST * 3))
+    finally:
+        await bus.close()
+        sharding.stop()
