@@ -42,7 +42,7 @@ def runner() -> Iterator[LoopRunner]:
 
 @pytest.fixture
 def bucket(nats_url: str, runner: LoopRunner) -> Iterator[RendezvousBucket]:
-    opened = runner.run(RendezvousBucket.open([nats_url], load_settings()))
+    opened = runner.run(RendezvousBucket.open([nats_url], load_settings(), new_job("bucket")))
     yield opened
     runner.run(opened.close())
 
