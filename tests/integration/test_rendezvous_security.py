@@ -106,7 +106,8 @@ async def victim_keys(services: nats.NATS) -> dict[str, bytes]:
 
 def test_a_worker_credential_runs_its_jobs_rendezvous(victim: Agent) -> None:
     first = victim.backend.set_state(b"state-0")
-    assert first is not None and first[2] is True
+    assert first is not None
+    assert first[2] is True
     assert victim.backend.set_state(b"state-1", first[1])[2] is True  # type: ignore[index]
     assert victim.backend.get_state()[0] == b"state-1"  # type: ignore[index]
     store = victim.store
@@ -212,7 +213,7 @@ async def test_headers_on_its_own_keys_reach_no_other_key(
         own = subjects.kv_subject(BUCKET, subjects.rendezvous_state_key(ATTACKER))
         # A rollup of the whole stream (or of the subject) is refused by the bucket itself.
         for rollup in ("all", "sub"):
-            with pytest.raises(nats.js.errors.APIError, match="(?i)rollup"):
+            with pytest.raises(nats.js.errors.APIError, match=r"(?i)rollup"):
                 await js.publish(own, b"x", headers={"Nats-Rollup": rollup})
         # A direct get of its own keys that asks for more in its body is refused as well.
         answer = await nc.request(
@@ -220,7 +221,8 @@ async def test_headers_on_its_own_keys_reach_no_other_key(
             json.dumps({"multi_last": [subjects.kv_subject(BUCKET, ">")]}).encode(),
             timeout=5,
         )
-        assert answer.headers is not None and answer.headers.get("Status") == "408"
+        assert answer.headers is not None
+        assert answer.headers.get("Status") == "408"
         assert VICTIM.encode() not in answer.data
         # Its own keys it may use.
         await js.publish(own, b"mine")
@@ -236,7 +238,7 @@ async def test_a_worker_credential_cannot_make_a_missing_bucket(
 ) -> None:
     cred = of_job(credentials, ATTACKER)
     settings = load_settings(nats_user=cred.user, nats_password=cred.password)
-    with pytest.raises(ConfigError, match="does not exist.*start Strata's services"):
+    with pytest.raises(ConfigError, match=r"does not exist.*start Strata's services"):
         await RendezvousBucket.open(
             [secured.url], settings, ATTACKER, inbox_prefix=_inbox_prefix(ATTACKER, cred.user)
         )

@@ -252,8 +252,10 @@ def test_a_finished_run_reads_as_a_new_rendezvous_one_new_agent_takes_over(
     joined.participants = {_NodeDesc("node-a", 1, 0): 0}
     won = first.set_state(pickle.dumps(joined), seen[0][1])  # type: ignore[index]
     lost = second.set_state(pickle.dumps(_RendezvousState()), seen[1][1])  # type: ignore[index]
-    assert won is not None and won[2] is True
-    assert lost is not None and lost[2] is False
+    assert won is not None
+    assert won[2] is True
+    assert lost is not None
+    assert lost[2] is False
     assert pickle.loads(lost[0]).participants == joined.participants
 
 
