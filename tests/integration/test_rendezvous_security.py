@@ -15,6 +15,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+import torch.distributed as dist
 from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
 from strata.bus.streams import ensure_streams
@@ -119,6 +120,10 @@ def test_a_worker_credential_runs_its_jobs_rendezvous(victim: Agent) -> None:
     assert store.check(["counter"])
     assert store.delete_key("flag")
     assert not store.check(["flag"])
+    # Counting keys would list the bucket, which the credential may not: a clear error (torchrun
+    # never counts them).
+    with pytest.raises(dist.DistStoreError, match="worker credential may not"):
+        store.num_keys()
 
 
 async def test_another_jobs_credential_cannot_read_write_watch_or_list_its_keys(
