@@ -20,7 +20,7 @@ from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
 from strata.bus.streams import ensure_streams
 from strata.config import load_settings
-from strata.errors import ConfigError
+from strata.errors import BusError, ConfigError
 from strata.events import subjects
 from strata.security import (
     Credential,
@@ -259,3 +259,15 @@ def test_an_agent_uses_its_credentials_own_inbox_and_job() -> None:
     )
     with pytest.raises(ConfigError, match="is for job 'job-b', but --rdzv-id is 'job-a'"):
         _inbox_prefix("job-a", "worker-0@job-b")
+
+
+async def test_a_credential_refused_the_jobs_keys_is_told_so(
+    secured: NatsServer, credentials: list[Credential], services: nats.NATS
+) -> None:
+    # The attacker's own inbox, asking for the victim's job: NATS drops every read unanswered.
+    cred = of_job(credentials, ATTACKER)
+    settings = load_settings(nats_user=cred.user, nats_password=cred.password)
+    with pytest.raises(BusError, match=f"may not read the rendezvous keys of job '{VICTIM}'"):
+        await RendezvousBucket.open(
+            [secured.url], settings, VICTIM, inbox_prefix=_inbox_prefix(ATTACKER, cred.user)
+        )

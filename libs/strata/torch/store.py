@@ -25,7 +25,7 @@ from strata._loop import LoopRunner
 from strata.bus.connection import ConnectOptions, connect, retry_transient
 from strata.bus.streams import ensure_stream, rendezvous_stream
 from strata.config import Settings
-from strata.errors import ConfigError
+from strata.errors import BusError, ConfigError
 from strata.events import subjects
 
 __all__ = ["KVStore", "RendezvousBucket"]
@@ -34,7 +34,10 @@ RECHECK_S = 1.0
 """While waiting for a key, how often it is read again in case its put was missed (a reconnect
 between the subscription and the put)."""
 CAS_ATTEMPTS = 1000
-PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 2.0
+PROBE_DEADLINE_S = 10.0
+"""How long the first read of the bucket is tried. Unanswered, it is most likely refused: NATS
+drops a request its user may not send, and the client hears of it only as a timeout."""
 
 
 class RendezvousBucket:
@@ -197,7 +200,18 @@ async def _bucket(nc: NATS, settings: Settings, job: str) -> KeyValue:
         js=js,
         direct=True,
     )
-    if await retry_transient(lambda: _exists(nc, job), "looking for the rendezvous bucket"):
+    try:
+        exists = await retry_transient(
+            lambda: _exists(nc, job), "reading the rendezvous bucket", PROBE_DEADLINE_S
+        )
+    except BusError as exc:
+        raise BusError(
+            f"{exc.message} Or NATS user {settings.nats_user or '(none)'} may not read the "
+            f"rendezvous keys of job {job!r}: a worker credential of another job, or permissions "
+            "rendered before Strata gave them (restart the NATS servers with the current chart "
+            "or strata up --secure)"
+        ) from None
+    if exists:
         return kv
     try:
         await ensure_stream(js, rendezvous_stream(settings.stream_replicas))
