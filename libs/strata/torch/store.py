@@ -213,9 +213,14 @@ async def _bucket(nc: NATS, settings: Settings, job: str) -> KeyValue:
         ) from None
     if exists:
         return kv
+    spec = rendezvous_stream(settings.stream_replicas)
     try:
-        await ensure_stream(js, rendezvous_stream(settings.stream_replicas))
-    except (nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+        # Retried through a leader election; a worker credential's request is dropped
+        # unanswered, so it times out the same way.
+        await retry_transient(
+            lambda: ensure_stream(js, spec), "making the rendezvous bucket", PROBE_DEADLINE_S
+        )
+    except (BusError, nats.js.errors.APIError) as exc:
         raise ConfigError(
             f"the rendezvous bucket {bucket} does not exist and NATS user "
             f"{settings.nats_user or '(none)'} could not make it ({type(exc).__name__}): start "
