@@ -8,7 +8,14 @@ part the backend does, without Python's and torch's start-up. The figures are th
 rounds with the spread (min-max), and the ratio strata / c10d of the medians (below 1: Strata is
 faster). 32 processes on 2 cores take a while, so keep `--rounds` small.
 
+`--import-cost` measures instead what installing Strata adds to every torchrun agent, whatever
+its backend: torch imports every `torchrun.handlers` entry point when its rendezvous package is
+imported. Each round imports `torch.distributed.elastic.rendezvous` in a fresh process (torch
+already imported, so only that import is timed) with Strata's entry point and without any (as
+without Strata installed), in alternating order.
+
     python bench/rendezvous.py [--procs 2,8,32] [--rounds 3] [--nats-url nats://...] [--check]
+    python bench/rendezvous.py --import-cost [--rounds 15]
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +46,31 @@ print(f"formed {time.time():.6f}", flush=True)
 dist.destroy_process_group()
 """
 FORMED = re.compile(r"formed (\d+\.\d+)")
+IMPORT_PROBE = """\
+import sys
+import time
+
+import torch
+import torch.distributed
+
+if sys.argv[1] == "without":  # as without Strata installed: the same look-up, no `strata` in it
+    import importlib.metadata as metadata
+
+    every = metadata.entry_points
+
+    def others(**select):
+        found = every(**select)
+        return metadata.EntryPoints(ep for ep in found if not ep.value.startswith("strata."))
+
+    metadata.entry_points = others
+started = time.perf_counter()
+import torch.distributed.elastic.rendezvous as rendezvous
+
+took = time.perf_counter() - started
+assert ("strata" in rendezvous.rendezvous_handler_registry._registry) == (sys.argv[1] == "with")
+print(f"imported {took:.6f}")
+"""
+IMPORTED = re.compile(r"imported (\d+\.\d+)")
 # torch's own log lines (LOGLEVEL=INFO) around the agent's rendezvous: what the backend does.
 AGENT_LOG = r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*"
 RDZV_START = re.compile(AGENT_LOG + "Rendezvous'ing worker group", re.M)
@@ -81,6 +114,33 @@ def launch(
     return rendezvous, max(stamps) - started, done
 
 
+def import_cost(rounds: int, work: Path, env: dict[str, str]) -> int:
+    """Seconds to import torch's rendezvous package with Strata's entry point and without."""
+    (work / "probe.py").write_text(IMPORT_PROBE)
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    for round_ in range(rounds):
+        order = ("without", "with") if round_ % 2 == 0 else ("with", "without")
+        for case in order:
+            done = subprocess.run(
+                [sys.executable, str(work / "probe.py"), case],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            found = IMPORTED.search(done.stdout)
+            if done.returncode != 0 or found is None:
+                raise SystemExit(f"the import probe failed ({case}):\n{done.stderr}")
+            times[case].append(float(found[1]))
+    without, with_ = (statistics.median(times[case]) for case in ("without", "with"))
+    print(f"import torch.distributed.elastic.rendezvous, {rounds} rounds, torch already imported")
+    print(f"  without Strata's entry point   {summary(times['without'])}")
+    print(f"  with Strata's                  {summary(times['with'])}")
+    print(f"  Strata adds {1000 * (with_ - without):.0f} ms (ratio {with_ / without:.2f})")
+    return 0
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):6.3f}s ({min(values):.3f}-{max(values):.3f})"
 
@@ -91,8 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--nats-url", help="a running server (default: one of its own)")
     parser.add_argument("--check", action="store_true", help="fail when an aim is missed")
+    parser.add_argument(
+        "--import-cost", action="store_true", help="time what the entry point adds to an agent"
+    )
     args = parser.parse_args(argv)
     sizes = [int(size) for size in args.procs.split(",") if size.strip()]
+    if args.import_cost:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = torchrun_env(entry_point_path(Path(tmp) / "entry-point"))
+            return import_cost(args.rounds, Path(tmp), env)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

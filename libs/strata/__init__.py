@@ -2,12 +2,17 @@
 
 Workers use this package to register, heartbeat, get data shards, meet at barriers and write
 checkpoints; the services under `strata.services` coordinate them over NATS JetStream.
+
+The names below are imported on first use, not with the package: torch imports
+`strata.torch.rendezvous` in every torchrun agent (an entry point), and that must not cost the
+import of the SDK, nats and pydantic.
 """
 
-from strata import aio
-from strata.aio import WorkerNotStarted
-from strata.checkpoint import CheckpointManager
-from strata.datasets import DatasetRegistry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,
@@ -29,9 +34,24 @@ from strata.errors import (
     ValidationError,
     WorkerSuperseded,
 )
-from strata.worker import Worker, default_worker
+
+if TYPE_CHECKING:
+    from strata import aio
+    from strata.aio import WorkerNotStarted
+    from strata.checkpoint import CheckpointManager
+    from strata.datasets import DatasetRegistry
+    from strata.worker import Worker, default_worker
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "aio": "strata.aio",
+    "WorkerNotStarted": "strata.aio",
+    "CheckpointManager": "strata.checkpoint",
+    "DatasetRegistry": "strata.datasets",
+    "Worker": "strata.worker",
+    "default_worker": "strata.worker",
+}
 
 __all__ = [
     "BarrierBroken",
@@ -61,3 +81,17 @@ __all__ = [
     "aio",
     "default_worker",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'strata' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if name == "aio" else getattr(imported, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

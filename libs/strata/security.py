@@ -6,9 +6,10 @@ job and names one worker of it (`<worker>@<job>`, made by `strata up --secure`),
 of one job (the Helm chart's shared user, the worker part `*`): it may publish only its own
 heartbeats, metric samples and requests, each on a subject that ends with its job and worker, and
 subscribe only to its job's world notices, barrier and plan events, its own control notices and
-its own inbox. Nothing it publishes reaches the event stream: services record every event, and the
-subject a request arrives on says who sent it (see `strata.bus.rpc`). `strata up --secure` and
-the chart both render these rules. The files that hold passwords or the gateway's API token are
+its own inbox; besides, it may use its job's keys of the torchrun rendezvous bucket. Nothing it
+publishes reaches the event stream: services record every event, and the subject a request
+arrives on says who sent it (see `strata.bus.rpc`). `strata up --secure` and the chart both
+render these rules. The files that hold passwords or the gateway's API token are
 written readable by their owner only.
 """
 
@@ -33,9 +34,14 @@ WORKER_USER_SEPARATOR = "@"
 """Between the worker and the job in a worker credential's user name: no id contains it."""
 _ID = re.compile(ID_PATTERN)
 
-WORKER_DENY = (subjects.all_control(), subjects.KV_API, subjects.JETSTREAM_API)
+WORKER_DENY = (
+    subjects.all_control(),
+    subjects.kv_subject(subjects.SNAPSHOT_BUCKET, ">"),
+    *subjects.JETSTREAM_MANAGE_API,
+)
 """Denied to a worker credential whatever it is allowed: notices to workers, the snapshot bucket
-and the JetStream API (a worker reads and writes no stream)."""
+and the JetStream API that manages streams and consumers. Its only JetStream use is its job's
+rendezvous keys (`rendezvous_permissions`); everything else is outside its allow list anyway."""
 
 WORKER_EVENTS = ("barrier",)
 """Areas of its job's events a worker listens to: barrier outcomes (membership reaches it as the
@@ -66,11 +72,13 @@ def worker_identity(user: str | None) -> tuple[str, str] | None:
 
 def worker_permissions(job: str, worker: str) -> Permissions:
     """What a credential of `worker` (`*`: every worker) of `job` may do."""
+    rendezvous = rendezvous_permissions(job)
     return Permissions(
         publish_allow=(
             subjects.heartbeat_subject(job, worker),
             subjects.worker_metrics(job, worker),
             subjects.caller_rpcs(job, worker),
+            *rendezvous.publish_allow,
         ),
         publish_deny=WORKER_DENY,
         subscribe_allow=(
@@ -79,7 +87,35 @@ def worker_permissions(job: str, worker: str) -> Permissions:
             subjects.world_subject(job),
             subjects.control_subject(job, worker),
             subjects.worker_inboxes(job, worker),
+            *rendezvous.subscribe_allow,
         ),
+    )
+
+
+# -- torchrun rendezvous --------------------------------------------------------------------------
+
+
+def rendezvous_permissions(job: str) -> Permissions:
+    """What every worker credential of `job` may do in the rendezvous bucket, so that a torchrun
+    agent of the job runs on it (`strata.torch.rendezvous`): its job's keys only.
+
+    - write (put, create, update, delete: each a message on the key's own subject) the keys
+      under the job's prefix, where every state and store key of the job is;
+    - read them, by JetStream direct gets whose subject names the key (a get by sequence or a
+      batch names what it reads in the body, which permissions cannot see: not allowed);
+    - listen to their subjects, to wake when a key it waits for is written.
+
+    Nothing else of JetStream: no stream or consumer info, creation, update, purge or deletion
+    (a consumer's settings, such as the subject it delivers to, are in the request's body too).
+    The bucket refuses rollup headers and API purges (`strata.bus.streams.rendezvous_stream`), so
+    a message on the job's subjects changes only that one key. A credential of one worker gets
+    the whole job's keys: the rendezvous is the job's agents' common state, as the job's store
+    is, so the agents of a job trust each other there.
+    """
+    return Permissions(
+        publish_allow=(subjects.rendezvous_subjects(job), subjects.rendezvous_reads(job)),
+        publish_deny=(),
+        subscribe_allow=(subjects.rendezvous_subjects(job),),
     )
 
 

@@ -1025,6 +1025,84 @@ def test_notes_tell_how_to_open_the_dashboard(helm: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.nats
+async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
+    render: Render, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's agents of a job log in as the job's shared user (or a per-worker user of it):
+    they write and read their job's keys of the rendezvous bucket, and not another job's."""
+    rendered = render(
+        "nats.auth.extraWorkerJobs={other}",
+        "nats.auth.workerUsers[0].job=default",
+        "nats.auth.workerUsers[0].worker=w-1",
+    )
+    auth_conf = rendered.get("ConfigMap", _name("nats-config"))["data"]["auth.conf"]
+    users = natsconf.users(natsconf.parse(auth_conf))
+    for user, (reference, _) in users.items():
+        monkeypatch.setenv(reference.removeprefix("$"), f"password-of-{user}")
+    store = tmp_path / "nats"
+    store.mkdir()
+    (store / "auth.conf").write_text(auth_conf)
+    bucket = subjects.RENDEZVOUS_BUCKET
+
+    def key_subject(job: str) -> str:
+        return subjects.kv_subject(bucket, subjects.rendezvous_state_key(job))
+
+    with NatsServer(store_dir=store, extra_config='include "auth.conf"') as server:
+        options = ConnectOptions(
+            name="services", user="strata-services", password="password-of-strata-services"
+        )
+        services = Bus(await connect_nats(server.url, options))
+        clients = {
+            user: await natsprobe.connect(
+                server.url,
+                user,
+                f"password-of-{user}",
+                inbox_prefix=subjects.worker_inbox_prefix(job, worker),
+            )
+            for user, job, worker in (
+                ("strata-workers-default", "default", "torchrun-agent"),
+                ("w-1@default", "default", "w-1"),
+                ("strata-workers-other", "other", "torchrun-agent"),
+            )
+        }
+        try:
+            await services.ensure_streams(1)  # the services make the bucket
+            for user, job in (
+                ("strata-workers-default", "default"),
+                ("w-1@default", "default"),
+                ("strata-workers-other", "other"),
+            ):
+                nc = clients[user].nc
+                await nc.jetstream().publish(key_subject(job), user.encode())
+                read = subjects.rendezvous_read(subjects.rendezvous_state_key(job))
+                assert (await nc.request(read, b"", 5)).data == user.encode(), user
+            attacker = clients["strata-workers-other"]
+            forbidden = [
+                key_subject("default"),
+                subjects.rendezvous_read(subjects.rendezvous_state_key("default")),
+                f"$JS.API.CONSUMER.CREATE.{subjects.RENDEZVOUS_STREAM}",
+                f"$JS.API.STREAM.INFO.{subjects.RENDEZVOUS_STREAM}",
+                f"$JS.API.STREAM.PURGE.{subjects.RENDEZVOUS_STREAM}",
+                f"$JS.API.STREAM.DELETE.{subjects.RENDEZVOUS_STREAM}",
+            ]
+            for subject in forbidden:
+                await attacker.nc.publish(subject, b"{}")
+            refused = await natsprobe.refused_subscriptions(
+                attacker, [subjects.rendezvous_subjects("default")]
+            )
+            await natsprobe.settled(attacker)
+            assert {f.lower() for f in forbidden} <= attacker.refused["publish"]
+            assert refused == {subjects.rendezvous_subjects("default")}
+            kv = await services.js.key_value(bucket)
+            assert (await kv.get(subjects.rendezvous_state_key("default"))).value == b"w-1@default"
+        finally:
+            for client in clients.values():
+                await client.close()
+            await services.close()
+
+
+
+@pytest.mark.nats
 async def test_the_rendered_roles_on_a_real_nats_server(
     render: Render, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,7 +9,9 @@ examples as written. Two torchrun invocations on one host stand for two nodes of
   registering again with torch's rank;
 - the leader of the rendezvous bucket's stream killed in a 3-node NATS cluster loses nothing: a
   rank killed afterwards restarts the group through the new leader;
-- `--max-restarts` bounds the restarts of a group that keeps failing.
+- `--max-restarts` bounds the restarts of a group that keeps failing;
+- with worker credentials of the job on a secured nats-server the job runs, and a finished run's
+  id is used again at once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from strata.bus import Bus
 from strata.bus.server import NatsCluster, NatsServer
 from strata.config import Env
 from strata.events import AnyEvent, WorkerFailed, WorkerRegistered, subjects
+from strata.security import authorization_config, by_role, generate_credentials, save_credentials
 
 from tests.docs import example, write_example
 from tests.rendezvous import (
@@ -366,3 +369,62 @@ def test_max_restarts_bounds_the_restarts_as_with_c10d(
     code = wait_all([agent], 180)
     assert code not in ([0], [None]), agent.output()[-4000:]
     assert re.findall(r"attempt (\d+)", agent.output()) == ["0", "1", "2"], agent.output()[-4000:]
+
+
+def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
+    tmp_path: Path, extra_path: str | None
+) -> None:
+    """docs/pytorch.md's secured example on a nats-server with `strata up --secure`'s rules: two
+    nodes of one rank, each with its own worker credential of the job, form a world of 2; run
+    again with the same --rdzv-id right after the first run ended, it forms and finishes too."""
+    job = new_job("secure")
+    credentials = generate_credentials(job, ["worker-0", "worker-1"])
+    (tmp_path / ".strata").mkdir()
+    save_credentials(tmp_path / ".strata" / "credentials.json", credentials)
+    write_example("docs/pytorch.md", "sum_world.py", tmp_path)
+    with (
+        NatsServer(
+            store_dir=tmp_path / "nats", extra_config=authorization_config(credentials)
+        ) as server,
+        running_services(
+            server.url, tmp_path / "logs", env=by_role(credentials, "services")[0].env()
+        ),
+    ):
+        script = (
+            example("docs/pytorch.md", "rdzv-secure.sh")
+            .replace("127.0.0.1:4222", host_port(server.url))
+            .replace("sum-example", job)
+        )
+        env = torchrun_env(extra_path)
+        for name in (Env.JOB, Env.NATS_URL, Env.NATS_USER, Env.NATS_PASSWORD):
+            env.pop(name, None)
+        for run in range(2):
+            logs = [tmp_path / f"run-{run}-node-{n}.log" for n in range(2)]
+            nodes = []
+            for n, log in enumerate(logs):
+                with log.open("wb") as out:
+                    nodes.append(
+                        subprocess.Popen(
+                            ["bash", "-e", "-c", script],
+                            cwd=tmp_path,
+                            env={**env, "NODE": str(n)},
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            try:
+                codes = [node.wait(300) for node in nodes]
+            finally:
+                for node in nodes:
+                    kill_tree(node)
+            output = "\n".join(log.read_text(errors="replace") for log in logs)
+            assert codes == [0, 0], f"run {run}:\n{output[-6000:]}"
+            results = {int(m[1]): m for m in SUM.finditer(output)}
+            assert sorted(results) == [0, 1], output[-6000:]
+            for rank, match in results.items():
+                assert (int(match[2]), int(match[3])) == (2, 3)
+                # The worker is the credential's, the rank torch's.
+                assert match[4] in ("worker-0", "worker-1")
+                assert int(match[5]) == rank

@@ -19,6 +19,7 @@ from nats.js.api import DiscardPolicy, StorageType
 from strata.bus import Bus, ConnectOptions, EventFeed, PublishOptions, connect, ensure_stream
 from strata.bus.server import NatsServer
 from strata.bus.streams import (
+    RENDEZVOUS_MAX_AGE_S,
     TELEMETRY_MAX_BYTES,
     TELEMETRY_MAX_MSG_SIZE,
     TELEMETRY_MAX_MSGS_PER_SUBJECT,
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.nats
 
 EVENTS = subjects.EVENTS_STREAM
 TELEMETRY = subjects.TELEMETRY_STREAM
+RENDEZVOUS = subjects.RENDEZVOUS_STREAM
 
 
 def new_job() -> str:
@@ -108,10 +110,18 @@ async def test_same_event_published_twice_is_stored_once(bus: Bus) -> None:
 
 
 async def test_provisioning_twice_changes_nothing(own_bus: Bus) -> None:
-    assert await own_bus.ensure_streams() == {EVENTS: "created", TELEMETRY: "created"}
+    assert await own_bus.ensure_streams() == {
+        EVENTS: "created",
+        TELEMETRY: "created",
+        RENDEZVOUS: "created",
+    }
     before = {name: (await own_bus.js.stream_info(name)).config for name in (EVENTS, TELEMETRY)}
 
-    assert await own_bus.ensure_streams() == {EVENTS: "unchanged", TELEMETRY: "unchanged"}
+    assert await own_bus.ensure_streams() == {
+        EVENTS: "unchanged",
+        TELEMETRY: "unchanged",
+        RENDEZVOUS: "unchanged",
+    }
     after = {name: (await own_bus.js.stream_info(name)).config for name in (EVENTS, TELEMETRY)}
 
     assert after == before
@@ -166,12 +176,31 @@ async def test_drifted_stream_is_brought_back(own_bus: Bus) -> None:
     drifted = await own_bus.js.update_stream(wanted.evolve(duplicate_window=5.0))
     assert drifted.config.duplicate_window == pytest.approx(5.0)
 
-    assert await own_bus.ensure_streams() == {EVENTS: "updated", TELEMETRY: "unchanged"}
+    assert await own_bus.ensure_streams() == {
+        EVENTS: "updated",
+        TELEMETRY: "unchanged",
+        RENDEZVOUS: "unchanged",
+    }
 
     restored = (await own_bus.js.stream_info(EVENTS)).config
     assert restored.duplicate_window == pytest.approx(120.0)
     assert restored == wanted
-    assert await own_bus.ensure_streams() == {EVENTS: "unchanged", TELEMETRY: "unchanged"}
+    assert set((await own_bus.ensure_streams()).values()) == {"unchanged"}
+
+
+async def test_a_rendezvous_bucket_of_an_earlier_release_is_brought_to_its_settings(
+    own_bus: Bus,
+) -> None:
+    # What the first release made: nats-py's defaults for a bucket, rollups and message TTLs on.
+    await own_bus.js.create_key_value(
+        bucket=subjects.RENDEZVOUS_BUCKET, history=1, ttl=RENDEZVOUS_MAX_AGE_S
+    )
+    assert (await own_bus.ensure_streams())[RENDEZVOUS] == "updated"
+    config = (await own_bus.js.stream_info(RENDEZVOUS)).config
+    # A message on a job's key cannot roll the bucket up; reads by subject are served.
+    assert (config.allow_rollup_hdrs, config.deny_purge, config.allow_direct) == (False, True, True)
+    assert config.allow_msg_ttl  # which JetStream cannot turn off again
+    assert (await own_bus.ensure_streams())[RENDEZVOUS] == "unchanged"
 
 
 async def test_stream_with_the_wrong_storage_is_refused_not_replaced(own_bus: Bus) -> None:
@@ -346,7 +375,7 @@ async def test_connect_succeeds_when_the_server_comes_up_during_the_retry_window
         bus = await asyncio.wait_for(connecting, 15)
     try:
         assert bus.nc.is_connected
-        assert await bus.ensure_streams() == {EVENTS: "created", TELEMETRY: "created"}
+        assert set((await bus.ensure_streams()).values()) == {"created"}
         ack = await bus.publish(state_changed(new_job()))
         assert ack.seq == 1
     finally:

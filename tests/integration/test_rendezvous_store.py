@@ -1,14 +1,19 @@
 """The torchrun rendezvous backend and its store against a real nats-server: the fencing-token
 rules torch's `RendezvousBackend` asks for, TCPStore's semantics of each store operation, a store
-used through `PrefixStore` as torchrun uses it, and the endpoint and id rules."""
+used through `PrefixStore` as torchrun uses it, the endpoint and id rules, and when a finished
+run's rendezvous may be used again."""
 
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -22,12 +27,17 @@ from strata.torch.rendezvous import (
     create_rdzv_handler,
     handler,
     nats_servers,
+    reusable,
 )
 from strata.torch.store import KVStore, RendezvousBucket
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    _NodeDesc,
+    _RendezvousState,
+    create_handler,
+)
 
-from tests.rendezvous import declared_entry_point
+from tests.rendezvous import declared_entry_point, entry_point_path, torchrun_env
 from tests.support import new_job
 
 pytestmark = pytest.mark.nats
@@ -42,7 +52,7 @@ def runner() -> Iterator[LoopRunner]:
 
 @pytest.fixture
 def bucket(nats_url: str, runner: LoopRunner) -> Iterator[RendezvousBucket]:
-    opened = runner.run(RendezvousBucket.open([nats_url], load_settings()))
+    opened = runner.run(RendezvousBucket.open([nats_url], load_settings(), new_job("bucket")))
     yield opened
     runner.run(opened.close())
 
@@ -212,3 +222,83 @@ def test_one_jobs_keys_never_meet_anothers() -> None:
         subjects.rendezvous_state_key("a.store")
     )
     assert subjects.rendezvous_store_key("a", "") == "a.store.k"
+
+
+def _closed_state(round_: int, beats: dict[_NodeDesc, datetime]) -> bytes:
+    state = _RendezvousState()
+    state.round, state.closed, state.complete = round_, True, True
+    state.participants = dict.fromkeys(beats, 0)
+    state.last_heartbeats = dict(beats)
+    return pickle.dumps(state)
+
+
+def test_a_finished_run_reads_as_a_new_rendezvous_one_new_agent_takes_over(
+    bucket: RendezvousBucket, runner: LoopRunner
+) -> None:
+    job = new_job("reuse")
+    # Every agent of the finished run closed the rendezvous and left it.
+    first, second = (JetStreamRendezvousBackend(bucket, runner, job) for _ in range(2))
+    written = first.set_state(_closed_state(3, {}))
+    assert written is not None
+    seen = [backend.get_state() for backend in (first, second)]
+    for value, token in seen:  # type: ignore[misc]
+        state = pickle.loads(value)
+        # Open, empty, and at the next round, so its store keys are not the old run's.
+        assert (state.closed, state.round, state.participants) == (False, 4, {})
+        assert token == written[1]
+    # Two new agents write over it with the same token: one wins, the other reads its state.
+    joined = _RendezvousState()
+    joined.round = 4
+    joined.participants = {_NodeDesc("node-a", 1, 0): 0}
+    won = first.set_state(pickle.dumps(joined), seen[0][1])  # type: ignore[index]
+    lost = second.set_state(pickle.dumps(_RendezvousState()), seen[1][1])  # type: ignore[index]
+    assert won is not None
+    assert won[2] is True
+    assert lost is not None
+    assert lost[2] is False
+    assert pickle.loads(lost[0]).participants == joined.participants
+
+
+def test_a_closed_run_with_a_live_agent_stays_closed_until_it_leaves(
+    bucket: RendezvousBucket, runner: LoopRunner
+) -> None:
+    job = new_job("reuse")
+    expiry = timedelta(seconds=15)
+    backend = JetStreamRendezvousBackend(bucket, runner, job, keep_alive_expiry=expiry)
+    straggler, dead = _NodeDesc("node-a", 1, 0), _NodeDesc("node-b", 2, 0)
+    now = datetime.now(UTC)
+    backend.set_state(_closed_state(2, {straggler: now, dead: now - 2 * expiry}))
+    # An agent of the run still keeps it alive: a newcomer sees it closed, as torch expects.
+    value, _ = backend.get_state()  # type: ignore[misc]
+    assert pickle.loads(value).closed
+    # Once that agent has left too (torchrun's shutdown, after closing), it is a new rendezvous;
+    # the agent killed before it could leave counts as gone once its keep-alive is stale.
+    backend.leave(straggler)
+    value, _ = backend.get_state()  # type: ignore[misc]
+    assert (pickle.loads(value).closed, pickle.loads(value).round) == (False, 3)
+    assert reusable(_closed_state(0, {dead: now}), now, expiry) is None
+    assert reusable(_closed_state(0, {dead: now - 2 * expiry}), now, expiry) is not None
+    # A rendezvous still open is never replaced, however old its keep-alives.
+    running = _RendezvousState()
+    running.last_heartbeats = {dead: now - 2 * expiry}
+    assert reusable(pickle.dumps(running), now, expiry) is None
+
+
+def test_torch_loading_the_entry_point_imports_no_nats_nor_the_sdk(tmp_path: Path) -> None:
+    # torch imports every `torchrun.handlers` entry point in every agent, whatever its backend.
+    probe = (
+        "import sys, torch.distributed.elastic.rendezvous as r\n"
+        "assert 'strata' in r.rendezvous_handler_registry._registry\n"
+        "print(sorted(m for m in ('nats', 'pydantic', 'structlog', 'strata.aio', 'strata.config')"
+        " if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=torchrun_env(entry_point_path(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -9,7 +9,14 @@ from strata import worker as sync_worker
 from strata.config import Env, load_settings
 from strata.errors import ConfigError
 from strata.events import subjects
-from strata.security import permissions, worker_identity, worker_permissions, worker_user
+from strata.security import (
+    WORKER_DENY,
+    permissions,
+    rendezvous_permissions,
+    worker_identity,
+    worker_permissions,
+    worker_user,
+)
 
 
 def test_a_worker_user_names_its_worker_and_job() -> None:
@@ -25,6 +32,9 @@ def test_a_worker_may_publish_and_hear_only_as_itself_in_its_job() -> None:
         subjects.heartbeat_subject("job", "w-1"),
         subjects.worker_metrics("job", "w-1"),
         subjects.caller_rpcs("job", "w-1"),
+        # The job's torchrun rendezvous keys, written and read by subject.
+        subjects.rendezvous_subjects("job"),
+        subjects.rendezvous_reads("job"),
     )
     assert not any(p.startswith(subjects.EVENTS) for p in mine.publish_allow)
     assert subjects.worker_inboxes("job", "w-1") in mine.subscribe_allow
@@ -33,6 +43,26 @@ def test_a_worker_may_publish_and_hear_only_as_itself_in_its_job() -> None:
     assert subjects.caller_rpcs("job", "*") in shared.publish_allow
     with pytest.raises(ConfigError, match="names no job and worker"):
         permissions("worker", "worker-0")
+
+
+def test_a_worker_may_use_its_jobs_rendezvous_keys_and_no_other_jetstream_api() -> None:
+    mine = rendezvous_permissions("job.a")
+    # Every key of the job starts with the job's prefix; a job named like it with more parts
+    # does not share it.
+    assert mine.publish_allow == (
+        "$KV.STRATA_RENDEZVOUS.job=a.>",
+        "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS.$KV.STRATA_RENDEZVOUS.job=a.>",
+    )
+    assert mine.subscribe_allow == ("$KV.STRATA_RENDEZVOUS.job=a.>",)
+    for key in (
+        subjects.rendezvous_state_key("job.a"),
+        subjects.rendezvous_store_key("job.a", "torch.rendezvous.job.a.0/MASTER_ADDR"),
+    ):
+        assert key.startswith("job=a.")
+    assert not subjects.rendezvous_state_key("job.a.b").startswith("job=a.")
+    # What manages streams and consumers stays denied, whatever the allow list says.
+    for denied in ("$JS.API.STREAM.>", "$JS.API.CONSUMER.>", "$KV.STRATA_SNAPSHOTS.>"):
+        assert denied in WORKER_DENY
 
 
 def test_the_sdk_takes_its_job_and_id_from_its_credential(

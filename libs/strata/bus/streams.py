@@ -8,6 +8,10 @@ way a sender could grow it: by age, by total bytes, by messages per subject (one
 worker), and by message size, discarding the oldest when full. Its byte bound is reserved from
 JetStream's store when the stream is created, so however fast workers send, STRATA_EVENTS, where
 the services record their decisions and nothing else is written, keeps the rest of the store.
+
+The torchrun rendezvous bucket is provisioned here too, so that an agent with a worker credential,
+which may not create streams, finds it; its settings are those that let such a credential be
+confined to its own job's keys (`rendezvous_stream`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ TELEMETRY_MAX_MSGS_PER_SUBJECT = 50_000
 TELEMETRY_MAX_MSG_SIZE = 64 * 1024
 """A heartbeat is a few hundred bytes, a sample with every label at its longest some 10 KiB."""
 
+RENDEZVOUS_MAX_AGE_S = 7 * 24 * 3600.0
+"""How long a rendezvous key the agents stopped writing stays. A live job's state key is written
+again at every keep-alive and each round's store keys are read when the round starts, so only
+finished (or long abandoned) jobs' keys go; the bucket does not grow with every job ever run."""
+
 Outcome = Literal["created", "updated", "unchanged"]
 
 
@@ -47,6 +56,11 @@ class StreamSpec:
     max_bytes: int = -1
     max_msgs_per_subject: int = -1
     description: str = ""
+    discard: DiscardPolicy = DiscardPolicy.OLD
+    allow_direct: bool = False
+    allow_rollup_hdrs: bool = False
+    deny_delete: bool = False
+    deny_purge: bool = False
 
     def config(self) -> StreamConfig:
         return StreamConfig(
@@ -54,7 +68,7 @@ class StreamSpec:
             description=self.description,
             subjects=list(self.subjects),
             retention=RetentionPolicy.LIMITS,
-            discard=DiscardPolicy.OLD,
+            discard=self.discard,
             storage=self.storage,
             num_replicas=self.replicas,
             max_age=self.max_age,
@@ -62,6 +76,10 @@ class StreamSpec:
             max_msg_size=self.max_msg_size,
             max_bytes=self.max_bytes,
             max_msgs_per_subject=self.max_msgs_per_subject,
+            allow_direct=self.allow_direct,
+            allow_rollup_hdrs=self.allow_rollup_hdrs,
+            deny_delete=self.deny_delete,
+            deny_purge=self.deny_purge,
         )
 
 
@@ -91,6 +109,28 @@ def strata_streams(
     ]
 
 
+def rendezvous_stream(replicas: int = 1) -> StreamSpec:
+    """The key-value bucket of torchrun's rendezvous (`strata.torch.store`), one key per value.
+
+    A worker credential may write its job's keys and read them by subject only (direct gets),
+    and what it sends in a message's headers no permission can check, so the stream itself
+    refuses what would reach beyond one key: no rollup headers (a `Nats-Rollup: all` would purge
+    every job's keys), and no purge or delete of messages by the API.
+    """
+    return StreamSpec(
+        name=subjects.RENDEZVOUS_STREAM,
+        subjects=(subjects.kv_subject(subjects.RENDEZVOUS_BUCKET, ">"),),
+        replicas=replicas,
+        max_age=RENDEZVOUS_MAX_AGE_S,
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.NEW,
+        allow_direct=True,
+        deny_delete=True,
+        deny_purge=True,
+        description="torchrun rendezvous state and torch.distributed store keys, per job.",
+    )
+
+
 def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
     fields = (
         "subjects",
@@ -102,6 +142,10 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
         "max_msgs_per_subject",
         "discard",
         "storage",
+        "allow_direct",
+        "allow_rollup_hdrs",
+        "deny_delete",
+        "deny_purge",
     )
     changed = []
     for name in fields:
@@ -113,6 +157,8 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
         elif name in ("max_bytes", "max_msgs_per_subject"):
             # The server reports "no limit" as -1; an unset field reads back as None.
             have, want = have if have is not None else -1, want if want is not None else -1
+        elif name in ("allow_direct", "allow_rollup_hdrs", "deny_delete", "deny_purge"):
+            have, want = bool(have), bool(want)
         if have != want:
             changed.append(name)
     return changed
@@ -134,10 +180,14 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Outcome:
             f"stream {spec.name} exists with {info.config.storage} storage but "
             f"{spec.storage} is wanted; JetStream cannot convert it: back it up and recreate it"
         )
+    # JetStream cannot turn per-message TTLs off once on (a rendezvous bucket made by an earlier
+    # release had them): keep what cannot change.
+    wanted.allow_msg_ttl = info.config.allow_msg_ttl or None
     await js.update_stream(wanted)
     return "updated"
 
 
 async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> dict[str, Outcome]:
-    """Provision every Strata stream; returns what happened to each."""
-    return {spec.name: await ensure_stream(js, spec) for spec in strata_streams(replicas)}
+    """Provision every Strata stream and the rendezvous bucket; returns what happened to each."""
+    specs = [*strata_streams(replicas), rendezvous_stream(replicas)]
+    return {spec.name: await ensure_stream(js, spec) for spec in specs}

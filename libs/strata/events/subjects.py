@@ -25,6 +25,7 @@ EVENTS_STREAM: Final = "STRATA_EVENTS"
 TELEMETRY_STREAM: Final = "STRATA_TELEMETRY"
 SNAPSHOT_BUCKET: Final = "STRATA_SNAPSHOTS"
 RENDEZVOUS_BUCKET: Final = "STRATA_RENDEZVOUS"
+RENDEZVOUS_STREAM: Final = f"KV_{RENDEZVOUS_BUCKET}"
 
 ROOT: Final = "strata"
 EVENTS: Final = f"{ROOT}.evt"
@@ -244,6 +245,15 @@ JETSTREAM_API: Final = "$JS.>"
 """Every JetStream API subject (and flow control)."""
 KV_API: Final = "$KV.>"
 """Every key-value bucket's subjects (the snapshot bucket among them)."""
+JETSTREAM_MANAGE_API: Final = (
+    "$JS.API.STREAM.>",
+    "$JS.API.CONSUMER.>",
+    "$JS.API.ACCOUNT.>",
+    "$JS.API.META.>",
+    "$JS.API.SERVER.>",
+)
+"""The JetStream API that looks at, makes, changes or removes streams and consumers (message
+reads by subject, `$JS.API.DIRECT.GET.<stream>.<subject>`, are not in it)."""
 JETSTREAM_READ_API: Final = (
     "$JS.API.INFO",
     "$JS.API.STREAM.INFO.>",
@@ -339,3 +349,26 @@ def kv_subject(bucket: str, key: str) -> str:
 def rendezvous_store_keys(job: str) -> str:
     """The pattern of every key of a job's torch.distributed store."""
     return f"{_rendezvous_prefix(job)}.store.>"
+
+
+def rendezvous_keys(job: str) -> str:
+    """The pattern of every key of a job in the rendezvous bucket: its state and its store keys
+    all start with the job's own prefix."""
+    return f"{_rendezvous_prefix(job)}.>"
+
+
+def rendezvous_subjects(job: str) -> str:
+    """The subjects of a job's rendezvous keys: writing one is a put (or delete) of that key."""
+    return kv_subject(RENDEZVOUS_BUCKET, rendezvous_keys(job))
+
+
+def rendezvous_read(key: str) -> str:
+    """The JetStream direct get of a rendezvous key's value, by subject (`key` may be a pattern):
+    the only read of the bucket whose permission can be bound to the keys read (the others name
+    them in the request's body)."""
+    return f"$JS.API.DIRECT.GET.{RENDEZVOUS_STREAM}.{kv_subject(RENDEZVOUS_BUCKET, key)}"
+
+
+def rendezvous_reads(job: str) -> str:
+    """The direct gets of every rendezvous key of a job."""
+    return rendezvous_read(rendezvous_keys(job))

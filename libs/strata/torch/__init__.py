@@ -1,23 +1,35 @@
 """PyTorch helpers: `ShardSampler` reads this worker's shards of an epoch through a DataLoader;
-`strata.torch.dcp` stores torch.distributed.checkpoint (DCP) checkpoints through Strata's commit.
+`strata.torch.dcp` stores torch.distributed.checkpoint (DCP) checkpoints through Strata's commit;
+`strata.torch.rendezvous` is torchrun's `--rdzv-backend=strata`.
 
 This package imports torch, so `import strata` never does; import `strata.torch` where the training
-code already uses torch.
+code already uses torch. Its names are imported on first use: torch imports
+`strata.torch.rendezvous` in every torchrun agent, which must not pay for the sampler's imports.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from strata.extras import require
 
 require("torch", what="strata.torch")
 
-from strata.torch.sampler import ShardSampler, ShardSource, within_shard_order  # noqa: E402
+if TYPE_CHECKING:
+    from strata.torch.sampler import ShardSampler, ShardSource, within_shard_order
 
 __all__ = ["ShardSampler", "ShardSource", "within_shard_order"]
 
+_SAMPLER = frozenset(__all__)
+
 
 def __getattr__(name: str) -> object:
+    if name in _SAMPLER:
+        value = getattr(importlib.import_module("strata.torch.sampler"), name)
+        globals()[name] = value
+        return value
     # `strata.torch.dcp` imports torch.distributed.checkpoint: only for those who use it.
     if name == "dcp":
-        import importlib
-
         return importlib.import_module("strata.torch.dcp")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

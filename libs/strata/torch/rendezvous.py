@@ -10,35 +10,66 @@ backend through the `torchrun.handlers` entry point `strata` (see pyproject.toml
 
 The rendezvous id is the Strata job, and the agent passes the NATS URL and the job on to its
 workers (`STRATA_NATS_URL`, `STRATA_JOB`, unless already set), so `strata.default_worker()` in each
-rank joins the same job with torch's rank.
+rank joins the same job with torch's rank. Every key of a job starts with the job's own prefix,
+so a worker credential of the job may be let use the job's keys and no other's
+(`strata.security.rendezvous_permissions`).
+
+A finished run's id can be used again at once, as with c10d: a closed rendezvous that no agent of
+its run keeps alive any more reads as a new one (`reusable`).
+
+torch imports this module in every torchrun agent, whatever its backend, so it imports nothing
+of its own until torch asks for a handler: nats, pydantic and the SDK come with
+`create_rdzv_handler`.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import contextlib
+import pickle
 from collections.abc import Callable, Coroutine
-from datetime import timedelta
-from typing import Any, TypeVar
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import nats.errors
-from torch.distributed.elastic.rendezvous import (
+# The entry point and the factory come before torch's imports: importing this module first (not
+# through torch) imports torch's rendezvous package, which loads every `torchrun.handlers` entry
+# point, this one included, while this module is still half made.
+
+
+def handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point: torch calls it for the handler's factory."""
+    return create_rdzv_handler
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's dynamic rendezvous handler, with its state and store in JetStream."""
+    backend, store = create_backend(params)
+    rdzv = create_handler(store, backend, params)
+    # torch's factory reads the handler's settings from `params`; only `shutdown` differs.
+    rdzv.__class__ = StrataRendezvousHandler
+    assert isinstance(rdzv, StrataRendezvousHandler)
+    rdzv._strata_backend = backend
+    return rdzv
+
+
+from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousParameters,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+    DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
+    _NodeDesc,
+    _RendezvousState,
     create_handler,
 )
 
-from strata._loop import LoopRunner
-from strata.config import Env, Settings, load_settings
-from strata.errors import BusError, ConfigError
-from strata.events import subjects
-from strata.events.models import ID_PATTERN
-from strata.torch.store import KVStore, RendezvousBucket
+if TYPE_CHECKING:
+    from strata._loop import LoopRunner
+    from strata.config import Settings
+    from strata.torch.store import KVStore, RendezvousBucket
 
 __all__ = [
     "BACKEND_NAME",
@@ -47,13 +78,20 @@ __all__ = [
     "create_rdzv_handler",
     "handler",
     "nats_servers",
+    "reusable",
 ]
 
 BACKEND_NAME = "strata"
 DEFAULT_PORT = 4222
 DEFAULT_READ_TIMEOUT_S = 60
+KEEP_ALIVE_INTERVAL_S = 5
+KEEP_ALIVE_MAX_ATTEMPT = 3
+"""torch's defaults for `--rdzv-conf keep_alive_interval` and `keep_alive_max_attempt`: an agent
+whose last keep-alive is older than their product is dead to torch, and so to `reusable`."""
+AGENT_INBOX = "torchrun-agent"
+"""The worker part of an agent's inbox prefix when its credential is not one worker's."""
+LEAVE_ATTEMPTS = 100
 _SCHEMES = ("nats://", "tls://", "ws://", "wss://")
-_ID = re.compile(ID_PATTERN)
 
 T = TypeVar("T")
 
@@ -61,6 +99,8 @@ T = TypeVar("T")
 def nats_servers(endpoint: str, settings: Settings) -> list[str]:
     """The NATS servers an `--rdzv-endpoint` names: `HOST[:PORT]` (port 4222 by default) or NATS
     URLs, several separated by commas; none (torchrun's default) means `STRATA_NATS_URL`."""
+    from strata.errors import ConfigError
+
     if not endpoint.strip():
         return settings.nats_servers
     servers = []
@@ -90,7 +130,12 @@ def nats_servers(endpoint: str, settings: Settings) -> list[str]:
 
 
 def _check_run_id(run_id: str) -> str:
-    if not _ID.match(run_id):
+    import re
+
+    from strata.errors import ConfigError
+    from strata.events.models import ID_PATTERN
+
+    if not re.match(ID_PATTERN, run_id):
         raise ConfigError(
             f"--rdzv-id {run_id!r} is not a valid Strata job id: letters, digits, '_', '.', '-', "
             "starting with a letter or digit, at most 128 characters"
@@ -98,19 +143,64 @@ def _check_run_id(run_id: str) -> str:
     return run_id
 
 
+def _decode(value: bytes) -> _RendezvousState | None:
+    # The state is torch's own pickle, written by the job's agents (a worker credential may
+    # write its own job's key only); torch unpickles it likewise.
+    try:
+        state = pickle.loads(value)
+    except Exception:
+        return None
+    return state if isinstance(state, _RendezvousState) else None
+
+
+def reusable(value: bytes, now: datetime, expiry: timedelta) -> bytes | None:
+    """A new rendezvous's state in place of a finished run's `value`, or None when `value` is
+    not finished.
+
+    Finished: closed (torchrun closes it when the job ends, whatever the outcome), and no agent
+    of the run keeps it alive any more: each agent takes itself out of `last_heartbeats` once it
+    has closed it (`StrataRendezvousHandler.shutdown`), and one killed before that is dead to
+    torch once its last keep-alive is older than `expiry`. An agent of the run that is still
+    running keeps its keep-alives fresh, so it, and every newcomer, still sees the run closed.
+    The new state starts at the next round, so that the store keys of the new run's rounds (the
+    round is in their prefix) are never the finished run's.
+    """
+    state = _decode(value)
+    if state is None or not state.closed:
+        return None
+    if any(beat >= now - expiry for beat in state.last_heartbeats.values()):
+        return None
+    fresh = _RendezvousState()
+    fresh.round = state.round + 1
+    return pickle.dumps(fresh)
+
+
 class JetStreamRendezvousBackend(RendezvousBackend):
     """torch's rendezvous state for one run, in one key of the rendezvous bucket.
 
     The fencing token is the key's revision: a write names the revision it read and JetStream
     refuses it when another agent wrote since, as etcd's compare-and-swap does for torch's etcd
-    backend. JetStream leader changes are retried for up to a minute; past that, or with NATS
-    unreachable, torch sees a `RendezvousConnectionError`.
+    backend. A finished run's state reads as a new rendezvous at the same revision (`reusable`),
+    so of two agents starting a new run, one writes over it and the other is refused and reads
+    what the first wrote. JetStream leader changes are retried for up to a minute; past that, or
+    with NATS unreachable, torch sees a `RendezvousConnectionError`.
     """
 
-    def __init__(self, bucket: RendezvousBucket, runner: LoopRunner, run_id: str) -> None:
+    def __init__(
+        self,
+        bucket: RendezvousBucket,
+        runner: LoopRunner,
+        run_id: str,
+        keep_alive_expiry: timedelta = timedelta(
+            seconds=KEEP_ALIVE_INTERVAL_S * KEEP_ALIVE_MAX_ATTEMPT
+        ),
+    ) -> None:
+        from strata.events import subjects
+
         self._bucket = bucket
         self._runner = runner
         self._key = subjects.rendezvous_state_key(_check_run_id(run_id))
+        self._expiry = keep_alive_expiry
 
     @property
     def name(self) -> str:
@@ -125,6 +215,10 @@ class JetStreamRendezvousBackend(RendezvousBackend):
             self._runner.close()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        import nats.errors
+
+        from strata.errors import BusError
+
         try:
             return self._runner.run(coro)
         except (BusError, nats.errors.Error, TimeoutError, OSError) as exc:
@@ -133,7 +227,12 @@ class JetStreamRendezvousBackend(RendezvousBackend):
             ) from exc
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        return self._call(self._bucket.read(self._key))
+        current = self._call(self._bucket.read(self._key))
+        if current is None:
+            return None
+        value, revision = current
+        fresh = reusable(value, datetime.now(UTC), self._expiry)
+        return (fresh if fresh is not None else value), revision
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -148,21 +247,81 @@ class JetStreamRendezvousBackend(RendezvousBackend):
         current = self.get_state()
         return None if current is None else (*current, False)
 
+    def leave(self, node: _NodeDesc) -> None:
+        """Take `node` out of the state's keep-alives (and lists), so that a closed rendezvous
+        whose agents have all left is reusable at once."""
+        for _ in range(LEAVE_ATTEMPTS):
+            current = self._call(self._bucket.read(self._key))
+            state = None if current is None else _decode(current[0])
+            if current is None or state is None or node not in state.last_heartbeats:
+                return
+            del state.last_heartbeats[node]
+            state.participants.pop(node, None)
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+            if self._call(self._bucket.swap(self._key, pickle.dumps(state), current[1])):
+                return
+        raise RendezvousError(f"leaving the rendezvous lost {LEAVE_ATTEMPTS} races in a row")
+
+
+class StrataRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous handler, which also leaves the state's keep-alives when it
+    shuts down (after closing the rendezvous, as torch's does), so the run id can be reused."""
+
+    _strata_backend: JetStreamRendezvousBackend
+
+    def shutdown(self) -> bool:
+        closed = super().shutdown()
+        if closed:
+            # A failure here costs only the wait for this agent's keep-alive to expire.
+            with contextlib.suppress(RendezvousError):
+                self._strata_backend.leave(self._this_node)
+        return closed
+
+
+def _inbox_prefix(run_id: str, user: str | None) -> str:
+    """Where the agent's replies come: a worker credential's own inbox (which must be of this
+    job), else an inbox of the job's that the job's shared worker user may read."""
+    from strata.errors import ConfigError
+    from strata.events import subjects
+    from strata.security import worker_identity
+
+    identity = worker_identity(user)
+    if identity is None:
+        return subjects.worker_inbox_prefix(run_id, AGENT_INBOX)
+    job, worker = identity
+    if job != run_id:
+        raise ConfigError(
+            f"the NATS credential {user!r} is for job {job!r}, but --rdzv-id is {run_id!r}: "
+            "use that job's credential, or that job as the rendezvous id"
+        )
+    return subjects.worker_inbox_prefix(job, worker)
+
 
 def create_backend(params: RendezvousParameters) -> tuple[JetStreamRendezvousBackend, KVStore]:
     """The backend and store of one agent, on one NATS connection of its own.
 
     `--rdzv-conf read_timeout=S` sets the store's timeout (60 seconds by default, as for c10d).
     """
+    import os
+
+    from strata._loop import LoopRunner
+    from strata.config import Env, load_settings
+    from strata.errors import ConfigError
+    from strata.torch.store import KVStore, RendezvousBucket
+
     settings = load_settings()
     servers = nats_servers(params.endpoint, settings)
     run_id = _check_run_id(params.run_id)
     read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S)
     if read_timeout is None or read_timeout <= 0:
         raise ConfigError(f"read_timeout must be a positive number of seconds, not {read_timeout}")
+    interval = params.get_as_int("keep_alive_interval", KEEP_ALIVE_INTERVAL_S) or 0
+    attempts = params.get_as_int("keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT) or 0
+    inbox = _inbox_prefix(run_id, settings.nats_user)
     runner = LoopRunner(name=f"strata-rendezvous-{run_id}")
     try:
-        bucket = runner.run(RendezvousBucket.open(servers, settings))
+        bucket = runner.run(RendezvousBucket.open(servers, settings, run_id, inbox_prefix=inbox))
     except BaseException:
         runner.close()
         raise
@@ -171,15 +330,7 @@ def create_backend(params: RendezvousParameters) -> tuple[JetStreamRendezvousBac
     # NATS; a value the user set stays.
     os.environ.setdefault(Env.NATS_URL, ",".join(servers))
     os.environ.setdefault(Env.JOB, run_id)
-    return JetStreamRendezvousBackend(bucket, runner, run_id), store
-
-
-def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torch's dynamic rendezvous handler, with its state and store in JetStream."""
-    backend, store = create_backend(params)
-    return create_handler(store, backend, params)
-
-
-def handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The `torchrun.handlers` entry point: torch calls it for the handler's factory."""
-    return create_rdzv_handler
+    backend = JetStreamRendezvousBackend(
+        bucket, runner, run_id, keep_alive_expiry=timedelta(seconds=interval * attempts)
+    )
+    return backend, store

@@ -23,8 +23,9 @@ from torch._C._distributed_c10d import Store
 
 from strata._loop import LoopRunner
 from strata.bus.connection import ConnectOptions, connect, retry_transient
-from strata.bus.streams import MAX_MSG_SIZE
+from strata.bus.streams import ensure_stream, rendezvous_stream
 from strata.config import Settings
+from strata.errors import BusError, ConfigError
 from strata.events import subjects
 
 __all__ = ["KVStore", "RendezvousBucket"]
@@ -33,14 +34,15 @@ RECHECK_S = 1.0
 """While waiting for a key, how often it is read again in case its put was missed (a reconnect
 between the subscription and the put)."""
 CAS_ATTEMPTS = 1000
-RENDEZVOUS_MAX_AGE_S = 7 * 24 * 3600.0
-"""How long a key the agents stopped writing stays. A live job's state key is written again at
-every keep-alive and each round's store keys are read when the round starts, so only finished
-(or long abandoned) jobs' keys go; the bucket does not grow with every job ever run."""
+PROBE_TIMEOUT_S = 2.0
+PROBE_DEADLINE_S = 10.0
+"""How long the first read of the bucket is tried. Unanswered, it is most likely refused: NATS
+drops a request its user may not send, and the client hears of it only as a timeout."""
 
 
 class RendezvousBucket:
-    """The rendezvous bucket on one NATS connection: state and store keys of any job."""
+    """The rendezvous bucket on one NATS connection: state and store keys of any job the
+    connection's credential may reach (a worker credential: its own job's)."""
 
     def __init__(self, nc: NATS, kv: KeyValue) -> None:
         self.nc = nc
@@ -48,16 +50,29 @@ class RendezvousBucket:
 
     @classmethod
     async def open(
-        cls, servers: list[str], settings: Settings, *, name: str = "strata-rendezvous"
+        cls,
+        servers: list[str],
+        settings: Settings,
+        job: str,
+        *,
+        name: str = "strata-rendezvous",
+        inbox_prefix: str | None = None,
     ) -> RendezvousBucket:
+        """Connect and find the bucket (made here when it is missing and the credential may).
+
+        `job` is the one whose keys this connection reads first (to see that the bucket is
+        there); `inbox_prefix` is where replies come, which a worker credential confines to its
+        own.
+        """
         options = ConnectOptions(
-            name=name, user=settings.nats_user, password=settings.nats_password
+            name=name,
+            user=settings.nats_user,
+            password=settings.nats_password,
+            inbox_prefix=inbox_prefix,
         )
         nc = await connect(servers, options)
         try:
-            kv = await retry_transient(
-                lambda: _bucket(nc, settings.stream_replicas), "opening the rendezvous bucket"
-            )
+            kv = await _bucket(nc, settings, job)
         except BaseException:
             await nc.close()
             raise
@@ -145,6 +160,11 @@ class RendezvousBucket:
             watcher = await self.kv.watch(pattern, ignore_deletes=True, meta_only=True)
         except nats.js.errors.NoKeysError:
             return 0
+        except nats.errors.TimeoutError:
+            raise dist.DistStoreError(
+                "counting rendezvous store keys lists the bucket through a consumer, which a "
+                "worker credential may not create; torchrun never counts them"
+            ) from None
         keys = 0
         try:
             while True:
@@ -167,24 +187,59 @@ def _setter(event: asyncio.Event):  # type: ignore[no-untyped-def]
     return on_message
 
 
-async def _bucket(nc: NATS, replicas: int) -> KeyValue:
+async def _bucket(nc: NATS, settings: Settings, job: str) -> KeyValue:
+    # Built without a look at the stream's settings: a worker credential may not ask for them
+    # (they would list every job's keys). Reads are direct gets by subject, which the bucket
+    # allows (`rendezvous_stream`).
     js = nc.jetstream()
+    bucket = subjects.RENDEZVOUS_BUCKET
+    kv = KeyValue(
+        name=bucket,
+        stream=subjects.RENDEZVOUS_STREAM,
+        pre=subjects.kv_subject(bucket, ""),
+        js=js,
+        direct=True,
+    )
     try:
-        return await js.key_value(subjects.RENDEZVOUS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    try:
-        return await js.create_key_value(
-            bucket=subjects.RENDEZVOUS_BUCKET,
-            history=1,
-            replicas=replicas,
-            max_value_size=MAX_MSG_SIZE,
-            ttl=RENDEZVOUS_MAX_AGE_S,
-            description="torchrun rendezvous state and torch.distributed store keys, per job.",
+        exists = await retry_transient(
+            lambda: _exists(nc, job), "reading the rendezvous bucket", PROBE_DEADLINE_S
         )
-    except nats.js.errors.BadRequestError:
-        # Another agent created it between our two calls.
-        return await js.key_value(subjects.RENDEZVOUS_BUCKET)
+    except BusError as exc:
+        raise BusError(
+            f"{exc.message} Or NATS user {settings.nats_user or '(none)'} may not read the "
+            f"rendezvous keys of job {job!r}: a worker credential of another job, or permissions "
+            "rendered before Strata gave them (restart the NATS servers with the current chart "
+            "or strata up --secure)"
+        ) from None
+    if exists:
+        return kv
+    spec = rendezvous_stream(settings.stream_replicas)
+    try:
+        # Retried through a leader election; a worker credential's request is dropped
+        # unanswered, so it times out the same way.
+        await retry_transient(
+            lambda: ensure_stream(js, spec), "making the rendezvous bucket", PROBE_DEADLINE_S
+        )
+    except (BusError, nats.js.errors.APIError) as exc:
+        raise ConfigError(
+            f"the rendezvous bucket {bucket} does not exist and NATS user "
+            f"{settings.nats_user or '(none)'} could not make it ({type(exc).__name__}): start "
+            "Strata's services (strata up, or the chart) first, they provision it"
+        ) from None
+    return kv
+
+
+async def _exists(nc: NATS, job: str) -> bool:
+    """Whether the rendezvous bucket's stream answers a read of `job`'s state key."""
+    try:
+        await nc.request(
+            subjects.rendezvous_read(subjects.rendezvous_state_key(job)),
+            b"",
+            timeout=PROBE_TIMEOUT_S,
+        )
+    except nats.errors.NoRespondersError:
+        return False
+    return True
 
 
 def _text(value: str | bytes) -> bytes:

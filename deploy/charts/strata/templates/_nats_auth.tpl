@@ -39,15 +39,22 @@ authorization {
     # Worker {{ $worker | quote }} of job {{ $job | quote }} alone: its own heartbeats, samples
     # and requests, its own notices and replies.
     {{- end }}
-    # Nothing on strata.evt: the services record every event themselves.
+    # Nothing on strata.evt: the services record every event themselves. The job's keys of
+    # the torchrun rendezvous bucket (written on their subjects, read by direct gets naming
+    # them), for torchrun --rdzv-backend=strata; no other JetStream API.
     {user: {{ .user | quote }}, password: ${{ .env }}, permissions: {
       publish: {
         allow: [
           {{ printf "strata.hb.%s.%s" $job $worker | quote }},
           {{ printf "strata.metric.%s.%s.*" $job $worker | quote }},
-          {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }}
+          {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }},
+          {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }},
+          {{ printf "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS.$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }}
         ]
-        deny: ["strata.ctl.>", "$KV.>", "$JS.>"]
+        deny: [
+          "strata.ctl.>", "$KV.STRATA_SNAPSHOTS.>", "$JS.API.STREAM.>", "$JS.API.CONSUMER.>",
+          "$JS.API.ACCOUNT.>", "$JS.API.META.>", "$JS.API.SERVER.>"
+        ]
       }
       subscribe: {
         allow: [
@@ -55,7 +62,8 @@ authorization {
           {{ printf "strata.evt.%s.shard.plan_changed" $job | quote }},
           {{ printf "strata.world.%s" $job | quote }},
           {{ printf "strata.ctl.%s.%s" $job $worker | quote }},
-          {{ printf "_INBOX_strata.%s.%s.>" $job $worker | quote }}
+          {{ printf "_INBOX_strata.%s.%s.>" $job $worker | quote }},
+          {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }}
         ]
       }
     }}

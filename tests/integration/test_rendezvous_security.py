@@ -1,0 +1,273 @@
+"""The torchrun rendezvous bucket on a secured nats-server: a worker credential of job B runs B's
+rendezvous (state and store) and nothing else, and a credential of job A, used as an attacker
+would, cannot read, write, delete, purge, watch or list B's keys, cannot create any consumer on
+the bucket, cannot remove or change the bucket or another stream, and cannot reach beyond its own
+keys with the headers of a message on them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+import torch.distributed as dist
+from strata._loop import LoopRunner
+from strata.bus.server import NatsServer
+from strata.bus.streams import ensure_streams
+from strata.config import load_settings
+from strata.errors import BusError, ConfigError
+from strata.events import subjects
+from strata.security import (
+    Credential,
+    authorization_config,
+    by_role,
+    generate_credentials,
+    worker_credentials,
+)
+from strata.torch.rendezvous import JetStreamRendezvousBackend, _inbox_prefix
+from strata.torch.store import KVStore, RendezvousBucket
+
+from tests import natsprobe
+
+pytestmark = pytest.mark.nats
+
+ATTACKER, VICTIM = "job-a", "job-b"
+STREAM = subjects.RENDEZVOUS_STREAM
+BUCKET = subjects.RENDEZVOUS_BUCKET
+
+
+@pytest.fixture
+def credentials() -> list[Credential]:
+    return generate_credentials(ATTACKER, ["worker-0"]) + worker_credentials(VICTIM, ["worker-0"])
+
+
+def of_job(credentials: list[Credential], job: str) -> Credential:
+    return next(c for c in credentials if c.identity == (job, "worker-0"))
+
+
+@pytest.fixture
+def secured(tmp_path: Path, credentials: list[Credential]) -> Iterator[NatsServer]:
+    with NatsServer(
+        store_dir=tmp_path / "nats", extra_config=authorization_config(credentials)
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+async def services(secured: NatsServer, credentials: list[Credential]) -> AsyncIterator[nats.NATS]:
+    """The services' connection, which provisions the streams and the rendezvous bucket."""
+    cred = by_role(credentials, "services")[0]
+    nc = await nats.connect(secured.url, user=cred.user, password=cred.password)
+    await ensure_streams(nc.jetstream(), 1)
+    yield nc
+    await nc.close()
+
+
+class Agent:
+    """What one torchrun agent holds: the bucket on its own connection, its backend and store."""
+
+    def __init__(self, server: NatsServer, credential: Credential, job: str) -> None:
+        settings = load_settings(nats_user=credential.user, nats_password=credential.password)
+        self.runner = LoopRunner(f"agent-{job}")
+        self.bucket = self.runner.run(
+            RendezvousBucket.open(
+                [server.url], settings, job, inbox_prefix=_inbox_prefix(job, credential.user)
+            )
+        )
+        self.backend = JetStreamRendezvousBackend(self.bucket, self.runner, job)
+        self.store = KVStore(self.bucket, self.runner, job, timeout=timedelta(seconds=5))
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+@pytest.fixture
+def victim(
+    secured: NatsServer, credentials: list[Credential], services: nats.NATS
+) -> Iterator[Agent]:
+    agent = Agent(secured, of_job(credentials, VICTIM), VICTIM)
+    yield agent
+    agent.close()
+
+
+async def victim_keys(services: nats.NATS) -> dict[str, bytes]:
+    """Every key of the victim's job in the bucket and its value, as the services read them."""
+    kv = await services.jetstream().key_value(BUCKET)
+    found: dict[str, bytes] = {}
+    for key in await kv.keys():
+        if key.startswith(f"{VICTIM}."):
+            found[key] = (await kv.get(key)).value or b""
+    return found
+
+
+def test_a_worker_credential_runs_its_jobs_rendezvous(victim: Agent) -> None:
+    first = victim.backend.set_state(b"state-0")
+    assert first is not None
+    assert first[2] is True
+    assert victim.backend.set_state(b"state-1", first[1])[2] is True  # type: ignore[index]
+    assert victim.backend.get_state()[0] == b"state-1"  # type: ignore[index]
+    store = victim.store
+    store.set("master", b"10.0.0.1")
+    assert store.get("master") == b"10.0.0.1"
+    assert store.add("counter", 2) == 2
+    assert store.compare_set("flag", b"", b"on") == b"on"
+    store.wait(["master", "flag"])
+    assert store.check(["counter"])
+    assert store.delete_key("flag")
+    assert not store.check(["flag"])
+    # Counting keys would list the bucket, which the credential may not: a clear error (torchrun
+    # never counts them).
+    with pytest.raises(dist.DistStoreError, match="worker credential may not"):
+        store.num_keys()
+
+
+async def test_another_jobs_credential_cannot_read_write_watch_or_list_its_keys(
+    secured: NatsServer, credentials: list[Credential], services: nats.NATS, victim: Agent
+) -> None:
+    victim.backend.set_state(b"victim-state")
+    victim.store.set("master", b"10.0.0.1")
+    before = await victim_keys(services)
+    assert len(before) == 2
+    consumers = (await services.jetstream().stream_info(STREAM)).state.consumer_count
+    state_subject = subjects.kv_subject(BUCKET, subjects.rendezvous_state_key(VICTIM))
+    store_subject = subjects.kv_subject(BUCKET, subjects.rendezvous_store_key(VICTIM, "master"))
+
+    attacker_cred = of_job(credentials, ATTACKER)
+    attacker = await natsprobe.connect(
+        secured.url,
+        attacker_cred.user,
+        attacker_cred.password,
+        inbox_prefix=subjects.worker_inbox_prefix(ATTACKER, "worker-0"),
+    )
+    forbidden = [
+        # Write, delete or purge the victim's keys (a delete or purge is a message on the key).
+        state_subject,
+        store_subject,
+        subjects.kv_subject(BUCKET, ">"),
+        # Read them: by subject, or naming them in the body, or by sequence.
+        subjects.rendezvous_read(subjects.rendezvous_state_key(VICTIM)),
+        subjects.rendezvous_reads(VICTIM),
+        subjects.rendezvous_read(">"),
+        f"$JS.API.DIRECT.GET.{STREAM}",
+        f"$JS.API.STREAM.MSG.GET.{STREAM}",
+        # List or watch them: stream info lists subjects, a consumer delivers them, even one
+        # whose filter is the attacker's own keys (its body could say where to deliver).
+        f"$JS.API.STREAM.INFO.{STREAM}",
+        "$JS.API.STREAM.NAMES",
+        "$JS.API.STREAM.LIST",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.watch.{subjects.kv_subject(BUCKET, '>')}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.watch.{subjects.rendezvous_subjects(VICTIM)}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.watch.{subjects.rendezvous_subjects(ATTACKER)}",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.watch",
+        f"$JS.API.CONSUMER.LIST.{STREAM}",
+        # Remove or change the bucket, its messages, or another stream.
+        f"$JS.API.STREAM.DELETE.{STREAM}",
+        f"$JS.API.STREAM.PURGE.{STREAM}",
+        f"$JS.API.STREAM.UPDATE.{STREAM}",
+        f"$JS.API.STREAM.MSG.DELETE.{STREAM}",
+        f"$JS.API.STREAM.CREATE.{STREAM}",
+        f"$JS.API.STREAM.DELETE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.STREAM.PURGE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.DIRECT.GET.{subjects.EVENTS_STREAM}",
+        f"$KV.{subjects.SNAPSHOT_BUCKET}.registry",
+        "$JS.API.INFO",
+    ]
+    body = json.dumps({"last_by_subj": state_subject, "seq": 1}).encode()
+    try:
+        for subject in forbidden:
+            await attacker.nc.publish(subject, body, reply=attacker.nc.new_inbox())
+        await attacker.nc.publish(
+            state_subject, b"", headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"}
+        )
+        refused_subscriptions = await natsprobe.refused_subscriptions(
+            attacker,
+            [state_subject, subjects.rendezvous_subjects(VICTIM), subjects.kv_subject(BUCKET, ">")],
+        )
+        await natsprobe.settled(attacker)
+    finally:
+        await attacker.close()
+    assert {s.lower() for s in forbidden} <= attacker.refused["publish"], attacker.errors
+    assert len(refused_subscriptions) == 3
+    # Nothing changed (no consumer was made), and the victim's agent goes on.
+    info = await services.jetstream().stream_info(STREAM)
+    assert info.state.consumer_count == consumers
+    assert await victim_keys(services) == before
+    assert victim.backend.get_state()[0] == b"victim-state"  # type: ignore[index]
+
+
+async def test_headers_on_its_own_keys_reach_no_other_key(
+    secured: NatsServer, credentials: list[Credential], services: nats.NATS, victim: Agent
+) -> None:
+    victim.store.set("master", b"10.0.0.1")
+    before = await victim_keys(services)
+    cred = of_job(credentials, ATTACKER)
+    nc = await nats.connect(
+        secured.url,
+        user=cred.user,
+        password=cred.password,
+        inbox_prefix=subjects.worker_inbox_prefix(ATTACKER, "worker-0"),
+    )
+    try:
+        js = nc.jetstream()
+        own = subjects.kv_subject(BUCKET, subjects.rendezvous_state_key(ATTACKER))
+        # A rollup of the whole stream (or of the subject) is refused by the bucket itself.
+        for rollup in ("all", "sub"):
+            with pytest.raises(nats.js.errors.APIError, match=r"(?i)rollup"):
+                await js.publish(own, b"x", headers={"Nats-Rollup": rollup})
+        # A direct get of its own keys that asks for more in its body is refused as well.
+        answer = await nc.request(
+            subjects.rendezvous_reads(ATTACKER),
+            json.dumps({"multi_last": [subjects.kv_subject(BUCKET, ">")]}).encode(),
+            timeout=5,
+        )
+        assert answer.headers is not None
+        assert answer.headers.get("Status") == "408"
+        assert VICTIM.encode() not in answer.data
+        # Its own keys it may use.
+        await js.publish(own, b"mine")
+        reply = await nc.request(subjects.rendezvous_read(subjects.rendezvous_state_key(ATTACKER)))
+        assert reply.data == b"mine"
+    finally:
+        await nc.close()
+    assert await victim_keys(services) == before
+
+
+async def test_a_worker_credential_cannot_make_a_missing_bucket(
+    secured: NatsServer, credentials: list[Credential]
+) -> None:
+    cred = of_job(credentials, ATTACKER)
+    settings = load_settings(nats_user=cred.user, nats_password=cred.password)
+    with pytest.raises(ConfigError, match=r"does not exist.*start Strata's services"):
+        await RendezvousBucket.open(
+            [secured.url], settings, ATTACKER, inbox_prefix=_inbox_prefix(ATTACKER, cred.user)
+        )
+
+
+def test_an_agent_uses_its_credentials_own_inbox_and_job() -> None:
+    assert _inbox_prefix("job-a", "worker-3@job-a") == subjects.worker_inbox_prefix(
+        "job-a", "worker-3"
+    )
+    # The chart's shared user of the job (or no credential): an inbox of the job's.
+    assert _inbox_prefix("job-a", "strata-workers-job-a").startswith(
+        subjects.worker_inbox_prefix("job-a", "")
+    )
+    with pytest.raises(ConfigError, match="is for job 'job-b', but --rdzv-id is 'job-a'"):
+        _inbox_prefix("job-a", "worker-0@job-b")
+
+
+async def test_a_credential_refused_the_jobs_keys_is_told_so(
+    secured: NatsServer, credentials: list[Credential], services: nats.NATS
+) -> None:
+    # The attacker's own inbox, asking for the victim's job: NATS drops every read unanswered.
+    cred = of_job(credentials, ATTACKER)
+    settings = load_settings(nats_user=cred.user, nats_password=cred.password)
+    with pytest.raises(BusError, match=f"may not read the rendezvous keys of job '{VICTIM}'"):
+        await RendezvousBucket.open(
+            [secured.url], settings, VICTIM, inbox_prefix=_inbox_prefix(ATTACKER, cred.user)
+        )
