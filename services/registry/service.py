@@ -126,6 +126,9 @@ class Registry(Projection[RegistryState]):
         HEARTBEAT_COUNTS.registries.add(self)
         WORKERS_BY_STATUS.add(self)
         self.partition, self.partitions = 0, 1
+        # The heartbeat path reads the clock once per heartbeat: the wall clock in ns directly
+        # when it is the wall clock (no float round trip), else the injected one.
+        self._beat_clock_ns: Callable[[], int] = time.time_ns if clock is time.time else self.now_ns
         self._rpc: RpcServer | None = None
         self._hb_nc: NATS | None = None
         self._listening = False
@@ -386,7 +389,7 @@ class Registry(Projection[RegistryState]):
             beat = self._slow_beat(subject, data, beat)
             if beat is None:
                 return
-        outcome = domain.observe_beat(self.state, beat, self.now_ns())
+        outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns())
         if outcome is domain.ALIVE:
             self.applied += 1
             return
