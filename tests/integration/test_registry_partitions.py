@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import strata
 from nats.aio.msg import Msg
-from strata.bus import Bus
+from strata.bus import Bus, connect
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events import (
@@ -27,6 +27,7 @@ from strata.events import (
     subjects,
 )
 from strata.events.codec import pack, unpack
+from strata.services.registry.intake import IntakeClient
 
 from tests.integration.test_registry import rejected_heartbeats
 from tests.support import ServiceProcess, async_wait_until, job_events, new_job, start_workers
@@ -183,3 +184,33 @@ async def test_each_partition_takes_its_workers_and_the_leader_fails_the_silent_
         )
         assert unpack(reply.data) == 0
         assert (await started[0].members()).membership_epoch == epoch_before
+
+
+async def test_the_intake_takes_every_message_of_a_flood_once_and_in_order(
+    own_nats_server: NatsServer,
+) -> None:
+    """Through a real server, as reads of whatever size the socket gives: the fast lane of
+    `IntakeClient` loses, repeats and reorders nothing (headers and all)."""
+    count = 50_000
+    taken: list[bytes] = []
+    intake = await connect(own_nats_server.url, client=IntakeClient)
+    sender = await connect(own_nats_server.url)
+    try:
+        assert isinstance(intake, IntakeClient)
+        await intake.subscribe_direct(subjects.all_heartbeats(), lambda _, data: taken.append(data))
+        await intake.flush()
+        for n in range(count):
+            subject = subjects.heartbeat_subject("flood", f"w{n % 300}")
+            await sender.publish(subject, b"%d" % n, headers={"Nats-Msg-Id": f"m{n}"})
+        await sender.flush()
+
+        async def all_taken() -> bool:
+            return len(taken) >= count
+
+        await async_wait_until(all_taken, 60, "the flood to be taken in")
+        await intake.flush()
+        assert [int(data) for data in taken] == list(range(count))
+        assert intake.handler_errors == 0
+    finally:
+        await sender.close()
+        await intake.close()
