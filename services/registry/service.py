@@ -83,6 +83,8 @@ reconnect, a registry restart) is current again within this time."""
 SENDERS_KEPT = 200_000
 """Heartbeat subjects remembered as proven to belong to their worker (see `_take_heartbeat`)."""
 SILENCE_REPORT_TIMEOUT_S = 5.0
+NOTICES_PER_CHECK = 1_000
+"""Notices a heartbeat partition checks against one catch-up with the stream (`_still_true`)."""
 
 
 class _HeartbeatCounts(Collector):
@@ -134,7 +136,9 @@ class Registry(Projection[RegistryState]):
         self._listening = False
         self._senders: dict[bytes, tuple[str, str]] = {}
         self._outbox: asyncio.Queue[Event] = asyncio.Queue(maxsize=100_000)
-        self._notices: asyncio.Queue[WorkerNotice] = asyncio.Queue(maxsize=100_000)
+        self._notices: asyncio.Queue[tuple[WorkerNotice, domain.Beat]] = asyncio.Queue(
+            maxsize=100_000
+        )
         self._reported: dict[str, float] = {}
         self._notified: dict[tuple[str, str, str], float] = {}
         self._notified_limit = NOTIFIED_KEPT
@@ -466,16 +470,65 @@ class Registry(Projection[RegistryState]):
             job=job, worker_id=worker_id, kind=kind, reason=reason, instance=beat.instance
         )
         with contextlib.suppress(asyncio.QueueFull):
-            self._notices.put_nowait(notice)
+            self._notices.put_nowait((notice, beat))
 
     async def _send_notices(self) -> None:
         while True:
-            notice = await self._notices.get()
-            with contextlib.suppress(Exception):
-                await self.bus.nc.publish(
-                    subjects.control_subject(notice.job, notice.worker_id),
-                    pack(notice.model_dump()),
+            pending = [await self._notices.get()]
+            while not self._notices.empty() and len(pending) < NOTICES_PER_CHECK:
+                pending.append(self._notices.get_nowait())
+            if not self.leader:
+                pending = await self._still_true(pending)
+            for notice, _ in pending:
+                with contextlib.suppress(Exception):
+                    await self.bus.nc.publish(
+                        subjects.control_subject(notice.job, notice.worker_id),
+                        pack(notice.model_dump()),
+                    )
+
+    async def _still_true(
+        self, pending: list[tuple[WorkerNotice, domain.Beat]]
+    ) -> list[tuple[WorkerNotice, domain.Beat]]:
+        """The notices that hold once this partition has folded every event stored so far.
+
+        The leader answers a registration only once it has folded it, so the worker's first
+        heartbeat never finds it behind; another partition folds the stream at its own pace and
+        may not know yet of a registration, a rejoin or a restart that the leader just made.
+        Telling that worker to register again (or, a restarted one, that it was superseded)
+        would be wrong, so such a heartbeat is judged again once this partition caught up.
+        """
+        try:
+            await self.sync()
+        except (StrataError, TimeoutError) as exc:
+            log.warning("notices_deferred", notices=len(pending), error=str(exc))
+            return []  # the sender's next heartbeat asks again
+        kept = []
+        for notice, beat in pending:
+            outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns())
+            for changed in outcome.events:
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._outbox.put_nowait(changed)
+            if outcome.reregister is not None:
+                kept.append(
+                    (
+                        notice.model_copy(
+                            update={"kind": "reregister", "reason": outcome.reregister}
+                        ),
+                        beat,
+                    )
                 )
+            elif outcome.superseded is not None:
+                kept.append(
+                    (
+                        notice.model_copy(
+                            update={"kind": "superseded", "reason": outcome.superseded}
+                        ),
+                        beat,
+                    )
+                )
+            else:
+                self.applied += 1
+        return kept
 
     async def _announce_worlds(self) -> None:
         """A job's world (membership epoch, size) on its world subject: once per burst of

@@ -5,6 +5,7 @@ partition finds included), so epochs, ranks and failure detection are those of o
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -214,3 +215,48 @@ async def test_the_intake_takes_every_message_of_a_flood_once_and_in_order(
     finally:
         await sender.close()
         await intake.close()
+
+
+async def test_a_partition_behind_the_leader_tells_no_new_or_restarted_worker_to_go(
+    own_nats_server: NatsServer,
+    partitions: list[ServiceProcess],
+    workers: list[strata.aio.Worker],
+) -> None:
+    """Partition 1 folds the stream at its own pace: frozen while the leader registers its
+    workers (and a restart of one), it reads their heartbeats before it knows of them. It must
+    tell none of them to register again, nor the restarted one that it was superseded."""
+    url = own_nats_server.url
+    job = new_job("lag")
+    mine = [w for w in (f"w{i:02d}" for i in range(80)) if subjects.partition_of(w, 2) == 1]
+    restarted_id, fresh_ids = mine[0], mine[1:6]
+    (earlier,) = await start_workers(workers, job, url, [restarted_id])
+    other = partitions[1].proc
+    assert other is not None
+    other.send_signal(signal.SIGSTOP)
+    try:
+        fresh = await start_workers(workers, job, url, fresh_ids)
+        restart = strata.aio.Worker(job, url, worker_id=restarted_id)
+        workers.append(restart)
+        await restart.start()
+        # Their heartbeats wait in the frozen partition's socket (a fixed pause, on purpose).
+        await asyncio.sleep(4 * INTERVAL)
+    finally:
+        other.send_signal(signal.SIGCONT)
+
+    async def earlier_superseded() -> bool:
+        return earlier.superseded
+
+    await async_wait_until(earlier_superseded, 10, "the first process to learn it was replaced")
+    # Watching for notices that must not come (a fixed window, on purpose).
+    await asyncio.sleep(2 * TIMEOUT)
+    assert [w.rejoin_count for w in fresh] == [0] * len(fresh)
+    assert not any(w.superseded for w in fresh)
+    assert not restart.superseded
+    assert restart.rejoin_count == 0
+    async with await Bus.connect(url, name="test-partitions") as bus:
+        events = await job_events(bus, job)
+    registered = [e.worker_id for e in events if isinstance(e, WorkerRegistered)]
+    assert sorted(registered) == sorted([restarted_id, *fresh_ids, restarted_id])
+    failed = [(e.worker_id, e.reason) for e in events if isinstance(e, WorkerFailed)]
+    assert [w for w, _ in failed] == [restarted_id]  # the superseded first process, only
+    assert "superseded" in failed[0][1]
