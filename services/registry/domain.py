@@ -557,6 +557,46 @@ def observe_beat(state: RegistryState, beat: Beat, now_ns: int) -> HeartbeatOutc
     return HeartbeatOutcome([changed])
 
 
+Progress = tuple[str, str, str, int, int, int]
+"""What a heartbeat partition tells the leader of one worker: job, worker id, instance, the time
+its last heartbeat arrived (ns), step, epoch."""
+
+
+def progress_since(
+    state: RegistryState, since_ns: int, partition: int, partitions: int
+) -> list[Progress]:
+    """The live workers of partition `partition` heard from after `since_ns`."""
+    found: list[Progress] = []
+    for job in state.jobs.values():
+        for worker_id in job.ranks.values():
+            member = job.members[worker_id]
+            heard = member.last_heartbeat_ts
+            if heard is None or heard <= since_ns:
+                continue
+            if partitions == 1 or subjects.partition_of(worker_id, partitions) == partition:
+                entry = (job.job, worker_id, member.instance, heard, member.step, member.epoch)
+                found.append(entry)
+    return found
+
+
+def apply_progress(state: RegistryState, progress: Sequence[Progress]) -> int:
+    """The leader's side of `progress_since`: the last heartbeat, step and epoch of workers
+    whose heartbeats another partition takes in, for `members`. Liveness stays with that
+    partition (it judges silence); only live members of the same registration are updated.
+    Returns how many were."""
+    updated = 0
+    for job_id, worker_id, instance, heard, step, epoch in progress:
+        job = state.jobs.get(job_id)
+        member = job.members.get(worker_id) if job is not None else None
+        if member is None or not member.live or member.instance != instance:
+            continue
+        if member.last_heartbeat_ts is None or heard > member.last_heartbeat_ts:
+            member.last_heartbeat_ts = heard
+            member.step, member.epoch = step, epoch
+            updated += 1
+    return updated
+
+
 def begin_grace(state: RegistryState, now_ns: int) -> None:
     """After a (re)start, count every live member as seen now: a restart fails nobody."""
     for job in state.jobs.values():

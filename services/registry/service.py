@@ -83,6 +83,8 @@ reconnect, a registry restart) is current again within this time."""
 SENDERS_KEPT = 200_000
 """Heartbeat subjects remembered as proven to belong to their worker (see `_take_heartbeat`)."""
 SILENCE_REPORT_TIMEOUT_S = 5.0
+PROGRESS_PER_MESSAGE = 5_000
+"""Workers per progress report message (about 80 bytes each)."""
 NOTICES_PER_CHECK = 1_000
 """Notices a heartbeat partition checks against one catch-up with the stream (`_still_true`)."""
 
@@ -215,8 +217,10 @@ class Registry(Projection[RegistryState]):
         self.spawn(self._drain_outbox(), "outbox")
         self.spawn(self._send_notices(), "notices")
         if not self.leader:
+            self.spawn(self._report_progress(), "progress")
             return
         await bus.nc.subscribe(subjects.registry_silences(), cb=self._on_silences)
+        await bus.nc.subscribe(subjects.registry_progress(), cb=self._on_progress)
         # Requests are taken concurrently and decided in batches (group commit): a job's start
         # is a few round trips to the stream, not one per worker.
         self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
@@ -374,6 +378,31 @@ class Registry(Projection[RegistryState]):
         if msg.reply:
             with contextlib.suppress(Exception):
                 await msg.respond(pack(len(events)))
+
+    async def _report_progress(self) -> None:
+        """Every interval, tell the leader when this partition's workers last heartbeated and
+        their step and epoch, which its `members` answers show (it hears none of them)."""
+        since_ns = 0
+        while True:
+            await asyncio.sleep(self.policy.heartbeat_interval)
+            now_ns = self._beat_clock_ns()
+            found = domain.progress_since(self.state, since_ns, self.partition, self.partitions)
+            since_ns = now_ns
+            for first in range(0, len(found), PROGRESS_PER_MESSAGE):
+                with contextlib.suppress(Exception):  # the next report carries it again
+                    await self.bus.nc.publish(
+                        subjects.registry_progress(),
+                        pack(found[first : first + PROGRESS_PER_MESSAGE]),
+                    )
+
+    async def _on_progress(self, msg: Msg) -> None:
+        try:
+            progress = [_progress(item) for item in unpack(msg.data)]
+        except Exception as exc:  # a malformed report is dropped, never stops the leader
+            MESSAGES_REJECTED.labels("registry.progress", "malformed").inc()
+            log.warning("progress_rejected", error=str(exc))
+            return
+        domain.apply_progress(self.state, progress)
 
     # -- heartbeats -------------------------------------------------------------------------------
 
@@ -594,6 +623,18 @@ def fast_beat(data: bytes) -> domain.Beat | None:
         return None
     facts = plain_heartbeat(obj)
     return None if facts is None else domain.Beat(*facts)
+
+
+def _progress(item: object) -> domain.Progress:
+    """One entry of a progress report, checked: (job, worker id, instance, ns, step, epoch)."""
+    if not isinstance(item, list) or len(item) != 6:
+        raise ValueError(f"a progress entry is a list of 6, not {item!r:.80}")
+    job, worker_id, instance, heard, step, epoch = item
+    if not all(type(v) is str for v in (job, worker_id, instance)):
+        raise ValueError("job, worker id and instance of a progress entry are strings")
+    if not all(type(v) is int and v >= 0 for v in (heard, step, epoch)):
+        raise ValueError("time, step and epoch of a progress entry are integers >= 0")
+    return job, worker_id, instance, heard, step, epoch
 
 
 def _fields(event: Event, *names: str) -> dict[str, Any]:

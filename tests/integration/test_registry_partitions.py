@@ -117,6 +117,14 @@ async def test_each_partition_takes_its_workers_and_the_leader_fails_the_silent_
 
         await async_wait_until(both_take_heartbeats, 10, "heartbeats on both partitions")
 
+        # The leader hears none of partition 1's heartbeats, and still lists when each worker
+        # last heartbeated (partition 1 reports it every interval).
+        async def leader_lists_every_heartbeat() -> bool:
+            listed = await started[0].members()
+            return all(m.last_heartbeat_ts is not None for m in listed.members)
+
+        await async_wait_until(leader_lists_every_heartbeat, 10, "every worker's last heartbeat")
+
         # A state change of a worker of partition 1 is recorded from its heartbeat.
         mover = next(w for w in ids if owner[w] == 1 and w not in victims)
         await by_id[mover].set_state("training", step=3)

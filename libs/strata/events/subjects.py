@@ -168,6 +168,12 @@ def registry_silences() -> str:
     return f"{ROOT}.registry.silent"
 
 
+def registry_progress() -> str:
+    """Where a registry partition sends the leader the last heartbeat, step and epoch of its
+    workers, for the leader's `members` answers (core NATS; no worker credential may publish)."""
+    return f"{ROOT}.registry.progress"
+
+
 def parse_heartbeat_subject(subject: str) -> tuple[str, str]:
     """(job, worker id) of a heartbeat subject; ValueError for anything else."""
     parts = subject.split(".")

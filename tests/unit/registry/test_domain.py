@@ -591,6 +591,30 @@ def test_a_partition_judges_only_the_workers_whose_heartbeats_it_takes_in() -> N
         assert {e.worker_id for e in found} == {w for w in workers if owner[w] == partition}
 
 
+def test_the_leader_lists_the_progress_a_partition_reports_of_its_live_workers() -> None:
+    leader, partition = RegistryState(), RegistryState()
+    for state in (leader, partition):
+        for worker in ("a", "b", "c"):
+            register(state, worker, 100.0)
+    for worker in ("a", "b", "c"):
+        heartbeat(partition, worker, 101.0)
+    reported = [
+        (job, worker, instance, heard, 9, epoch)
+        for job, worker, instance, heard, _, epoch in domain.progress_since(partition, 0, 0, 1)
+    ]
+    assert {entry[1] for entry in reported} == {"a", "b", "c"}
+    assert domain.progress_since(partition, ns(101.0), 0, 1) == []  # nothing heard since
+    mine = domain.progress_since(partition, 0, 1, 2)
+    assert {e[1] for e in mine} == {w for w in "abc" if subjects.partition_of(w, 2) == 1}
+    # `b` restarted meanwhile (another instance): its old registration's progress is ignored.
+    run(leader, Register(RegisterRequest(job=JOB, worker_id="b", instance="b-again")), 101.5)
+    assert domain.apply_progress(leader, reported) == 2
+    members = leader.jobs[JOB].members
+    assert (members["a"].last_heartbeat_ts, members["a"].step) == (ns(101.0), 9)
+    assert members["b"].last_heartbeat_ts is None
+    assert domain.apply_progress(leader, reported) == 0  # an old report changes nothing
+
+
 def test_the_leader_records_a_partitions_failures_with_its_own_epochs_and_only_live_ones() -> None:
     leader, partition = RegistryState(), RegistryState()
     for state in (leader, partition):
