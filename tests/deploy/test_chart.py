@@ -111,6 +111,10 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
         "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
     ),
     "pod-monitor": ("metrics.podMonitor.enabled=true",),
+    "registry-partitions": (
+        "coordinator.services.registry.partitions=3",
+        "metrics.serviceMonitor.enabled=true",
+    ),
     "gpu-workers": ("workers.gpu=1", "workers.restartPolicy=Never", "workers.backoffLimit=20"),
     "single-node-dev": (
         "nats.replicas=1",
