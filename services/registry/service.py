@@ -83,6 +83,8 @@ reconnect, a registry restart) is current again within this time."""
 SENDERS_KEPT = 200_000
 """Heartbeat subjects remembered as proven to belong to their worker (see `_take_heartbeat`)."""
 SILENCE_REPORT_TIMEOUT_S = 5.0
+"""How long a partition waits for the leader to take its report of silent workers; past it, the
+report is sent again on a later look (at most once per interval)."""
 PROGRESS_PER_MESSAGE = 5_000
 """Workers per progress report message (about 80 bytes each)."""
 NOTICES_PER_CHECK = 1_000
