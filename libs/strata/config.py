@@ -25,6 +25,8 @@ class Env:
     STREAM_REPLICAS: Final = "STRATA_STREAM_REPLICAS"
     HEARTBEAT_INTERVAL: Final = "STRATA_HEARTBEAT_INTERVAL"
     HEARTBEAT_TIMEOUT: Final = "STRATA_HEARTBEAT_TIMEOUT"
+    REGISTRY_PARTITIONS: Final = "STRATA_REGISTRY_PARTITIONS"
+    REGISTRY_PARTITION: Final = "STRATA_REGISTRY_PARTITION"
     DATA_DIR: Final = "STRATA_DATA_DIR"
     LOG_FORMAT: Final = "STRATA_LOG_FORMAT"
     LOG_LEVEL: Final = "STRATA_LOG_LEVEL"
@@ -62,6 +64,10 @@ class Settings(BaseSettings):
     stream_replicas: int = Field(default=1, ge=1, le=5)
     heartbeat_interval: float = Field(default=1.0, gt=0, le=300)
     heartbeat_timeout: float = Field(default=5.0, gt=0, le=3600)
+    registry_partitions: int = Field(default=1, ge=1, le=256)
+    """Registry processes sharing the heartbeat intake (`strata.events.subjects.partition_of`)."""
+    registry_partition: int = Field(default=0, ge=0, le=255)
+    """Which of them this process is; partition 0 is also the leader that decides membership."""
     data_dir: Path = Path("./.strata")
     log_format: LogFormat = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -111,6 +117,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"heartbeat timeout ({value}s) must be longer than the heartbeat interval "
                 f"({interval}s), or every worker would be failed between two heartbeats"
+            )
+        return value
+
+    @field_validator("registry_partition")
+    @classmethod
+    def _partition_in_range(cls, value: int, info: object) -> int:
+        partitions = getattr(info, "data", {}).get("registry_partitions")
+        if partitions is not None and value >= partitions:
+            raise ValueError(
+                f"registry partition {value} does not exist with {partitions} partition(s): "
+                f"partitions are numbered 0 to {partitions - 1}"
             )
         return value
 

@@ -23,6 +23,7 @@ from strata.events import (
     WorkerRegistered,
     WorkerState,
     WorkerStateChanged,
+    subjects,
 )
 from strata.events.ids import event_id
 from strata.events.models import MAX_WORKERS, SUPERSEDED_REASON
@@ -216,7 +217,11 @@ class Leave:
 
 @dataclass(frozen=True)
 class DetectFailures:
-    """Fail every live worker whose last sign of life is older than the timeout."""
+    """Fail every live worker whose last sign of life is older than the timeout: of those whose
+    heartbeats registry partition `partition` of `partitions` takes in (all, by default)."""
+
+    partition: int = 0
+    partitions: int = 1
 
 
 Command = Register | Leave | DetectFailures
@@ -230,7 +235,7 @@ def decide(state: RegistryState, command: Command, now_ns: int, policy: Policy) 
         return Decision(decision.events, decision.error, takes_over(state, command.request))
     if isinstance(command, Leave):
         return _leave(state, command.request, now_ns)
-    return Decision(detect_failures(state, now_ns, policy))
+    return Decision(detect_failures(state, now_ns, policy, command.partition, command.partitions))
 
 
 def decide_all(
@@ -397,7 +402,12 @@ def _leave(state: RegistryState, request: LeaveRequest, now_ns: int) -> Decision
     )
 
 
-def detect_failures(state: RegistryState, now_ns: int, policy: Policy) -> list[Event]:
+def detect_failures(
+    state: RegistryState, now_ns: int, policy: Policy, partition: int = 0, partitions: int = 1
+) -> list[Event]:
+    """The failures of the live workers silent for longer than the timeout, of those whose
+    heartbeats partition `partition` of `partitions` takes in (`subjects.partition_of`): a
+    partition has heard nothing of the others, so their silence is no evidence to it."""
     failed: list[Event] = []
     timeout = policy.heartbeat_timeout
     timeout_ns = round(timeout * NS_PER_S)
@@ -410,6 +420,12 @@ def detect_failures(state: RegistryState, now_ns: int, policy: Policy) -> list[E
             for member in (members[worker_id] for worker_id in job.ranks.values())
             if now_ns - member.last_seen_ns > timeout_ns
         ]
+        if partitions > 1:
+            late = [
+                member
+                for member in late
+                if subjects.partition_of(member.worker_id, partitions) == partition
+            ]
         if not late:
             continue
         late.sort(key=lambda member: member.rank)
@@ -431,6 +447,29 @@ def detect_failures(state: RegistryState, now_ns: int, policy: Policy) -> list[E
                 )
             )
     return failed
+
+
+def confirm_failures(state: RegistryState, found: Sequence[WorkerFailed]) -> list[Event]:
+    """The failures a heartbeat partition found (`detect_failures` on its own state), as the
+    leader records them: only those of registrations still live here, the very ones the partition
+    judged (a failure's id names the registration), with the rank and the membership epochs of
+    the leader's state, so epochs still grow by one per change whoever noticed the silence."""
+    confirmed: list[Event] = []
+    epochs: dict[str, int] = {}
+    seen: set[str] = set()
+    for failure in found:
+        job = state.jobs.get(failure.job)
+        member = job.members.get(failure.worker_id) if job is not None else None
+        if job is None or member is None or not member.live or failure.id in seen:
+            continue
+        if failure.id != event_id("failed", job.job, member.worker_id, member.registered_epoch):
+            continue  # judged on another registration of this worker id than the live one
+        seen.add(failure.id)
+        epoch = epochs[job.job] = epochs.get(job.job, job.membership_epoch) + 1
+        confirmed.append(
+            failure.model_copy(update={"rank": member.rank, "membership_epoch": epoch})
+        )
+    return confirmed
 
 
 # -- heartbeats -----------------------------------------------------------------------------------
@@ -516,6 +555,46 @@ def observe_beat(state: RegistryState, beat: Beat, now_ns: int) -> HeartbeatOutc
     # must not announce the same change again. Folding the event later sets the same value.
     member.status = beat.state
     return HeartbeatOutcome([changed])
+
+
+Progress = tuple[str, str, str, int, int, int]
+"""What a heartbeat partition tells the leader of one worker: job, worker id, instance, the time
+its last heartbeat arrived (ns), step, epoch."""
+
+
+def progress_since(
+    state: RegistryState, since_ns: int, partition: int, partitions: int
+) -> list[Progress]:
+    """The live workers of partition `partition` heard from after `since_ns`."""
+    found: list[Progress] = []
+    for job in state.jobs.values():
+        for worker_id in job.ranks.values():
+            member = job.members[worker_id]
+            heard = member.last_heartbeat_ts
+            if heard is None or heard <= since_ns:
+                continue
+            if partitions == 1 or subjects.partition_of(worker_id, partitions) == partition:
+                entry = (job.job, worker_id, member.instance, heard, member.step, member.epoch)
+                found.append(entry)
+    return found
+
+
+def apply_progress(state: RegistryState, progress: Sequence[Progress]) -> int:
+    """The leader's side of `progress_since`: the last heartbeat, step and epoch of workers
+    whose heartbeats another partition takes in, for `members`. Liveness stays with that
+    partition (it judges silence); only live members of the same registration are updated.
+    Returns how many were."""
+    updated = 0
+    for job_id, worker_id, instance, heard, step, epoch in progress:
+        job = state.jobs.get(job_id)
+        member = job.members.get(worker_id) if job is not None else None
+        if member is None or not member.live or member.instance != instance:
+            continue
+        if member.last_heartbeat_ts is None or heard > member.last_heartbeat_ts:
+            member.last_heartbeat_ts = heard
+            member.step, member.epoch = step, epoch
+            updated += 1
+    return updated
 
 
 def begin_grace(state: RegistryState, now_ns: int) -> None:

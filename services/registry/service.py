@@ -3,6 +3,13 @@
 Membership changes only through events folded from the stream (see `Projection`). Heartbeats are
 the exception: kept in memory (see `domain.observe_heartbeat`), with state changes they reveal
 published in order off the heartbeat path.
+
+Heartbeat intake can be split over several registry processes (`STRATA_REGISTRY_PARTITIONS`): each
+takes in the heartbeat buckets of its partition (`subjects.partition_heartbeats`) and watches those
+workers for silence. Partition 0 is the leader, the one writer of membership: it alone answers
+requests, announces worlds, saves snapshots and records failures, the ones other partitions find
+included (they send them to it, `subjects.registry_silences`, and it confirms them against its own
+state), so every guarantee of a single registry holds with several.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 from strata.bus import Bus, ConnectOptions, RpcServer, connect
@@ -33,9 +39,11 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
     decode_event,
+    encode_event,
     pack,
     provenance,
     subjects,
+    unpack,
 )
 from strata.events.models import Event, plain_heartbeat
 from strata.events.requests import (
@@ -57,6 +65,7 @@ from strata.services.domain import Decision
 from strata.services.projection import Projection
 from strata.services.registry import domain
 from strata.services.registry.domain import Leave, Policy, Register, RegistryState
+from strata.services.registry.intake import IntakeClient
 
 log = structlog.get_logger("strata.registry")
 
@@ -71,6 +80,15 @@ WORLD_COALESCE_S = 0.05
 WORLD_REPEAT_S = 2.0
 """Every job's world is announced again this often: a worker that missed a notice (a
 reconnect, a registry restart) is current again within this time."""
+SENDERS_KEPT = 200_000
+"""Heartbeat subjects remembered as proven to belong to their worker (see `_take_heartbeat`)."""
+SILENCE_REPORT_TIMEOUT_S = 5.0
+"""How long a partition waits for the leader to take its report of silent workers; past it, the
+report is sent again on a later look (at most once per interval)."""
+PROGRESS_PER_MESSAGE = 5_000
+"""Workers per progress report message (about 80 bytes each)."""
+NOTICES_PER_CHECK = 1_000
+"""Notices a heartbeat partition checks against one catch-up with the stream (`_still_true`)."""
 
 
 class _HeartbeatCounts(Collector):
@@ -113,10 +131,19 @@ class Registry(Projection[RegistryState]):
         self.applied = 0
         HEARTBEAT_COUNTS.registries.add(self)
         WORKERS_BY_STATUS.add(self)
+        self.partition, self.partitions = 0, 1
+        # The heartbeat path reads the clock once per heartbeat: the wall clock in ns directly
+        # when it is the wall clock (no float round trip), else the injected one.
+        self._beat_clock_ns: Callable[[], int] = time.time_ns if clock is time.time else self.now_ns
         self._rpc: RpcServer | None = None
         self._hb_nc: NATS | None = None
-        self._hb_sub: Subscription | None = None
+        self._listening = False
+        self._senders: dict[bytes, tuple[str, str]] = {}
         self._outbox: asyncio.Queue[Event] = asyncio.Queue(maxsize=100_000)
+        self._notices: asyncio.Queue[tuple[WorkerNotice, domain.Beat]] = asyncio.Queue(
+            maxsize=100_000
+        )
+        self._reported: dict[str, float] = {}
         self._notified: dict[tuple[str, str, str], float] = {}
         self._notified_limit = NOTIFIED_KEPT
         self._worlds_changed: set[str] = set()
@@ -143,7 +170,7 @@ class Registry(Projection[RegistryState]):
     def worker_statuses(self) -> dict[str, list[str]]:
         """Each job's workers' statuses now (`strata_workers`), once this registry is live: one
         still replaying its history would report a membership of the past."""
-        if not self.live:
+        if not self.live or not self.leader:
             return {}
         return {
             job.job: [member.status for member in job.members.values()]
@@ -156,23 +183,46 @@ class Registry(Projection[RegistryState]):
     def restore(self, data: dict[str, Any]) -> RegistryState:
         return domain.restore(data)
 
+    @property
+    def leader(self) -> bool:
+        """Partition 0: the registry process that decides membership."""
+        return self.partition == 0
+
+    async def save_snapshot(self) -> None:
+        # Every partition folds the same stream; the leader's snapshot serves them all.
+        if self.leader:
+            await super().save_snapshot()
+
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self.policy = Policy(settings.heartbeat_interval, settings.heartbeat_timeout)
+        self.partition, self.partitions = settings.registry_partition, settings.registry_partitions
         domain.begin_grace(self.state, self.now_ns())
         # Heartbeats come on a connection of their own: a flood of them must not queue this
         # registry's requests, replies and event feed behind it in one socket.
-        self._hb_nc = await connect(
+        nc = await connect(
             settings.nats_servers,
             ConnectOptions(
-                name="strata-registry-heartbeats",
+                name=f"strata-registry-heartbeats-{self.partition}",
                 user=settings.nats_user,
                 password=settings.nats_password,
             ),
+            client=IntakeClient,
         )
-        self._hb_sub = await self._hb_nc.subscribe(
-            subjects.job_heartbeats("*"), cb=self._on_heartbeat, pending_msgs_limit=1_000_000
-        )
-        await self._hb_nc.flush()
+        assert isinstance(nc, IntakeClient)
+        self._hb_nc = nc
+        for pattern in subjects.partition_heartbeats(self.partition, self.partitions):
+            await nc.subscribe_direct(pattern, self._take_heartbeat)
+        await nc.flush()
+        self._listening = True
+        log.info("heartbeat_intake", partition=self.partition, partitions=self.partitions)
+        self.spawn(self._detect_failures(), "detector")
+        self.spawn(self._drain_outbox(), "outbox")
+        self.spawn(self._send_notices(), "notices")
+        if not self.leader:
+            self.spawn(self._report_progress(), "progress")
+            return
+        await bus.nc.subscribe(subjects.registry_silences(), cb=self._on_silences)
+        await bus.nc.subscribe(subjects.registry_progress(), cb=self._on_progress)
         # Requests are taken concurrently and decided in batches (group commit): a job's start
         # is a few round trips to the stream, not one per worker.
         self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
@@ -181,16 +231,12 @@ class Registry(Projection[RegistryState]):
         self._rpc.serve(MEMBERS, self._members)
         await self._rpc.start()
         self.spawn(self._commits.run(), "commits")
-        self.spawn(self._detect_failures(), "detector")
-        self.spawn(self._drain_outbox(), "outbox")
         self.spawn(self._announce_worlds(), "worlds")
 
     async def before_stop(self) -> None:
         if self._rpc is not None:
             await self._rpc.stop()
-        if self._hb_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._hb_sub.unsubscribe()
+        self._listening = False
         if self._hb_nc is not None and not self._hb_nc.is_closed:
             with contextlib.suppress(Exception):
                 await self._hb_nc.close()
@@ -231,6 +277,7 @@ class Registry(Projection[RegistryState]):
 
     async def _detect_failures(self) -> None:
         period = max(0.02, min(self.policy.heartbeat_interval, self.policy.heartbeat_timeout) / 4)
+        mine = domain.DetectFailures(self.partition, self.partitions)
         deaf = False
         while True:
             await asyncio.sleep(period)
@@ -245,16 +292,18 @@ class Registry(Projection[RegistryState]):
                     log.info("failure_detection_resumed", grace_s=self.policy.heartbeat_timeout)
                     deaf = False
                 # A first look on the state as it is: most ticks find nobody late and end here.
-                if not domain.detect_failures(self.state, self.now_ns(), self.policy):
+                if not domain.decide(self.state, mine, self.now_ns(), self.policy).events:
                     continue
                 heard_until = await self._heard_until()
                 if heard_until is None:
                     deaf = True
                     continue
+                if not self.leader:
+                    found = domain.decide(self.state, mine, heard_until, self.policy).events
+                    await self._report_silences(found)
+                    continue
                 async with self.lock:
-                    decision = domain.decide(
-                        self.state, domain.DetectFailures(), heard_until, self.policy
-                    )
+                    decision = domain.decide(self.state, mine, heard_until, self.policy)
                     # All at once, then one wait: a rack going down is one round trip.
                     await self.publish_all(decision.events)
                 for event in decision.events:
@@ -263,32 +312,99 @@ class Registry(Projection[RegistryState]):
                 log.error("failure_detection_failed", error=str(exc))
 
     def _can_hear(self) -> bool:
-        return self._hb_nc is not None and self._hb_nc.is_connected and self._hb_sub is not None
+        return self._hb_nc is not None and self._hb_nc.is_connected and self._listening
 
     async def _heard_until(self) -> int | None:
         """A time before which every heartbeat sent to this registry has been applied, or None
         when that cannot be known (NATS is out of reach).
 
         A registry that fell behind (its event loop starved of CPU, a burst of registrations)
-        still has heartbeats in its own buffers; judging silence before applying them would fail
-        live workers for the registry's own delay.
+        still has heartbeats in its socket; judging silence before applying them would fail live
+        workers for the registry's own delay.
         """
         now_ns = self.now_ns()
-        nc, sub = self._hb_nc, self._hb_sub
-        if nc is None or sub is None:
+        nc = self._hb_nc
+        if nc is None:
             return None
         try:
             # The server answers the PING after every message it routed to this client before,
-            # so once the PONG is in, every heartbeat that reached it before `now` is here.
+            # and the intake applies each heartbeat as it parses it (`IntakeClient`), so once the
+            # PONG is in, every heartbeat that reached the server before `now` is applied.
             await nc.flush(timeout=math.ceil(self.policy.heartbeat_timeout))
         except (nats.errors.Error, TimeoutError):
             return None
-        applied = self.heartbeats + sub.pending_msgs
-        deadline = time.monotonic() + self.policy.heartbeat_timeout
-        # Polled rather than signalled, to keep the per-heartbeat path free of the bookkeeping.
-        while self.heartbeats < applied and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
         return now_ns
+
+    async def _report_silences(self, found: list[Event]) -> None:
+        """Send the failures this partition found to the leader, which records them
+        (`domain.confirm_failures`); one still live on the next look is sent again, at most once
+        per heartbeat interval."""
+        now = self.clock()
+        interval = self.policy.heartbeat_interval
+        self._reported = {key: t for key, t in self._reported.items() if now - t < interval}
+        fresh = [event for event in found if event.id not in self._reported]
+        if not fresh:
+            return
+        for event in fresh:
+            self._reported[event.id] = now
+        try:
+            await self.bus.nc.request(
+                subjects.registry_silences(),
+                pack([encode_event(event) for event in fresh]),
+                timeout=SILENCE_REPORT_TIMEOUT_S,
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.error("silences_not_reported", workers=len(fresh), error=str(exc))
+            return
+        for event in fresh:
+            log.info("worker_silent", **_fields(event, "job", "worker_id", "reason"))
+
+    async def _on_silences(self, msg: Msg) -> None:
+        """The leader's side of `_report_silences`: record the failures still true here."""
+        try:
+            found = [decode_event(item) for item in unpack(msg.data)]
+        except Exception as exc:  # a malformed report is dropped, never stops the leader
+            MESSAGES_REJECTED.labels("registry.silences", "malformed").inc()
+            log.warning("silences_rejected", error=str(exc))
+            return
+        failures = [
+            event
+            for event in found
+            if isinstance(event, WorkerFailed) and event.source == domain.SOURCE
+        ]
+        async with self.lock:
+            events = domain.confirm_failures(self.state, failures)
+            await self.publish_all(events)
+        for event in events:
+            log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(pack(len(events)))
+
+    async def _report_progress(self) -> None:
+        """Every interval, tell the leader when this partition's workers last heartbeated and
+        their step and epoch, which its `members` answers show (it hears none of them)."""
+        since_ns = 0
+        while True:
+            await asyncio.sleep(self.policy.heartbeat_interval)
+            now_ns = self._beat_clock_ns()
+            found = domain.progress_since(self.state, since_ns, self.partition, self.partitions)
+            since_ns = now_ns
+            for first in range(0, len(found), PROGRESS_PER_MESSAGE):
+                with contextlib.suppress(Exception):  # the next report carries it again
+                    await self.bus.nc.publish(
+                        subjects.registry_progress(),
+                        pack(found[first : first + PROGRESS_PER_MESSAGE]),
+                    )
+
+    async def _on_progress(self, msg: Msg) -> None:
+        try:
+            progress = [_progress(item) for item in unpack(msg.data)]
+        except Exception as exc:  # a malformed report is dropped, never stops the leader
+            MESSAGES_REJECTED.labels("registry.progress", "malformed").inc()
+            log.warning("progress_rejected", error=str(exc))
+            return
+        domain.apply_progress(self.state, progress)
 
     # -- heartbeats -------------------------------------------------------------------------------
 
@@ -296,17 +412,19 @@ class Registry(Projection[RegistryState]):
         self.rejected[code] += 1
         MESSAGES_REJECTED.labels(HEARTBEATS, code).inc()
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
+    def _take_heartbeat(self, subject: bytes, data: bytes) -> None:
+        """One heartbeat, as the intake parses it (`IntakeClient`): a plain call, no task, no
+        lock, no log line on the path almost every heartbeat takes."""
         self.heartbeats += 1
-        beat = fast_beat(msg.data)
-        # The fast path takes only heartbeats whose source is their worker (`plain_heartbeat`).
-        if beat is None or not provenance.heartbeat_belongs(
-            msg.subject, beat.job, beat.worker_id, beat.worker_id
-        ):
-            beat = self._checked_beat(msg)
+        beat = fast_beat(data)
+        # The fast path takes only heartbeats whose source is their worker (`plain_heartbeat`),
+        # on a subject already proven to be that worker's (`provenance.heartbeat_belongs`).
+        sender = self._senders.get(subject)
+        if beat is None or sender is None or sender[0] != beat.job or sender[1] != beat.worker_id:
+            beat = self._slow_beat(subject, data, beat)
             if beat is None:
                 return
-        outcome = domain.observe_beat(self.state, beat, self.now_ns())
+        outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns())
         if outcome is domain.ALIVE:
             self.applied += 1
             return
@@ -320,21 +438,36 @@ class Registry(Projection[RegistryState]):
             except asyncio.QueueFull:
                 self._reject("outbox_full")
         if outcome.reregister is not None:
-            await self._notify(beat, "reregister", outcome.reregister)
+            self._notify(beat, "reregister", outcome.reregister)
         elif outcome.superseded is not None:
-            await self._notify(beat, "superseded", outcome.superseded)
+            self._notify(beat, "superseded", outcome.superseded)
 
-    def _checked_beat(self, msg: Msg) -> domain.Beat | None:
+    def _slow_beat(
+        self, subject: bytes, data: bytes, beat: domain.Beat | None
+    ) -> domain.Beat | None:
+        """A heartbeat the fast path could not vouch for: its subject checked (and remembered
+        when it belongs to its worker), or the full decode and checks."""
+        text = subject.decode(errors="replace")
+        if beat is not None and provenance.heartbeat_belongs(
+            text, beat.job, beat.worker_id, beat.worker_id
+        ):
+            if len(self._senders) >= SENDERS_KEPT:
+                self._senders.clear()  # strangers or garbage ids must not grow this forever
+            self._senders[subject] = (beat.job, beat.worker_id)
+            return beat
+        return self._checked_beat(text, data)
+
+    def _checked_beat(self, subject: str, data: bytes) -> domain.Beat | None:
         """The full decode and checks, for what the fast path left: a beat, or None (counted)."""
         try:
-            event = decode_event(msg.data)
+            event = decode_event(data)
         except StrataError as exc:
             self._reject(exc.code)
             return None
         if not isinstance(event, WorkerHeartbeat):
             self._reject("not_a_heartbeat")
             return None
-        refused = provenance.heartbeat_refusal(msg.subject, event)
+        refused = provenance.heartbeat_refusal(subject, event)
         if refused is not None:
             self._reject(refused.code)
             return None
@@ -348,9 +481,9 @@ class Registry(Projection[RegistryState]):
             event.epoch,
         )
 
-    async def _notify(self, beat: domain.Beat, kind: NoticeKind, reason: str) -> None:
+    def _notify(self, beat: domain.Beat, kind: NoticeKind, reason: str) -> None:
         """Tell the process that sent `beat` to register again, or that a newer process holds
-        its worker id: at most once per heartbeat interval."""
+        its worker id: at most once per heartbeat interval (sent off the heartbeat path)."""
         job, worker_id = beat.job, beat.worker_id
         # Per process: a notice for a stale process must not stand in for one to the live one.
         key = (job, worker_id, beat.instance)
@@ -367,10 +500,66 @@ class Registry(Projection[RegistryState]):
         notice = WorkerNotice(
             job=job, worker_id=worker_id, kind=kind, reason=reason, instance=beat.instance
         )
-        with contextlib.suppress(Exception):
-            await self.bus.nc.publish(
-                subjects.control_subject(job, worker_id), pack(notice.model_dump())
-            )
+        with contextlib.suppress(asyncio.QueueFull):
+            self._notices.put_nowait((notice, beat))
+
+    async def _send_notices(self) -> None:
+        while True:
+            pending = [await self._notices.get()]
+            while not self._notices.empty() and len(pending) < NOTICES_PER_CHECK:
+                pending.append(self._notices.get_nowait())
+            if not self.leader:
+                pending = await self._still_true(pending)
+            for notice, _ in pending:
+                with contextlib.suppress(Exception):
+                    await self.bus.nc.publish(
+                        subjects.control_subject(notice.job, notice.worker_id),
+                        pack(notice.model_dump()),
+                    )
+
+    async def _still_true(
+        self, pending: list[tuple[WorkerNotice, domain.Beat]]
+    ) -> list[tuple[WorkerNotice, domain.Beat]]:
+        """The notices that hold once this partition has folded every event stored so far.
+
+        The leader answers a registration only once it has folded it, so the worker's first
+        heartbeat never finds it behind; another partition folds the stream at its own pace and
+        may not know yet of a registration, a rejoin or a restart that the leader just made.
+        Telling that worker to register again (or, a restarted one, that it was superseded)
+        would be wrong, so such a heartbeat is judged again once this partition caught up.
+        """
+        try:
+            await self.sync()
+        except (StrataError, TimeoutError) as exc:
+            log.warning("notices_deferred", notices=len(pending), error=str(exc))
+            return []  # the sender's next heartbeat asks again
+        kept = []
+        for notice, beat in pending:
+            outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns())
+            for changed in outcome.events:
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._outbox.put_nowait(changed)
+            if outcome.reregister is not None:
+                kept.append(
+                    (
+                        notice.model_copy(
+                            update={"kind": "reregister", "reason": outcome.reregister}
+                        ),
+                        beat,
+                    )
+                )
+            elif outcome.superseded is not None:
+                kept.append(
+                    (
+                        notice.model_copy(
+                            update={"kind": "superseded", "reason": outcome.superseded}
+                        ),
+                        beat,
+                    )
+                )
+            else:
+                self.applied += 1
+        return kept
 
     async def _announce_worlds(self) -> None:
         """A job's world (membership epoch, size) on its world subject: once per burst of
@@ -436,6 +625,18 @@ def fast_beat(data: bytes) -> domain.Beat | None:
         return None
     facts = plain_heartbeat(obj)
     return None if facts is None else domain.Beat(*facts)
+
+
+def _progress(item: object) -> domain.Progress:
+    """One entry of a progress report, checked: (job, worker id, instance, ns, step, epoch)."""
+    if not isinstance(item, list) or len(item) != 6:
+        raise ValueError(f"a progress entry is a list of 6, not {item!r:.80}")
+    job, worker_id, instance, heard, step, epoch = item
+    if not all(type(v) is str for v in (job, worker_id, instance)):
+        raise ValueError("job, worker id and instance of a progress entry are strings")
+    if not all(type(v) is int and v >= 0 for v in (heard, step, epoch)):
+        raise ValueError("time, step and epoch of a progress entry are integers >= 0")
+    return job, worker_id, instance, heard, step, epoch
 
 
 def _fields(event: Event, *names: str) -> dict[str, Any]:

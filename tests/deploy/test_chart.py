@@ -111,6 +111,10 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
         "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
     ),
     "pod-monitor": ("metrics.podMonitor.enabled=true",),
+    "registry-partitions": (
+        "coordinator.services.registry.partitions=3",
+        "metrics.serviceMonitor.enabled=true",
+    ),
     "gpu-workers": ("workers.gpu=1", "workers.restartPolicy=Never", "workers.backoffLimit=20"),
     "single-node-dev": (
         "nats.replicas=1",
@@ -714,6 +718,13 @@ def test_a_per_worker_user_may_act_as_its_worker_only(render: Render) -> None:
         subjects.rpc_subject("checkpoint", "ack", "llm", "w-8"),
     ):
         assert not mine.may_publish(subject), subject
+    # Its heartbeats go to the one bucket its id hashes to (the registry partition that owns
+    # it): not another worker's heartbeat on any bucket, nor its own on another.
+    own = subjects.heartbeat_subject("llm", "w-7")
+    for bucket in range(subjects.HEARTBEAT_BUCKETS):
+        for worker in ("w-7", "w-8"):
+            forged = f"{subjects.HEARTBEATS}.{bucket:02x}.llm.{worker}"
+            assert mine.may_publish(forged) == (forged == own), forged
     for subject in (subjects.control_subject("llm", "w-8"), subjects.worker_inboxes("llm", "w-8")):
         assert not mine.may_subscribe(subject), subject
     secret = rendered.get("Secret", _name("nats-auth"))
@@ -968,6 +979,8 @@ def test_the_gateway_gets_the_replay_bounds(render: Render) -> None:
         (("coordinator.replay.concurrency=0",), "coordinator.replay.concurrency"),
         (("networkPolicy.metricsFrom[0].pods=all",), "networkPolicy.metricsFrom"),
         (("nats.routeAuth.enabled=maybe",), "nats.routeAuth.enabled"),
+        (("coordinator.services.registry.partitions=0",), "partitions"),
+        (("coordinator.services.registry.partitions=257",), "partitions"),
     ],
 )
 def test_schema_rejects_wrong_values(helm: Path, settings: tuple[str, ...], complaint: str) -> None:
@@ -1359,6 +1372,35 @@ def test_the_seeds_values_file_installs_as_written(helm: Path) -> None:
         (container,) = _containers(deployment)
         assert container["resources"]["limits"] == {"cpu": 2, "memory": "4Gi"}
     assert not rendered.of_kind("PersistentVolumeClaim")  # S3: no checkpoints volume
+
+
+def test_registry_partitions_are_deployments_of_their_own_each_told_its_partition(
+    render: Render,
+) -> None:
+    rendered = render("coordinator.services.registry.partitions=3")
+    partitions = {}
+    for name in ("registry", "registry-1", "registry-2"):
+        deployment = rendered.get("Deployment", _name(name))
+        (container,) = _containers(deployment)
+        assert container["args"] == ["serve", "registry"]
+        env = _env(container)
+        partitions[name] = (env["STRATA_REGISTRY_PARTITION"], env["STRATA_REGISTRY_PARTITIONS"])
+        labels = deployment["spec"]["selector"]["matchLabels"]
+        assert labels["app.kubernetes.io/component"] == name
+    assert partitions == {
+        "registry": ("0", "3"),
+        "registry-1": ("1", "3"),
+        "registry-2": ("2", "3"),
+    }
+    budgets = {b["metadata"]["name"] for b in rendered.of_kind("PodDisruptionBudget")}
+    assert {_name("registry-1"), _name("registry-2")} <= budgets
+    (policy,) = rendered.of_kind("NetworkPolicy")
+    client = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "client")
+    (expression,) = client["from"][0]["podSelector"]["matchExpressions"]
+    assert {"registry-1", "registry-2"} <= set(expression["values"])
+    # One partition (the default) is the single registry of before, with no partition settings.
+    (single,) = _containers(render().get("Deployment", _name("registry")))
+    assert "STRATA_REGISTRY_PARTITIONS" not in _env(single)
 
 
 def test_coordinator_replica_count_applies_to_every_service_unless_one_says(

@@ -158,7 +158,8 @@ def installed(
     (pg_port,) = procutil.free_ports(1)
     small_job = (*SMALL_JOB, f"workers.demo.pgPort={pg_port}")
     if request.param == "pvc":
-        local = Cluster(render(*small_job), tmp_path)
+        # The registry as two heartbeat partitions (two Deployments); the S3 run keeps one.
+        local = Cluster(render(*small_job, "coordinator.services.registry.partitions=2"), tmp_path)
         # The checkpoints claim, mounted by the workers and the checkpoint service alike.
         claim = local.paths["/data/checkpoints"] = tmp_path / "checkpoints-pvc"
         claim.mkdir()
@@ -208,7 +209,9 @@ def _deployment_container(rendered: Rendered, service: str) -> dict[str, Any]:
 def _start_services(cluster: Cluster) -> dict[str, tuple[Process, int]]:
     """Every service's Deployment: the container's command and env, ports of its own."""
     started: dict[str, tuple[Process, int]] = {}
-    for service in SERVICES:
+    deployments = {d["metadata"]["name"] for d in cluster.rendered.of_kind("Deployment")}
+    partitions = [f"registry-{n}" for n in range(1, 256) if name(f"registry-{n}") in deployments]
+    for service in (*SERVICES, *partitions):
         container = _deployment_container(cluster.rendered, service)
         names = {p["name"]: p["containerPort"] for p in container["ports"]}
         env_ports = {"STRATA_HEALTH_PORT": names["health"]}

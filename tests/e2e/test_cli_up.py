@@ -289,3 +289,24 @@ def test_bad_demo_arguments_are_refused_before_anything_starts() -> None:
     )
     assert result.returncode == 2
     assert "--workers must be in 1..64" in result.stderr
+
+
+def test_up_refuses_an_impossible_number_of_registry_partitions(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata",
+            "up",
+            *("--registry-partitions", "0"),
+            *("--nats-port", str(procutil.free_port())),
+            *("--http-port", str(procutil.free_port())),
+            *("--data-dir", str(tmp_path / "data")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "config_invalid" in result.stderr
+    assert "--registry-partitions must be 1 to 256, not 0" in result.stderr

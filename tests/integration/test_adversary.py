@@ -123,6 +123,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
                 VICTIM,
                 "--worker-credentials",
                 "3",
+                # Heartbeat intake split over two registry processes: every attack below also
+                # meets the partitioned registry.
+                *("--registry-partitions", "2"),
                 *("--http-port", str(http_port), "--nats-port", str(nats_port)),
                 *("--data-dir", str(data_dir)),
             ],
@@ -536,3 +539,25 @@ async def test_heartbeats_for_another_job_or_worker_keep_nobody_alive(
         await attacker.close()
         silent._suspend_heartbeats(False)
     assert subjects.heartbeat_subject(VICTIM, silent.id) in attacker.refused["publish"]
+
+
+async def test_no_worker_can_heartbeat_for_another_worker_on_any_partition(
+    stack: SecureStack, operator: Bus, workers: dict[tuple[str, str], strata.aio.Worker]
+) -> None:
+    victim = "worker-0"
+    # The victim's worker token under every bucket token, so under every registry partition's
+    # subscriptions, not only the one its id hashes to.
+    forged = [
+        f"{subjects.HEARTBEATS}.{bucket:02x}.{VICTIM}.{victim}"
+        for bucket in range(subjects.HEARTBEAT_BUCKETS)
+    ]
+    assert subjects.heartbeat_subject(VICTIM, victim) in forged
+    for job, worker in ((ATTACKER, "worker-0"), (VICTIM, "worker-1")):
+        client = await raw(stack, job, worker)
+        try:
+            own = subjects.heartbeat_subject(job, worker)
+            assert await natsprobe.reached(operator.nc, client, forged, own) == set()
+            await natsprobe.settled(client)
+            assert {s.lower() for s in forged} <= client.refused["publish"], (job, worker)
+        finally:
+            await client.close()

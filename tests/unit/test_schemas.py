@@ -53,7 +53,7 @@ def test_asyncapi_lists_every_subject_and_every_ref_resolves() -> None:
     assert set(EVENT_TYPES) <= titles
     assert {f"{e.service}.{e.verb}" for e in RPC_ENDPOINTS} <= titles
     addresses = {channel["address"] for channel in document["channels"].values()}
-    assert "strata.hb.{job}.{worker}" in addresses
+    assert "strata.hb.{bucket}.{job}.{worker}" in addresses
     assert "strata.evt.{job}.checkpoint.committed" in addresses
     for ref in _refs(document):
         assert _resolve(document, ref) is not None, ref

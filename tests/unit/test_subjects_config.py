@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,8 +17,41 @@ ids = st.from_regex(ID_PATTERN, fullmatch=True).filter(lambda s: "\n" not in s)
 @given(job=ids, worker=ids)
 def test_heartbeat_subject_round_trips_any_valid_ids(job: str, worker: str) -> None:
     subject = subjects.heartbeat_subject(job, worker)
-    assert subject.count(".") == 3
+    assert subject.count(".") == 4
     assert subjects.parse_heartbeat_subject(subject) == (job, worker)
+    assert subject.split(".")[2] == hashlib.sha256(worker.encode()).hexdigest()[:2]
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS's matching of a subject against a pattern of literal tokens and `*`."""
+    want, have = pattern.split("."), subject.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have, strict=True))
+
+
+@given(job=ids, worker=ids, partitions=st.integers(1, subjects.HEARTBEAT_BUCKETS))
+def test_exactly_one_registry_partition_takes_each_heartbeat(
+    job: str, worker: str, partitions: int
+) -> None:
+    subject = subjects.heartbeat_subject(job, worker)
+    takers = [
+        partition
+        for partition in range(partitions)
+        if any(_matches(p, subject) for p in subjects.partition_heartbeats(partition, partitions))
+    ]
+    assert takers == [subjects.partition_of(worker, partitions)]
+
+
+def test_partitions_split_the_buckets_evenly_and_refuse_impossible_layouts() -> None:
+    sizes = [len(subjects.partition_heartbeats(p, 3)) for p in range(3)]
+    assert sizes == [86, 85, 85]
+    assert subjects.partition_heartbeats(0, 1) == ["strata.hb.*.*.*"]
+    with pytest.raises(ValueError, match="1 to 256"):
+        subjects.partition_heartbeats(0, 257)
+    with pytest.raises(ValueError, match=r"not in 0\.\.1"):
+        subjects.partition_heartbeats(2, 2)
+    # Simulated worker ids of one job spread over two partitions about evenly.
+    shares = [subjects.partition_of(f"w-{i}", 2) for i in range(10_000)]
+    assert 4_500 < sum(shares) < 5_500
 
 
 @given(job=ids)
@@ -73,7 +108,8 @@ def test_a_worker_has_its_own_inbox_prefix_and_subject_patterns() -> None:
 def test_wildcards_and_names() -> None:
     assert subjects.job_events("a.b") == "strata.evt.a~b.>"
     assert subjects.area_events("*", "worker") == "strata.evt.*.worker.*"
-    assert subjects.job_heartbeats("j") == "strata.hb.j.*"
+    assert subjects.job_heartbeats("j") == "strata.hb.*.j.*"
+    assert subjects.heartbeat_subject("j", "*") == "strata.hb.*.j.*"
     assert subjects.rpc_subject("registry", "register") == "strata.rpc.registry.register"
     assert subjects.rpc_queue_group("registry") == "strata-registry"
     assert subjects.durable_name("registry", "job.1") == "registry_job~1"
@@ -147,6 +183,17 @@ def test_timeout_shorter_than_interval_is_refused(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(Env.HEARTBEAT_INTERVAL, "2")
     monkeypatch.setenv(Env.HEARTBEAT_TIMEOUT, "1")
     with pytest.raises(ConfigError, match="longer than the heartbeat interval"):
+        load_settings()
+
+
+def test_a_registry_partition_outside_the_partitions_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(Env.REGISTRY_PARTITIONS, "2")
+    monkeypatch.setenv(Env.REGISTRY_PARTITION, "1")
+    assert (load_settings().registry_partition, load_settings().registry_partitions) == (1, 2)
+    monkeypatch.setenv(Env.REGISTRY_PARTITION, "2")
+    with pytest.raises(ConfigError, match="numbered 0 to 1"):
         load_settings()
 
 

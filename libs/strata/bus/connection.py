@@ -111,8 +111,13 @@ async def retry_transient(
             await asyncio.sleep(min(next(delays), remaining))
 
 
-async def connect(servers: str | Sequence[str], options: ConnectOptions | None = None) -> NATS:
-    """A connected client, or `BusError` naming the servers once the deadline has passed."""
+async def connect(
+    servers: str | Sequence[str],
+    options: ConnectOptions | None = None,
+    client: Callable[[], NATS] = NATS,
+) -> NATS:
+    """A connected client (made by `client`, a subclass of nats-py's for a special purpose), or
+    `BusError` naming the servers once the deadline has passed."""
     opts = options or ConnectOptions()
     urls = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     if not urls:
@@ -144,7 +149,7 @@ async def connect(servers: str | Sequence[str], options: ConnectOptions | None =
 
     while True:
         attempt += 1
-        nc = NATS()
+        nc = client()
         try:
             # With reconnects allowed forever, nats-py's first connect also retries forever when
             # nothing listens, so the deadline has to be enforced around it.

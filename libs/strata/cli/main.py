@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-credentials", type=int, default=16, help="worker users made by --secure (16)"
     )
     up.add_argument(
+        "--registry-partitions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="registry processes sharing the heartbeat intake (1); partition 0 decides membership",
+    )
+    up.add_argument(
         "--job",
         default=None,
         help="the job --secure makes worker users for, worker-N@JOB ($STRATA_JOB, default)",

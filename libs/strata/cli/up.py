@@ -7,7 +7,9 @@ if `strata up` itself is SIGKILLed (children carry a parent-death signal). Every
 the children's probe ports included, binds `--host` only; with `--secure` the gateway asks for an
 API token, kept beside the NATS credentials in files only their owner can read. The worker
 credentials `--secure` makes belong to one job (`--job`): each is `worker-N@<job>`, and a worker
-that connects with one is that worker of that job and can act for no other.
+that connects with one is that worker of that job and can act for no other. With
+`--registry-partitions N` the registry runs as N processes sharing the heartbeat intake
+(`registry` is partition 0, the leader; `registry-1` ... the others).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env, Settings, load_settings
 from strata.errors import ConfigError
+from strata.events import subjects
 from strata.logs import configure_logging
 from strata.security import (
     Credential,
@@ -68,12 +71,14 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    service: str = ""
+    """The service it runs, when not its name (`registry-1` runs the registry)."""
 
     def spawn(self) -> None:
         # Own process group: a terminal's Ctrl-C reaches only `strata up`, which then stops the
         # services before NATS, in order.
         self.proc = procutil.spawn_service(
-            self.name, self.env, self.log_path, own_process_group=True
+            self.service or self.name, self.env, self.log_path, own_process_group=True
         )
         self.started_at = time.monotonic()
 
@@ -152,6 +157,7 @@ class LocalStack:
         worker_credentials: int = 16,
         job: str = "default",
         env: dict[str, str] | None = None,
+        registry_partitions: int = 1,
     ) -> None:
         self.data_dir = data_dir.resolve()
         # Port 0 picks a free one here, so the dashboard's address can be told.
@@ -159,6 +165,12 @@ class LocalStack:
         self.host = host
         self.secure = secure
         self.job = job
+        if not 1 <= registry_partitions <= subjects.HEARTBEAT_BUCKETS:
+            raise ConfigError(
+                f"--registry-partitions must be 1 to {subjects.HEARTBEAT_BUCKETS}, "
+                f"not {registry_partitions}"
+            )
+        self.registry_partitions = registry_partitions
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         _check_port_free(host, nats_port, "NATS", "--nats-port")
         _check_port_free(host, self.http_port, "HTTP", "--http-port")
@@ -199,20 +211,27 @@ class LocalStack:
             Env.LISTEN_HOST: self.host,
         }
         probe_host = _reachable(self.host)
-        for name in catalog.available():
-            role_env = self.role_env("gateway") if name == "gateway" else service_env
-            if name == "gateway" and self.api_token is not None:
+        for service in catalog.available():
+            role_env = self.role_env("gateway") if service == "gateway" else service_env
+            if service == "gateway" and self.api_token is not None:
                 role_env = {**role_env, Env.API_TOKEN: self.api_token}
-            child = Child(
-                name=name,
-                health_port=procutil.free_port(probe_host),
-                log_path=self.data_dir / "logs" / f"{name}.log",
-                env={**base_env, **role_env, Env.HTTP_PORT: str(self.http_port)},
-                probe_host=probe_host,
-            )
-            child.env[Env.HEALTH_PORT] = str(child.health_port)
-            child.spawn()
-            self.children.append(child)
+            copies = self.registry_partitions if service == "registry" else 1
+            for partition in range(copies):
+                name = f"{service}-{partition}" if partition else service
+                child = Child(
+                    name=name,
+                    health_port=procutil.free_port(probe_host),
+                    log_path=self.data_dir / "logs" / f"{name}.log",
+                    env={**base_env, **role_env, Env.HTTP_PORT: str(self.http_port)},
+                    probe_host=probe_host,
+                    service=service,
+                )
+                child.env[Env.HEALTH_PORT] = str(child.health_port)
+                if copies > 1:
+                    child.env[Env.REGISTRY_PARTITIONS] = str(copies)
+                    child.env[Env.REGISTRY_PARTITION] = str(partition)
+                child.spawn()
+                self.children.append(child)
         _wait_ready(self.children, stop)
 
     def supervise(self, stop: threading.Event) -> None:
@@ -250,6 +269,7 @@ def up(args: argparse.Namespace) -> int:
         secure=bool(getattr(args, "secure", False)),
         worker_credentials=int(getattr(args, "worker_credentials", 16)),
         job=settings.job,
+        registry_partitions=int(getattr(args, "registry_partitions", 1)),
     )
     stop = install_stop_signals()
     try:

@@ -65,7 +65,14 @@ def _event_channel(model: type[Event]) -> tuple[str, dict[str, Any]]:
     params: dict[str, Any]
     if event_type == "worker.heartbeat":
         address = subjects.heartbeat_address()
-        params = {"job": JOB_PARAMETER, "worker": {}}
+        params = {
+            "bucket": {
+                "description": "First two hex digits of the SHA-256 of the worker id "
+                "(the registry partitions split heartbeats by it)."
+            },
+            "job": JOB_PARAMETER,
+            "worker": {},
+        }
     elif event_type == "metric.sampled":
         address = subjects.metric_address()
         params = {

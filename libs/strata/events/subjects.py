@@ -1,12 +1,14 @@
 """Every NATS subject, stream and queue-group name Strata uses is built here and nowhere else.
 
 Layout: events on `strata.evt.<job>.<area>.<event>` (stream STRATA_EVENTS), heartbeats on
-`strata.hb.<job>.<worker>` and samples on `strata.metric.<job>.<worker>.<name>` (stream
-STRATA_TELEMETRY), requests on `strata.rpc.<service>.<verb>.<job>.<worker>`: the last two tokens
-are the caller, and NATS permissions tie a worker's credential to its own, so the subject a request
-arrives on says who sent it. (`strata.rpc.<service>.<verb>` without them is an operator's request,
-which only the services' credential, or anyone on an unsecured NATS, may send.) A worker's replies
-come to its own inbox prefix, `_INBOX_strata.<job>.<worker>`, so no other worker may read them.
+`strata.hb.<bucket>.<job>.<worker>` (the bucket a stable hash of the worker id, so heartbeat intake
+can be split over registry processes by subject) and samples on
+`strata.metric.<job>.<worker>.<name>` (stream STRATA_TELEMETRY), requests on
+`strata.rpc.<service>.<verb>.<job>.<worker>`: the last two tokens are the caller, and NATS
+permissions tie a worker's credential to its own, so the subject a request arrives on says who
+sent it. (`strata.rpc.<service>.<verb>` without them is an operator's request, which only the
+services' credential, or anyone on an unsecured NATS, may send.) A worker's replies come to its
+own inbox prefix, `_INBOX_strata.<job>.<worker>`, so no other worker may read them.
 Ids may contain `.`, which separates subject tokens, so ids are encoded into tokens with `.` -> `~`
 (ids never contain `~`, so the mapping is reversible). Where a function says a part may be `*`, it
 also builds the wildcard pattern that NATS permissions are written in.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import re
 from typing import Final, NamedTuple
 
@@ -100,27 +103,86 @@ def parse_event_subject(subject: str) -> tuple[str, str]:
 # -- telemetry ------------------------------------------------------------------------------------
 
 
+HEARTBEAT_BUCKETS: Final = 256
+"""Heartbeat subjects carry one of this many bucket tokens; registry partitions own whole
+buckets, so at most this many registry processes can share the heartbeat intake."""
+
+
+@functools.lru_cache(maxsize=65_536)
+def heartbeat_bucket(worker_id: str) -> str:
+    """The bucket token of a worker's heartbeat subject: the first two hex digits of the SHA-256
+    of its id, the same in every process and language (the Helm chart renders it with
+    `sha256sum | trunc 2`); `*` stays a wildcard."""
+    if worker_id == "*":
+        return "*"
+    return hashlib.sha256(worker_id.encode()).hexdigest()[:2]
+
+
 def heartbeat_subject(job: str, worker_id: str) -> str:
-    """Where one worker heartbeats; `worker_id` may be `*`."""
-    return f"{HEARTBEATS}.{token(job)}.{token(worker_id)}"
+    """Where one worker heartbeats; `worker_id` may be `*` (then so is the bucket)."""
+    return f"{HEARTBEATS}.{heartbeat_bucket(worker_id)}.{token(job)}.{token(worker_id)}"
 
 
 def job_heartbeats(job: str) -> str:
     """Heartbeats of every worker of one job; `*` for every job."""
     job_token = "*" if job == "*" else token(job)
-    return f"{HEARTBEATS}.{job_token}.*"
+    return f"{HEARTBEATS}.*.{job_token}.*"
 
 
 def all_heartbeats() -> str:
     return f"{HEARTBEATS}.>"
 
 
+def partition_of(worker_id: str, partitions: int) -> int:
+    """The registry partition (0 to `partitions` - 1) that takes in `worker_id`'s heartbeats and
+    watches it for silence."""
+    return int(heartbeat_bucket(worker_id), 16) % _check_partitions(partitions)
+
+
+def partition_heartbeats(partition: int, partitions: int) -> list[str]:
+    """The subjects registry partition `partition` of `partitions` subscribes to: every bucket
+    whose number modulo `partitions` is `partition` (one wildcard for a single partition)."""
+    _check_partitions(partitions)
+    if not 0 <= partition < partitions:
+        raise ValueError(f"partition {partition} is not in 0..{partitions - 1}")
+    if partitions == 1:
+        return [f"{HEARTBEATS}.*.*.*"]
+    return [
+        f"{HEARTBEATS}.{bucket:02x}.*.*"
+        for bucket in range(HEARTBEAT_BUCKETS)
+        if bucket % partitions == partition
+    ]
+
+
+def _check_partitions(partitions: int) -> int:
+    if not 1 <= partitions <= HEARTBEAT_BUCKETS:
+        raise ValueError(
+            f"registry partitions must be 1 to {HEARTBEAT_BUCKETS} (one heartbeat bucket at "
+            f"least each), not {partitions}"
+        )
+    return partitions
+
+
+def registry_silences() -> str:
+    """Where a registry partition sends the workers it found silent to the registry leader, which
+    alone decides membership (a core NATS request; no worker credential may publish here)."""
+    return f"{ROOT}.registry.silent"
+
+
+def registry_progress() -> str:
+    """Where a registry partition sends the leader the last heartbeat, step and epoch of its
+    workers, for the leader's `members` answers (core NATS; no worker credential may publish)."""
+    return f"{ROOT}.registry.progress"
+
+
 def parse_heartbeat_subject(subject: str) -> tuple[str, str]:
     """(job, worker id) of a heartbeat subject; ValueError for anything else."""
     parts = subject.split(".")
-    if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != HEARTBEATS:
-        raise ValueError(f"{subject!r} is not a heartbeat subject ({HEARTBEATS}.<job>.<worker>)")
-    return untoken(parts[2]), untoken(parts[3])
+    if len(parts) != 5 or f"{parts[0]}.{parts[1]}" != HEARTBEATS:
+        raise ValueError(
+            f"{subject!r} is not a heartbeat subject ({HEARTBEATS}.<bucket>.<job>.<worker>)"
+        )
+    return untoken(parts[3]), untoken(parts[4])
 
 
 def metric_subject(job: str, worker_id: str, name: str) -> str:
@@ -281,7 +343,7 @@ def event_address(event_type: str) -> str:
 
 
 def heartbeat_address() -> str:
-    return heartbeat_subject("{job}", "{worker}")
+    return f"{HEARTBEATS}.{{bucket}}.{{job}}.{{worker}}"
 
 
 def metric_address() -> str:

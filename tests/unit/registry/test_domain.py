@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
-from strata.events import WorkerFailed, WorkerHeartbeat, WorkerRegistered, WorkerStateChanged
+from strata.events import (
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerRegistered,
+    WorkerStateChanged,
+    subjects,
+)
 from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import LeaveRequest, RegisterRequest
 from strata.services.domain import Decision
@@ -566,3 +572,69 @@ def test_a_job_start_in_one_batch_gives_every_worker_its_own_rank_and_epoch() ->
     assert [e.world_size for e in registered] == list(range(1, 51))  # type: ignore[attr-defined]
     assert len({e.id for e in registered}) == 50
     assert state.jobs == {}
+
+
+# -- partitioned heartbeat intake -----------------------------------------------------------------
+
+
+def test_a_partition_judges_only_the_workers_whose_heartbeats_it_takes_in() -> None:
+    state = RegistryState()
+    workers = [f"w{i}" for i in range(12)]
+    for worker in workers:
+        register(state, worker, 100.0)
+    owner = {w: subjects.partition_of(w, 2) for w in workers}
+    assert set(owner.values()) == {0, 1}
+    every = {e.worker_id for e in domain.detect_failures(state, ns(200.0), POLICY)}
+    assert every == set(workers)
+    for partition in (0, 1):
+        found = domain.decide(state, DetectFailures(partition, 2), ns(200.0), POLICY).events
+        assert {e.worker_id for e in found} == {w for w in workers if owner[w] == partition}
+
+
+def test_the_leader_lists_the_progress_a_partition_reports_of_its_live_workers() -> None:
+    leader, partition = RegistryState(), RegistryState()
+    for state in (leader, partition):
+        for worker in ("a", "b", "c"):
+            register(state, worker, 100.0)
+    for worker in ("a", "b", "c"):
+        heartbeat(partition, worker, 101.0)
+    reported = [
+        (job, worker, instance, heard, 9, epoch)
+        for job, worker, instance, heard, _, epoch in domain.progress_since(partition, 0, 0, 1)
+    ]
+    assert {entry[1] for entry in reported} == {"a", "b", "c"}
+    assert domain.progress_since(partition, ns(101.0), 0, 1) == []  # nothing heard since
+    mine = domain.progress_since(partition, 0, 1, 2)
+    assert {e[1] for e in mine} == {w for w in "abc" if subjects.partition_of(w, 2) == 1}
+    # `b` restarted meanwhile (another instance): its old registration's progress is ignored.
+    run(leader, Register(RegisterRequest(job=JOB, worker_id="b", instance="b-again")), 101.5)
+    assert domain.apply_progress(leader, reported) == 2
+    members = leader.jobs[JOB].members
+    assert (members["a"].last_heartbeat_ts, members["a"].step) == (ns(101.0), 9)
+    assert members["b"].last_heartbeat_ts is None
+    assert domain.apply_progress(leader, reported) == 0  # an old report changes nothing
+
+
+def test_the_leader_records_a_partitions_failures_with_its_own_epochs_and_only_live_ones() -> None:
+    leader, partition = RegistryState(), RegistryState()
+    for state in (leader, partition):
+        for worker in ("a", "b", "c"):
+            register(state, worker, 100.0)
+    found = [
+        e
+        for e in domain.detect_failures(partition, ns(200.0), POLICY)
+        if isinstance(e, WorkerFailed) and e.worker_id in ("a", "c")
+    ]
+    # Meanwhile the leader recorded a leave of `b` and a restart (a new registration) of `c`.
+    run(leader, Leave(LeaveRequest(job=JOB, worker_id="b", instance="p-b")), 150.0)
+    restart = RegisterRequest(job=JOB, worker_id="c", instance="c-again")
+    run(leader, Register(restart), 150.0)
+    epoch = leader.jobs[JOB].membership_epoch
+    confirmed = domain.confirm_failures(leader, [*found, *found])
+    # `c`'s failure was judged on its old registration: the live one is not failed for it.
+    assert [(e.worker_id, e.membership_epoch) for e in confirmed] == [("a", epoch + 1)]
+    assert confirmed[0].id == found[0].id
+    assert confirmed[0].reason == found[0].reason
+    for event in confirmed:
+        domain.evolve(leader, event)
+    assert domain.confirm_failures(leader, found) == []  # a repeated report changes nothing

@@ -324,9 +324,23 @@ cluster of its own and nats.routeAuth.enabled.
 {{- default (printf "%s-api-token" (include "strata.fullname" .)) .Values.coordinator.apiToken.existingSecret }}
 {{- end }}
 
+{{/*
+The Strata service components, one Deployment each: every service once, and the registry once
+more per extra heartbeat partition (registry-1, registry-2, ...; `registry` is partition 0).
+*/}}
+{{- define "strata.components" -}}
+{{- $names := list "registry" }}
+{{- range $partition := until (int .Values.coordinator.services.registry.partitions) }}
+{{- if $partition }}
+{{- $names = append $names (printf "registry-%d" $partition) }}
+{{- end }}
+{{- end }}
+{{- toJson (concat $names (list "sharding" "barrier" "checkpoint" "gateway")) }}
+{{- end }}
+
 {{/* The Strata pods' components: the NATS client port is theirs alone. */}}
 {{- define "strata.clientComponents" -}}
-{{- toJson (list "registry" "sharding" "barrier" "checkpoint" "gateway" "worker" "test") }}
+{{- toJson (concat (include "strata.components" . | fromJsonArray) (list "worker" "test")) }}
 {{- end }}
 
 {{/*

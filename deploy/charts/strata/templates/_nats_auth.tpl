@@ -45,7 +45,8 @@ authorization {
     {user: {{ .user | quote }}, password: ${{ .env }}, permissions: {
       publish: {
         allow: [
-          {{ printf "strata.hb.%s.%s" $job $worker | quote }},
+          {{- /* The bucket token is strata.events.subjects.heartbeat_bucket: SHA-256, two hex digits. */}}
+          {{ printf "strata.hb.%s.%s.%s" (ternary "*" (sha256sum $worker | trunc 2) (eq $worker "*")) $job $worker | quote }},
           {{ printf "strata.metric.%s.%s.*" $job $worker | quote }},
           {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }},
           {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }},
