@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.subscription import Subscription
-from strata.services.registry.intake import IntakeClient
+from strata.services.registry.intake import FAST_LANE, IntakeClient
 
 HEARTBEATS_SID = 1
 OTHER_SID = 2
@@ -85,3 +85,9 @@ def test_a_malformed_frame_is_refused_as_nats_py_refuses_it() -> None:
     with pytest.raises(ProtocolError):
         asyncio.run(client._ps.parse(msg("a", HEARTBEATS_SID, b"x") + b"HMSG a 1 x y\r\n"))
     assert client.taken == [(b"a", b"x")]
+
+
+def test_the_installed_nats_py_is_a_release_the_fast_lane_is_written_for() -> None:
+    """On another release the intake falls back to a plain subscription, correct but slower: an
+    upgrade of nats-py must come with a look at `IntakeParser` (and this release list)."""
+    assert FAST_LANE
