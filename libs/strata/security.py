@@ -3,7 +3,8 @@
 Three roles. `services` may do anything. The `gateway` reads: it may use the JetStream API to
 create and read consumers but publish nothing on `strata.>`. A `worker` credential belongs to one
 job and names one worker of it (`<worker>@<job>`, made by `strata up --secure`), or every worker
-of one job (the Helm chart's shared user, the worker part `*`): it may publish only its own
+of one job (`strata-workers-<job>`, the job's shared user, made by the chart and by `strata up
+--secure`; the worker part of its subjects is `*`): it may publish only its own
 heartbeats, metric samples and requests, each on a subject that ends with its job and worker, and
 subscribe only to its job's world notices, barrier and plan events, its own control notices and
 its own inbox; besides, it may use its job's keys of the torchrun rendezvous bucket. Nothing it
@@ -33,6 +34,9 @@ ROLES: tuple[Role, ...] = ("services", "gateway", "worker")
 WORKER_USER_SEPARATOR = "@"
 """Between the worker and the job in a worker credential's user name: no id contains it."""
 _ID = re.compile(ID_PATTERN)
+
+JOB_USER_PREFIX = "strata-workers-"
+"""Before the job in the user name of a credential every worker of the job shares."""
 
 WORKER_DENY = (
     subjects.all_control(),
@@ -68,6 +72,19 @@ def worker_identity(user: str | None) -> tuple[str, str] | None:
     if not (_ID.match(worker) and _ID.match(job)) or "\n" in user:
         return None
     return job, worker
+
+
+def job_user(job: str) -> str:
+    """The NATS user name of the credential every worker of `job` shares."""
+    return JOB_USER_PREFIX + job
+
+
+def job_of_shared_user(user: str | None) -> str | None:
+    """The job whose shared credential `user` is (`job_user`), or None for any other user."""
+    if not user or not user.startswith(JOB_USER_PREFIX) or "\n" in user:
+        return None
+    job = user.removeprefix(JOB_USER_PREFIX)
+    return job if _ID.match(job) and WORKER_USER_SEPARATOR not in job else None
 
 
 def worker_permissions(job: str, worker: str) -> Permissions:
@@ -131,9 +148,13 @@ def permissions(role: Role, user: str) -> Permissions:
         )
     identity = worker_identity(user)
     if identity is None:
+        shared = job_of_shared_user(user)
+        if shared is not None:
+            return worker_permissions(shared, "*")
         raise ConfigError(
             f"worker credential {user!r} names no job and worker: worker user names are "
-            f"<worker>{WORKER_USER_SEPARATOR}<job> (strata up --secure makes them)"
+            f"<worker>{WORKER_USER_SEPARATOR}<job>, or {JOB_USER_PREFIX}<job> for one every "
+            "worker of the job shares (strata up --secure makes both)"
         )
     job, worker = identity
     return worker_permissions(job, worker)
@@ -152,8 +173,16 @@ class Credential:
 
     @property
     def identity(self) -> tuple[str, str] | None:
-        """(job, worker) of a worker credential, None for the others."""
+        """(job, worker) of a one-worker credential, None for the others."""
         return worker_identity(self.user) if self.role == "worker" else None
+
+    @property
+    def job(self) -> str | None:
+        """The job of a worker credential, one worker's or the job's shared one."""
+        if self.role != "worker":
+            return None
+        identity = worker_identity(self.user)
+        return identity[0] if identity is not None else job_of_shared_user(self.user)
 
 
 def _quoted(items: tuple[str, ...]) -> str:
@@ -198,6 +227,12 @@ def worker_credentials(job: str, workers: list[str]) -> list[Credential]:
         Credential(worker_user(job, _check_id("worker", name)), secrets.token_urlsafe(24), "worker")
         for name in workers
     ]
+
+
+def job_credential(job: str) -> Credential:
+    """A fresh random password for the credential every worker of `job` shares (`job_user`):
+    for processes that pick their worker id themselves, such as torchrun's ranks (`rank-N`)."""
+    return Credential(job_user(_check_id("job", job)), secrets.token_urlsafe(24), "worker")
 
 
 def generate_credentials(job: str, workers: list[str]) -> list[Credential]:

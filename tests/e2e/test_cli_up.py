@@ -232,6 +232,11 @@ def test_secure_up_reports_every_service_up_though_the_gateway_may_not_send(
 def test_secure_up_keeps_every_secret_in_files_only_their_owner_reads(stack: Stack) -> None:
     token = (stack.data_dir / "api-token").read_text().strip()
     credentials = json.loads((stack.data_dir / "credentials.json").read_text())
+    # One credential per worker of the job, and the one its workers share (torchrun's ranks).
+    jobs = {c["user"].split("@")[1] for c in credentials if "@" in c["user"]}
+    assert len(jobs) == 1, jobs
+    users = {c["user"] for c in credentials if c["role"] == "worker"}
+    assert {f"worker-0@{job}" for job in jobs} | {f"strata-workers-{job}" for job in jobs} <= users
     secrets = [token.encode(), *(c["password"].encode() for c in credentials)]
     # The token is shown once, on the terminal that started the stack, with the summary printed
     # once every service is ready.

@@ -31,7 +31,13 @@ from strata.bus import Bus
 from strata.bus.server import NatsCluster, NatsServer
 from strata.config import Env
 from strata.events import AnyEvent, WorkerFailed, WorkerRegistered, subjects
-from strata.security import authorization_config, by_role, generate_credentials, save_credentials
+from strata.security import (
+    authorization_config,
+    by_role,
+    generate_credentials,
+    job_credential,
+    save_credentials,
+)
 
 from tests.docs import example, write_example
 from tests.rendezvous import (
@@ -374,11 +380,12 @@ def test_max_restarts_bounds_the_restarts_as_with_c10d(
 def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
     tmp_path: Path, extra_path: str | None
 ) -> None:
-    """docs/pytorch.md's secured example on a nats-server with `strata up --secure`'s rules: two
+    """docs/pytorch.md's secured examples on a nats-server with `strata up --secure`'s rules: two
     nodes of one rank, each with its own worker credential of the job, form a world of 2; run
-    again with the same --rdzv-id right after the first run ended, it forms and finishes too."""
+    again with the same --rdzv-id right after the first run ended, as two nodes of two ranks on
+    the job's shared credential, they form a world of 4 and finish too."""
     job = new_job("secure")
-    credentials = generate_credentials(job, ["worker-0", "worker-1"])
+    credentials = [*generate_credentials(job, ["worker-0", "worker-1"]), job_credential(job)]
     (tmp_path / ".strata").mkdir()
     save_credentials(tmp_path / ".strata" / "credentials.json", credentials)
     write_example("docs/pytorch.md", "sum_world.py", tmp_path)
@@ -390,15 +397,16 @@ def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
             server.url, tmp_path / "logs", env=by_role(credentials, "services")[0].env()
         ),
     ):
-        script = (
-            example("docs/pytorch.md", "rdzv-secure.sh")
+        scripts = [
+            example("docs/pytorch.md", name)
             .replace("127.0.0.1:4222", host_port(server.url))
             .replace("sum-example", job)
-        )
+            for name in ("rdzv-secure.sh", "rdzv-secure-shared.sh")
+        ]
         env = torchrun_env(extra_path)
         for name in (Env.JOB, Env.NATS_URL, Env.NATS_USER, Env.NATS_PASSWORD):
             env.pop(name, None)
-        for run in range(2):
+        for run, script in enumerate(scripts):
             logs = [tmp_path / f"run-{run}-node-{n}.log" for n in range(2)]
             nodes = []
             for n, log in enumerate(logs):
@@ -422,9 +430,11 @@ def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
             output = "\n".join(log.read_text(errors="replace") for log in logs)
             assert codes == [0, 0], f"run {run}:\n{output[-6000:]}"
             results = {int(m[1]): m for m in SUM.finditer(output)}
-            assert sorted(results) == [0, 1], output[-6000:]
+            world = 2 * (run + 1)
+            assert sorted(results) == list(range(world)), output[-6000:]
             for rank, match in results.items():
-                assert (int(match[2]), int(match[3])) == (2, 3)
-                # The worker is the credential's, the rank torch's.
-                assert match[4] in ("worker-0", "worker-1")
+                assert (int(match[2]), int(match[3])) == (world, world * (world + 1) // 2)
+                # The worker is the one-worker credential's, or rank-N with the shared one; the
+                # rank is torch's.
+                assert match[4] in (("worker-0", "worker-1") if run == 0 else (f"rank-{rank}",))
                 assert int(match[5]) == rank

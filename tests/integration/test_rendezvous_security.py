@@ -27,6 +27,8 @@ from strata.security import (
     authorization_config,
     by_role,
     generate_credentials,
+    job_credential,
+    job_user,
     worker_credentials,
 )
 from strata.torch.rendezvous import JetStreamRendezvousBackend, _inbox_prefix
@@ -43,7 +45,11 @@ BUCKET = subjects.RENDEZVOUS_BUCKET
 
 @pytest.fixture
 def credentials() -> list[Credential]:
-    return generate_credentials(ATTACKER, ["worker-0"]) + worker_credentials(VICTIM, ["worker-0"])
+    return [
+        *generate_credentials(ATTACKER, ["worker-0"]),
+        job_credential(ATTACKER),
+        *worker_credentials(VICTIM, ["worker-0"]),
+    ]
 
 
 def of_job(credentials: list[Credential], job: str) -> Credential:
@@ -259,6 +265,37 @@ def test_an_agent_uses_its_credentials_own_inbox_and_job() -> None:
     )
     with pytest.raises(ConfigError, match="is for job 'job-b', but --rdzv-id is 'job-a'"):
         _inbox_prefix("job-a", "worker-0@job-b")
+    with pytest.raises(ConfigError, match="shared by the workers of job 'job-b', but --rdzv-id"):
+        _inbox_prefix("job-a", "strata-workers-job-b")
+
+
+async def test_the_jobs_shared_credential_runs_its_rendezvous_and_no_other(
+    secured: NatsServer, credentials: list[Credential], services: nats.NATS, victim: Agent
+) -> None:
+    """`strata up --secure`'s credential for all of a job's workers (torchrun's ranks take it):
+    its own job's rendezvous works; the victim's keys stay out of reach."""
+    shared = next(c for c in credentials if c.user == job_user(ATTACKER))
+    own = Agent(secured, shared, ATTACKER)
+    try:
+        assert own.backend.set_state(b"attacker-state") is not None
+        own.store.set("master", b"10.0.0.2")
+        assert own.store.get("master") == b"10.0.0.2"
+    finally:
+        own.close()
+    victim.backend.set_state(b"victim-state")
+    before = await victim_keys(services)
+    settings = load_settings(nats_user=shared.user, nats_password=shared.password)
+    with pytest.raises(BusError, match=f"may not read the rendezvous keys of job '{VICTIM}'"):
+        await RendezvousBucket.open(
+            [secured.url], settings, VICTIM, inbox_prefix=_inbox_prefix(ATTACKER, shared.user)
+        )
+    thief = await nats.connect(secured.url, user=shared.user, password=shared.password)
+    try:
+        await thief.publish(subjects.kv_subject(BUCKET, f"{VICTIM}.state"), b"forged")
+        await thief.flush()
+    finally:
+        await thief.close()
+    assert await victim_keys(services) == before
 
 
 async def test_a_credential_refused_the_jobs_keys_is_told_so(

@@ -11,6 +11,9 @@ from strata.errors import ConfigError
 from strata.events import subjects
 from strata.security import (
     WORKER_DENY,
+    job_credential,
+    job_of_shared_user,
+    job_user,
     permissions,
     rendezvous_permissions,
     worker_identity,
@@ -43,6 +46,25 @@ def test_a_worker_may_publish_and_hear_only_as_itself_in_its_job() -> None:
     assert subjects.caller_rpcs("job", "*") in shared.publish_allow
     with pytest.raises(ConfigError, match="names no job and worker"):
         permissions("worker", "worker-0")
+
+
+def test_the_jobs_shared_credential_acts_for_any_worker_of_its_job_only() -> None:
+    assert job_user("resnet.a") == "strata-workers-resnet.a"
+    assert job_of_shared_user("strata-workers-resnet.a") == "resnet.a"
+    for user in (None, "", "strata-workers-", "strata-workers-a@b", "w@j", "strata-workers-x y"):
+        assert job_of_shared_user(user) is None, user
+    assert permissions("worker", job_user("job")) == worker_permissions("job", "*")
+    shared = job_credential("job")
+    assert (shared.role, shared.job, shared.identity) == ("worker", "job", None)
+    assert job_credential("job").password != shared.password
+    with pytest.raises(ConfigError, match="of a worker credential must match"):
+        job_credential("bad job")
+    # The SDK takes the job from it, and the worker id from the caller (torchrun: rank-N).
+    settings = load_settings(nats_user=job_user("llm"), nats_password="x")
+    worker = strata.aio.Worker(worker_id="rank-2", settings=settings)
+    assert (worker.job, worker.id) == ("llm", "rank-2")
+    with pytest.raises(ConfigError, match="shared by the workers of job 'llm'"):
+        strata.aio.Worker("other", settings=settings)
 
 
 def test_a_worker_may_use_its_jobs_rendezvous_keys_and_no_other_jetstream_api() -> None:

@@ -30,7 +30,7 @@ from strata.events.codec import validation_error
 from strata.events.models import MAX_RANK
 from strata.events.requests import LeaveRequest, LeaveResult, RegisterRequest, Registration
 from strata.logs import configure_library_logging
-from strata.security import worker_identity
+from strata.security import job_of_shared_user, worker_identity
 
 REGISTRY: Final = "registry"
 RPC_TIMEOUT_S: Final = 5.0
@@ -93,6 +93,17 @@ def _credential_identity(
     user = settings.nats_user
     identity = worker_identity(user)
     if identity is None:
+        shared = job_of_shared_user(user)
+        if shared is not None:
+            if job is None and "job" in settings.model_fields_set:
+                job = settings.job
+            if job is not None and job != shared:
+                raise ConfigError(
+                    f"the NATS credential {user!r} is shared by the workers of job {shared!r}, "
+                    f"but job {job!r} was asked for: pass job=... or set STRATA_JOB to match "
+                    "it, or use that job's own credential"
+                )
+            return shared, worker_id
         return job, worker_id
     own_job, own_worker = identity
     if job is None and "job" in settings.model_fields_set:

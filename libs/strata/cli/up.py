@@ -46,6 +46,8 @@ from strata.security import (
     api_token,
     authorization_config,
     by_role,
+    job_credential,
+    job_user,
     load_credentials,
     save_credentials,
     service_credentials,
@@ -125,18 +127,21 @@ async def _provision(url: str, settings: Settings) -> None:
 
 def _credentials(data_dir: Path, workers: int, job: str) -> list[Credential]:
     """Reuse the credentials of an earlier `strata up --secure`, adding worker credentials for
-    `job` if it has none yet (so one data directory can serve several jobs), or make them."""
+    `job` if it has none yet (so one data directory can serve several jobs), or make them: one
+    per worker (`worker-N@<job>`) and the one the job's workers share (`strata-workers-<job>`)."""
     path = data_dir / CREDENTIALS_FILE
     found = load_credentials(path) if path.exists() else []
     # A worker user that names no job (made before credentials were bound to one) cannot be
     # confined to a job: it is dropped, and the job's workers get new ones.
-    kept = [c for c in found if c.role != "worker" or c.identity is not None]
+    kept = [c for c in found if c.role != "worker" or c.job is not None]
     if len(kept) != len(found):
         log.warning("worker_credentials_replaced", dropped=len(found) - len(kept), job=job)
     if not by_role(kept, "services") or not by_role(kept, "gateway"):
         kept = service_credentials() + [c for c in kept if c.role == "worker"]
     if not any(c.identity is not None and c.identity[0] == job for c in kept):
         kept += worker_credentials(job, [f"worker-{i}" for i in range(workers)])
+    if not any(c.user == job_user(job) for c in kept):
+        kept.append(job_credential(job))
     if kept != found:
         save_credentials(path, kept)
     return kept
@@ -341,7 +346,8 @@ def _print_summary(stack: LocalStack) -> None:
         table.add_row(
             "credentials",
             f"{stack.data_dir / CREDENTIALS_FILE} (workers of job {stack.job}: "
-            f"STRATA_NATS_USER=worker-N@{stack.job}, their worker id and job)",
+            f"STRATA_NATS_USER=worker-N@{stack.job}, their worker id and job; or "
+            f"{job_user(stack.job)}, shared, for torchrun's ranks)",
         )
     if stack.api_token is not None:
         # Shown here, once per start, and nowhere else: the logs never carry it.

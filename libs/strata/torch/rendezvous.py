@@ -284,10 +284,17 @@ def _inbox_prefix(run_id: str, user: str | None) -> str:
     job), else an inbox of the job's that the job's shared worker user may read."""
     from strata.errors import ConfigError
     from strata.events import subjects
-    from strata.security import worker_identity
+    from strata.security import job_of_shared_user, worker_identity
 
     identity = worker_identity(user)
     if identity is None:
+        shared = job_of_shared_user(user)
+        if shared is not None and shared != run_id:
+            raise ConfigError(
+                f"the NATS credential {user!r} is shared by the workers of job {shared!r}, but "
+                f"--rdzv-id is {run_id!r}: use that job's credential, or that job as the "
+                "rendezvous id"
+            )
         return subjects.worker_inbox_prefix(run_id, AGENT_INBOX)
     job, worker = identity
     if job != run_id:
