@@ -17,6 +17,7 @@ examples as written. Two torchrun invocations on one host stand for two nodes of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -136,6 +137,54 @@ def worlds_formed(nodes: list[ElasticNode], world: int) -> int:
     return sum(w == world for n in nodes for w, _ in n.worlds()) // world
 
 
+@contextlib.contextmanager
+def elastic_nodes(
+    workdir: Path, endpoint: str, run_id: str, env: dict[str, str], names: str = "ab"
+) -> Iterator[list[ElasticNode]]:
+    """Nodes of the elastic example, one per name; every node in the list (the test may add
+    more) is SIGKILLed on the way out, whatever happened."""
+    nodes = [ElasticNode(workdir, endpoint, run_id, env, name) for name in names]
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def stopped(nodes: list[ElasticNode]) -> list[tuple[int, int]]:
+    """(rank, world) of every rank that stopped when asked to, sorted."""
+    output = "".join(node.output() for node in nodes)
+    return sorted((int(m[1]), int(m[3])) for m in STOPPED.finditer(output))
+
+
+def run_nodes(
+    script: str, cwd: Path, envs: list[dict[str, str]], name: str
+) -> tuple[list[int], str]:
+    """Run `script` once per environment, as nodes started together; their exit codes, and
+    their output together."""
+    logs = [cwd / f"{name}-node-{n}.log" for n in range(len(envs))]
+    nodes = []
+    try:
+        for log, env in zip(logs, envs, strict=True):
+            with log.open("wb") as out:
+                nodes.append(
+                    subprocess.Popen(
+                        ["bash", "-e", "-c", script],
+                        cwd=cwd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        codes = [node.wait(300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_tree(node)
+    return codes, "\n".join(log.read_text(errors="replace") for log in logs)
+
+
 def stop_and_finish(workdir: Path, nodes: list[ElasticNode]) -> None:
     (workdir / "stop").touch()
     codes = [node.wait(120) for node in nodes]
@@ -163,27 +212,7 @@ def test_two_nodes_of_two_ranks_form_one_world_with_torchs_ranks_in_strata(
     env = torchrun_env(extra_path)
     for name in (Env.JOB, Env.NATS_URL):
         env.pop(name, None)  # the agent passes on the endpoint and the id
-    logs = [tmp_path / f"node-{i}.log" for i in range(2)]
-    nodes = []
-    for log in logs:
-        with log.open("wb") as out:
-            nodes.append(
-                subprocess.Popen(
-                    ["bash", "-e", "-c", script],
-                    cwd=tmp_path,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    try:
-        codes = [node.wait(300) for node in nodes]
-    finally:
-        for node in nodes:
-            kill_tree(node)
-    output = "\n".join(log.read_text(errors="replace") for log in logs)
+    codes, output = run_nodes(script, tmp_path, [env, env], "two")
     assert codes == [0, 0], output[-6000:]
     results = {int(m[1]): m for m in SUM.finditer(output)}
     assert sorted(results) == [0, 1, 2, 3], output[-6000:]
@@ -197,18 +226,14 @@ def test_a_killed_rank_restarts_the_group_on_both_nodes_and_the_job_finishes(
 ) -> None:
     env = torchrun_env(extra_path)
     endpoint, run_id = host_port(own_nats_server.url), new_job("rdzv")
-    nodes = [ElasticNode(elastic_dir, endpoint, run_id, env, name) for name in "ab"]
-    try:
+    with elastic_nodes(elastic_dir, endpoint, run_id, env) as nodes:
         wait_until(lambda: worlds_formed(nodes, 4) >= 1, 180, "a world of 4")
         nodes[1].kill_one_rank()
         wait_until(lambda: worlds_formed(nodes, 4) >= 2, 180, "the group restarted, world 4")
         stop_and_finish(elastic_dir, nodes)
-    finally:
-        for node in nodes:
-            node.kill()
     output = "".join(node.output() for node in nodes)
     assert "exitcode: -9" in output, "torchrun never saw the rank die"
-    assert sorted(int(m[1]) for m in STOPPED.finditer(output)) == [0, 1, 2, 3], output[-4000:]
+    assert stopped(nodes) == [(r, 4) for r in range(4)], output[-4000:]
 
 
 def test_a_lost_node_leaves_a_world_of_two_and_a_new_node_makes_it_four_again(
@@ -216,9 +241,8 @@ def test_a_lost_node_leaves_a_world_of_two_and_a_new_node_makes_it_four_again(
 ) -> None:
     env = torchrun_env(extra_path)
     endpoint, run_id = host_port(own_nats_server.url), new_job("rdzv")
-    first, lost = (ElasticNode(elastic_dir, endpoint, run_id, env, n) for n in ("a", "b"))
-    nodes = [first, lost]
-    try:
+    with elastic_nodes(elastic_dir, endpoint, run_id, env) as nodes:
+        first, lost = nodes
         wait_until(lambda: worlds_formed(nodes, 4) >= 1, 180, "a world of 4")
         lost.kill()
         # Its ranks failed with the other node's: one restart of its own.
@@ -231,11 +255,7 @@ def test_a_lost_node_leaves_a_world_of_two_and_a_new_node_makes_it_four_again(
             "a world of 4 with the new node",
         )
         stop_and_finish(elastic_dir, [first, new])
-    finally:
-        for node in nodes:
-            node.kill()
-    stopped = [(int(m[1]), int(m[3])) for m in STOPPED.finditer(first.output() + new.output())]
-    assert sorted(stopped) == [(0, 4), (1, 4), (2, 4), (3, 4)], first.output()[-4000:]
+    assert stopped([first, new]) == [(r, 4) for r in range(4)], first.output()[-4000:]
 
 
 MEMBER = """\
@@ -271,15 +291,11 @@ def test_a_torchrun_restart_is_one_failure_and_reregistration_in_strata(
     for name in (Env.JOB, Env.NATS_URL):
         env.pop(name, None)  # the agent passes on the endpoint and the id
     job = new_job("rdzv")
-    nodes = [ElasticNode(workdir, host_port(stack), job, env, name) for name in "ab"]
-    try:
+    with elastic_nodes(workdir, host_port(stack), job, env) as nodes:
         wait_until(lambda: worlds_formed(nodes, 4) >= 1, 180, "a world of 4")
         killed = nodes[1].kill_one_rank()
         wait_until(lambda: worlds_formed(nodes, 4) >= 2, 180, "the group restarted, world 4")
         stop_and_finish(workdir, nodes)
-    finally:
-        for node in nodes:
-            node.kill()
     output = "".join(node.output() for node in nodes)
     lines = MEMBER_LINE.findall(output)
     assert len(lines) == 8, output[-4000:]
@@ -309,8 +325,7 @@ def test_the_rendezvous_survives_its_nats_leader_being_killed(
 ) -> None:
     env = torchrun_env(extra_path, **{Env.STREAM_REPLICAS: "3"})
     endpoint, run_id = nats_cluster.url, new_job("rdzv")
-    nodes = [ElasticNode(elastic_dir, endpoint, run_id, env, name) for name in "ab"]
-    try:
+    with elastic_nodes(elastic_dir, endpoint, run_id, env) as nodes:
         wait_until(lambda: worlds_formed(nodes, 4) >= 1, 180, "a world of 4")
         leader = nats_cluster.wait_for_stream_leader(KV_STREAM, timeout=30)
         index = next(i for i, n in enumerate(nats_cluster.nodes) if n.name == leader)
@@ -324,11 +339,7 @@ def test_the_rendezvous_survives_its_nats_leader_being_killed(
         nodes[0].kill_one_rank()
         wait_until(lambda: worlds_formed(nodes, 4) >= 2, 180, "the group restarted, world 4")
         stop_and_finish(elastic_dir, nodes)
-    finally:
-        for node in nodes:
-            node.kill()
-    output = "".join(node.output() for node in nodes)
-    assert sorted(int(m[1]) for m in STOPPED.finditer(output)) == [0, 1, 2, 3], output[-4000:]
+    assert stopped(nodes) == [(r, 4) for r in range(4)], nodes[0].output()[-4000:]
 
 
 def test_torchrun_finds_the_backend_through_its_entry_point(
@@ -407,27 +418,8 @@ def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
         for name in (Env.JOB, Env.NATS_URL, Env.NATS_USER, Env.NATS_PASSWORD):
             env.pop(name, None)
         for run, script in enumerate(scripts):
-            logs = [tmp_path / f"run-{run}-node-{n}.log" for n in range(2)]
-            nodes = []
-            for n, log in enumerate(logs):
-                with log.open("wb") as out:
-                    nodes.append(
-                        subprocess.Popen(
-                            ["bash", "-e", "-c", script],
-                            cwd=tmp_path,
-                            env={**env, "NODE": str(n)},
-                            stdin=subprocess.DEVNULL,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
-            try:
-                codes = [node.wait(300) for node in nodes]
-            finally:
-                for node in nodes:
-                    kill_tree(node)
-            output = "\n".join(log.read_text(errors="replace") for log in logs)
+            envs = [{**env, "NODE": str(n)} for n in range(2)]
+            codes, output = run_nodes(script, tmp_path, envs, f"run-{run}")
             assert codes == [0, 0], f"run {run}:\n{output[-6000:]}"
             results = {int(m[1]): m for m in SUM.finditer(output)}
             world = 2 * (run + 1)
