@@ -1,5 +1,12 @@
 """Reading a job's history from JetStream: its events and heartbeats in stored order, within bounds.
 
+A read is one push consumer of its own (no acknowledgements, flow control, idle heartbeats) whose
+messages reach a `RawInbox`: the stream position and stored time come from the reply subject the
+server sends with each message, so nothing is parsed that the bounds do not need, and a message
+is decoded only once it is known to be within them. Where the consumer's own sequence skips (a
+message lost in a reconnect) or the server says the consumer is gone, the read goes on from the
+last stream sequence taken with a new consumer, as nats-py's ordered consumer does.
+
 What is read passes the provenance rule first (an event on its own subject from a source that may
 emit it, a heartbeat on its own worker's subject: `strata.events.provenance`); what does not is
 skipped and counted in `strata_messages_rejected_total`, like a malformed message.
@@ -10,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import enum
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Final
 
-from nats.aio.msg import Msg
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from strata.errors import StrataError
+from strata.errors import BusError, StrataError
 from strata.events import (
     AnyEvent,
     MetricSampled,
@@ -27,16 +37,218 @@ from strata.events import (
     provenance,
     subjects,
 )
+from strata.history.inbox import RawInbox
 from strata.history.records import Record, Stream
 from strata.metrics import MESSAGES_REJECTED
 
-READ_AHEAD_MSGS: Final = 8192
-READ_BUFFER_MSGS: Final = 65_536
 STALLED_S: Final = 10.0
-
+"""A read that receives nothing for this long ends (a message deleted while being read, say)."""
+IDLE_HEARTBEAT_S: Final = 2.0
+INACTIVE_S: Final = 60.0
+"""The server removes a read's consumer this long after its reader went away without a word."""
+MAX_RESTARTS: Final = 5
+"""Consumers one read may start again after a gap before it gives up with `BusError`."""
 
 REPLAY_CONSUMER: Final = "replay"
 """How reads of history name themselves in `strata_messages_rejected_total`."""
+
+_STATUS: Final = b"NATS/1.0 "
+_STALLED_HEADER: Final = b"Nats-Consumer-Stalled:"
+_LAST_CONSUMER_HEADER: Final = b"Nats-Last-Consumer:"
+
+Raw = tuple[int, int, str, bytes]
+"""(stream sequence, stored time in ns, subject, payload) of one stored message."""
+
+
+def _header(headers: bytes, name: bytes) -> str | None:
+    at = headers.find(name)
+    if at < 0:
+        return None
+    end = headers.find(b"\r\n", at)
+    return headers[at + len(name) : end if end >= 0 else None].strip().decode()
+
+
+class _Outcome(enum.Enum):
+    MORE = "more"
+    DONE = "done"
+    """Everything stored when the consumer started is delivered."""
+    RESTART = "restart"
+    """The consumer skipped or lost messages: read on from the last one taken."""
+
+
+class _StreamRead:
+    """The stored messages of one stream matching a filter, in batches, oldest first."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        stream: str,
+        filter_subject: str,
+        start_seq: int | None,
+        start_ns: int | None,
+    ) -> None:
+        self._js = js
+        self._stream = stream
+        self._filter = filter_subject
+        self._start_seq = start_seq
+        self._start_ns = start_ns
+        self._items: list[tuple[str, str, bytes]] = []
+        """What arrived and was not taken yet: messages, and markers (an empty subject) for the
+        control messages that must be answered in order (flow control, a stalled heartbeat)."""
+        self._waiter: asyncio.Future[None] | None = None
+        self._inbox: RawInbox | None = None
+        self._consumer: str | None = None
+        self._last_seq = 0
+        self._last_delivered = 0
+
+    # -- the server's side ------------------------------------------------------------------------
+
+    def _arrived(self, subject: str, reply: str, data: bytes, headers: bytes | None) -> None:
+        # Runs on the client's reading task for every message: append, wake, nothing more.
+        if data or headers is None or not headers.startswith(_STATUS):
+            self._items.append((subject, reply, data))
+        elif reply:
+            self._items.append(("", reply, b""))  # flow control: answered once all before is taken
+        elif headers.startswith(b"NATS/1.0 100"):
+            stalled = _header(headers, _STALLED_HEADER)
+            if stalled:
+                self._items.append(("", stalled, b""))
+            last = _header(headers, _LAST_CONSUMER_HEADER)
+            if last and last.isdigit():
+                self._items.append(("", "", last.encode()))  # idle heartbeat: a gap check
+        else:
+            self._items.append(("", "", b"restart"))  # the consumer is gone (409), say
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _start(self) -> int:
+        """A consumer from where the read stands; how many messages it has to deliver."""
+        await self._stop()
+        self._items = []
+        self._last_delivered = 0
+        self._inbox = await RawInbox(self._js._nc, self._arrived).open()
+        config = ConsumerConfig(
+            deliver_subject=self._inbox.subject,
+            ack_policy=AckPolicy.NONE,
+            max_deliver=1,
+            flow_control=True,
+            idle_heartbeat=IDLE_HEARTBEAT_S,
+            filter_subject=self._filter,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=INACTIVE_S,
+        )
+        if self._last_seq:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self._last_seq + 1
+        elif self._start_seq is not None and self._start_seq > 1:
+            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self._start_seq
+        elif self._start_ns is not None:
+            config.deliver_policy = DeliverPolicy.BY_START_TIME
+            config.opt_start_time = datetime.datetime.fromtimestamp(
+                self._start_ns / 1e9, datetime.UTC
+            )
+        info = await self._js.add_consumer(self._stream, config=config)
+        self._consumer = info.name
+        return info.num_pending or 0
+
+    async def _stop(self) -> None:
+        inbox, self._inbox = self._inbox, None
+        consumer, self._consumer = self._consumer, None
+        if inbox is not None:
+            await inbox.close()
+        if consumer is not None:
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                await self._js.delete_consumer(self._stream, consumer)
+
+    async def _arrival(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for something to arrive; False when nothing did."""
+        if self._items:
+            return True
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter, timeout)
+        return bool(self._items)
+
+    # -- the reader's side ------------------------------------------------------------------------
+
+    async def batches(self) -> AsyncGenerator[list[Raw], None]:
+        """Lists of stored messages, oldest first, until what was stored when the read (or its
+        latest restart) began has all been delivered. A batch ends where a control message
+        must be answered, so it is answered only once the reader has taken what came before."""
+        restarts = 0
+        try:
+            pending = await self._start()
+            if pending == 0:
+                return
+            last_data = time.monotonic()
+            while True:
+                if not await self._arrival(last_data + STALLED_S - time.monotonic()):
+                    if time.monotonic() - last_data >= STALLED_S:
+                        return
+                    continue
+                batch, outcome = await self._take()
+                if batch:
+                    last_data = time.monotonic()
+                    yield batch
+                if outcome is _Outcome.DONE:
+                    return
+                if outcome is _Outcome.RESTART:
+                    restarts += 1
+                    if restarts > MAX_RESTARTS:
+                        raise BusError(
+                            f"reading {self._stream} lost messages {restarts} times over; is "
+                            "the connection to NATS stable?"
+                        )
+                    if await self._start() == 0:
+                        return
+        finally:
+            await self._stop()
+
+    async def _take(self) -> tuple[list[Raw], _Outcome]:
+        """What has arrived, up to the first control message that must wait for the reader
+        (answered here once nothing is before it), and what the read does next."""
+        items = self._items
+        batch: list[Raw] = []
+        delivered = self._last_delivered
+        taken = 0
+        outcome = _Outcome.MORE
+        # More may arrive while a flow control answer is sent: the loop takes those too.
+        for index, (subject, reply, data) in enumerate(items):
+            if subject or not reply or not batch:
+                taken = index + 1
+            if not subject:
+                if reply:
+                    if batch:
+                        break  # answered once the reader has taken the batch before it
+                    await self._js._nc.publish(reply, b"")
+                    continue
+                if data == b"restart" or int(data) > delivered:
+                    outcome = _Outcome.RESTART
+                    break
+                continue
+            tokens = reply.split(".")
+            # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>, or with the
+            # domain and account hash after ACK (and a token more at the end).
+            base = 2 if len(tokens) == 9 else 4
+            consumer_seq = int(tokens[base + 4])
+            if consumer_seq != delivered + 1:
+                outcome = _Outcome.RESTART
+                break
+            delivered = consumer_seq
+            seq = int(tokens[base + 3])
+            self._last_seq = seq
+            batch.append((seq, int(tokens[base + 5]), subject, data))
+            if tokens[base + 6] == "0":
+                outcome = _Outcome.DONE
+                break
+        self._last_delivered = delivered
+        del items[:taken]
+        return batch, outcome
 
 
 async def stream_records(
@@ -51,68 +263,35 @@ async def stream_records(
 ) -> AsyncGenerator[Record, None]:
     """Records of one stream matching `filter_subject`, oldest first, up to the bounds or to what
     is stored when the read catches up. Malformed messages are skipped (a live feed drops them
-    too). An ordered push consumer feeding a callback: nats-py's pull `fetch` and its message
-    iterator both cost a task per message, which made reading slower than folding."""
+    too). A message past the bounds ends the read before it is decoded."""
     name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
-    config = ConsumerConfig()
-    if start_seq is not None and start_seq > 1:
-        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-        config.opt_start_seq = start_seq
-    elif start_ns is not None:
-        config.deliver_policy = DeliverPolicy.BY_START_TIME
-        config.opt_start_time = datetime.datetime.fromtimestamp(start_ns / 1e9, datetime.UTC)
-    inbox: asyncio.Queue[Msg] = asyncio.Queue(maxsize=READ_AHEAD_MSGS)
-    sub = await js.subscribe(
-        filter_subject,
-        stream=name,
-        ordered_consumer=True,
-        config=config,
-        cb=inbox.put,
-        idle_heartbeat=2.0,
-        pending_msgs_limit=READ_BUFFER_MSGS,
-    )
-    try:
-        info = await sub.consumer_info()
-        # Nothing pending may also mean "all of it is already in our buffer": only a consumer
-        # that has delivered nothing at all has nothing to read.
-        delivered = info.delivered.consumer_seq if info.delivered is not None else 0
-        if (info.num_pending or 0) == 0 and not delivered:
-            return
-        while True:
-            try:
-                msg = inbox.get_nowait()
-            except asyncio.QueueEmpty:
-                # Only when the read ran dry: one timer per batch the server sends, not per message.
+    telemetry = stream == "telemetry"
+    read = _StreamRead(js, name, filter_subject, start_seq, start_ns)
+    rejected = MESSAGES_REJECTED.labels
+    async with contextlib.aclosing(read.batches()) as batches:
+        async for batch in batches:
+            for seq, stored_ns, subject, data in batch:
+                if (until_seq is not None and seq > until_seq) or (
+                    until_ns is not None and stored_ns > until_ns
+                ):
+                    return
                 try:
-                    msg = await asyncio.wait_for(inbox.get(), STALLED_S)
-                except TimeoutError:
-                    return  # a message deleted while it was being read, say: end, don't hang
-            meta = msg.metadata
-            seq = meta.sequence.stream
-            stored_ns = int(meta.timestamp.timestamp() * 1e9)
-            if (until_seq is not None and seq > until_seq) or (
-                until_ns is not None and stored_ns > until_ns
-            ):
-                return
-            try:
-                event: AnyEvent | None = decode_event(msg.data)
-            except StrataError as exc:
-                MESSAGES_REJECTED.labels(REPLAY_CONSUMER, exc.code).inc()
-                event = None
-            if event is not None:
-                if stream == "telemetry" and not isinstance(event, WorkerHeartbeat | MetricSampled):
-                    refused: provenance.Refusal | None = provenance.Refusal("not_a_heartbeat", "")
+                    event: AnyEvent = decode_event(data)
+                except StrataError as exc:
+                    rejected(REPLAY_CONSUMER, exc.code).inc()
                 else:
-                    refused = provenance.refusal(msg.subject, event)
-                if refused is None:
-                    yield Record(seq, stored_ns, event, stream)
-                else:
-                    MESSAGES_REJECTED.labels(REPLAY_CONSUMER, refused.code).inc()
-            if meta.num_pending == 0 or seq == until_seq:
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+                    if telemetry and not isinstance(event, WorkerHeartbeat | MetricSampled):
+                        refused: provenance.Refusal | None = provenance.Refusal(
+                            "not_a_heartbeat", ""
+                        )
+                    else:
+                        refused = provenance.refusal(subject, event)
+                    if refused is None:
+                        yield Record(seq, stored_ns, event, stream)
+                    else:
+                        rejected(REPLAY_CONSUMER, refused.code).inc()
+                if seq == until_seq:
+                    return
 
 
 async def job_history(
