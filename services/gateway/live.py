@@ -5,6 +5,8 @@ worker on STRATA_TELEMETRY, keeps only what passes the provenance rule (an event
 subject from a publisher that may emit it, a heartbeat on its worker's subject from that worker),
 folds both through `strata.services.readmodel` (the code `strata replay` runs),
 counts the rates only a live view has, and wakes the push streams of a job when it changes.
+Along the way it keeps snapshots of each job's state (`strata.services.readmodel.snapshots`), so
+time travel folds only from the nearest one.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from strata.services.readmodel import (
     render_dashboard,
     with_rates,
 )
+from strata.services.readmodel.snapshots import SnapshotStore
 from strata.services.readmodel.views import Dashboard
 
 log = structlog.get_logger("strata.gateway")
@@ -122,9 +125,15 @@ class ChangeSignal:
 class LiveModel:
     """The read model of every job, kept current by the streams."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        snapshots: SnapshotStore | None = None,
+    ) -> None:
         self.clock = clock
         self.model = ReadModel()
+        self.snapshots = snapshots if snapshots is not None else SnapshotStore()
+        """Snapshots of the jobs' states as they were, for time travel (`/api/replay`)."""
         self.rates: dict[str, JobRates] = {}
         self.signals: dict[str, ChangeSignal] = {}
         self.caught_up = asyncio.Event()
@@ -208,6 +217,7 @@ class LiveModel:
         state = self.model.job(event.job)
         errors = state.fold_errors
         state.apply_event(delivered.seq, event, delivered.stored_ns)
+        self.snapshots.folded(state, delivered.stored_ns)
         if state.fold_errors != errors:
             FOLD_ERRORS.inc()
             log.error("event_not_folded", job=event.job, error=state.last_fold_error)

@@ -124,16 +124,9 @@ class JobState:
         self.sharding = sharding_domain.ShardingState()
         self.barriers = barrier_domain.BarrierState()
         self.checkpoints = checkpoint_domain.CheckpointState()
-        states = {
-            "registry": self.registry,
-            "sharding": self.sharding,
-            "barrier": self.barriers,
-            "checkpoint": self.checkpoints,
-        }
-        self._evolvers: dict[str, tuple[Evolve, Any]] = {
-            name: (domain.evolve, states[name]) for name, domain in DOMAINS.items()
-        }
+        self._evolvers: dict[str, tuple[Evolve, Any]] = {}
         self._routes: dict[str, list[tuple[Evolve, Any]]] = {}
+        self._connect_domains()
         self.seq = 0
         """Stream sequence (STRATA_EVENTS) of the last event folded."""
         self.ts = 0
@@ -160,6 +153,17 @@ class JobState:
         self._pruned: dict[int, _Pruned] = {}
         self._last_commit: tuple[int, float] | None = None
         """(total bytes, duration in ms) of the checkpoint committed last."""
+
+    def _connect_domains(self) -> None:
+        """Each domain's `evolve` with the state it folds into (again after a restore)."""
+        states = {
+            "registry": self.registry,
+            "sharding": self.sharding,
+            "barrier": self.barriers,
+            "checkpoint": self.checkpoints,
+        }
+        self._evolvers = {name: (domain.evolve, states[name]) for name, domain in DOMAINS.items()}
+        self._routes = {}
 
     # -- folding ----------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Jobs' history, read from JetStream on demand: pages of events, and the state at a past point.
 
-A replay is bounded in what it folds (`ReplayLimits`), in time, and in how many run at once
-(`ReplaySlots`), so no caller can tie the gateway up.
+A replay starts from the gateway's nearest snapshot of the job (`LiveModel.snapshots`) unless
+heartbeats are asked for, and is bounded in what it folds (`ReplayLimits`), in time, and in how
+many run at once (`ReplaySlots`), so no caller can tie the gateway up.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from strata.services.gateway.context import (
     JobInPath,
     ReplaySlots,
     bus,
+    gateway,
     json_response,
 )
 from strata.services.readmodel import JobState, fold_history, render_dashboard
@@ -88,8 +90,9 @@ async def replay(
     ] = False,
 ) -> Response:
     """The dashboard of a job as it was at a point of its history; live rates are null.
-    Bounded: too many events to fold is a 422 (`too_large`), too long a 504
-    (`deadline_exceeded`), too many replays at once a 429 (`busy`)."""
+    Without heartbeats it folds from the gateway's nearest snapshot before the point, with
+    them from the job's first event. Bounded: too many events to fold is a 422 (`too_large`),
+    too long a 504 (`deadline_exceeded`), too many replays at once a 429 (`busy`)."""
     if (seq is None) == (at is None):
         raise HTTPException(422, detail="give exactly one of seq (a stream sequence) or at (ns)")
     narrow = "ask for an earlier point (a smaller seq or at)" + (
@@ -97,9 +100,24 @@ async def replay(
     )
     replays: ReplaySlots = request.app.state.replays
     limits: ReplayLimits = request.app.state.replay_limits
+    live = gateway(request).live
     with replays.hold():
-        history = job_history(bus(request).js, job, until_seq=seq, until_ns=at, telemetry=telemetry)
-        rebuilt = await fold_history(history, JobState(job), limits, narrow)
+        start = JobState(job)
+        if live is not None and not telemetry:
+            # The nearest snapshot at or before the point: only the events after it are read.
+            start = live.snapshots.nearest(job, seq=seq, at_ns=at)
+        if seq is not None and start.events and start.seq == seq:
+            rebuilt = start
+        else:
+            history = job_history(
+                bus(request).js,
+                job,
+                from_seq=start.seq + 1 if start.events else None,
+                until_seq=seq,
+                until_ns=at,
+                telemetry=telemetry,
+            )
+            rebuilt = await fold_history(history, start, limits, narrow)
     if rebuilt.events == 0:
         raise HTTPException(404, detail=f"job {job!r} has no events at that point")
     return json_response(render_dashboard(rebuilt))
