@@ -6,6 +6,7 @@ and reading from JetStream. What the history folds into (the read model the gate
 from strata.history.reading import (
     REPLAY_CONSUMER,
     ReplayLimits,
+    follow_records,
     job_history,
     stream_records,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "ReplayLimits",
     "Stream",
     "dumps",
+    "follow_records",
     "job_history",
     "read_records",
     "record_from_json",

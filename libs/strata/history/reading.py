@@ -25,6 +25,7 @@ from typing import Final
 
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -41,13 +42,17 @@ from strata.history.inbox import RawInbox
 from strata.history.records import Record, Stream
 from strata.metrics import MESSAGES_REJECTED
 
+log = structlog.get_logger("strata.history")
+
 STALLED_S: Final = 10.0
 """A read that receives nothing for this long ends (a message deleted while being read, say)."""
 IDLE_HEARTBEAT_S: Final = 2.0
 INACTIVE_S: Final = 60.0
 """The server removes a read's consumer this long after its reader went away without a word."""
 MAX_RESTARTS: Final = 5
-"""Consumers one read may start again after a gap before it gives up with `BusError`."""
+"""Consumers one read may start again in a row before it gives up with `BusError`."""
+HEARTBEATS_MISSED: Final = 3
+"""A following read that hears nothing for this many heartbeat intervals starts anew."""
 
 REPLAY_CONSUMER: Final = "replay"
 """How reads of history name themselves in `strata_messages_rejected_total`."""
@@ -70,14 +75,16 @@ def _header(headers: bytes, name: bytes) -> str | None:
 
 class _Outcome(enum.Enum):
     MORE = "more"
-    DONE = "done"
-    """Everything stored when the consumer started is delivered."""
+    CAUGHT_UP = "caught_up"
+    """The batch ends with the last message stored when the consumer started."""
     RESTART = "restart"
-    """The consumer skipped or lost messages: read on from the last one taken."""
+    """The consumer skipped or lost messages, or went away: read on from the last one taken."""
 
 
 class _StreamRead:
-    """The stored messages of one stream matching a filter, in batches, oldest first."""
+    """The stored messages of one stream matching a filter, in batches, oldest first: up to what
+    was stored when the read caught up, or, with `follow`, for as long as it is iterated (then
+    `caught_up` is set once the first catch-up is taken)."""
 
     def __init__(
         self,
@@ -86,15 +93,19 @@ class _StreamRead:
         filter_subject: str,
         start_seq: int | None,
         start_ns: int | None,
+        follow: bool = False,
+        caught_up: asyncio.Event | None = None,
     ) -> None:
         self._js = js
         self._stream = stream
         self._filter = filter_subject
         self._start_seq = start_seq
         self._start_ns = start_ns
+        self._follow = follow
+        self.caught_up = caught_up if caught_up is not None else asyncio.Event()
         self._items: list[tuple[str, str, bytes]] = []
         """What arrived and was not taken yet: messages, and markers (an empty subject) for the
-        control messages that must be answered in order (flow control, a stalled heartbeat)."""
+        control messages that must be handled in order (flow control, heartbeats)."""
         self._waiter: asyncio.Future[None] | None = None
         self._inbox: RawInbox | None = None
         self._consumer: str | None = None
@@ -114,8 +125,8 @@ class _StreamRead:
             if stalled:
                 self._items.append(("", stalled, b""))
             last = _header(headers, _LAST_CONSUMER_HEADER)
-            if last and last.isdigit():
-                self._items.append(("", "", last.encode()))  # idle heartbeat: a gap check
+            # An idle heartbeat: the consumer's last sequence sent, a check for a lost tail.
+            self._items.append(("", "", (last if last and last.isdigit() else "0").encode()))
         else:
             self._items.append(("", "", b"restart"))  # the consumer is gone (409), say
         waiter = self._waiter
@@ -156,6 +167,23 @@ class _StreamRead:
         self._consumer = info.name
         return info.num_pending or 0
 
+    async def _restart(self, restarts: int) -> int:
+        """`_start` again: a read gives up after `MAX_RESTARTS` in a row with `BusError`; one
+        that follows keeps trying (NATS may be away for a while)."""
+        if self._follow:
+            while True:
+                try:
+                    return await self._start()
+                except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                    log.warning("history_follow_restarting", stream=self._stream, error=str(exc))
+                    await asyncio.sleep(min(5.0, 0.1 * 2 ** min(restarts, 6)))
+        if restarts > MAX_RESTARTS:
+            raise BusError(
+                f"reading {self._stream} lost messages {restarts} times in a row; is the "
+                "connection to NATS stable?"
+            )
+        return await self._start()
+
     async def _stop(self) -> None:
         inbox, self._inbox = self._inbox, None
         consumer, self._consumer = self._consumer, None
@@ -171,41 +199,49 @@ class _StreamRead:
             return True
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(waiter, timeout)
+            await asyncio.wait_for(waiter, max(0.0, timeout))
         return bool(self._items)
 
     # -- the reader's side ------------------------------------------------------------------------
 
     async def batches(self) -> AsyncGenerator[list[Raw], None]:
-        """Lists of stored messages, oldest first, until what was stored when the read (or its
-        latest restart) began has all been delivered. A batch ends where a control message
-        must be answered, so it is answered only once the reader has taken what came before."""
+        """Lists of stored messages, oldest first. A batch ends where a control message must be
+        answered, so flow control is answered only once the reader has taken what came before:
+        the server sends no further ahead of the reader than its flow control window."""
         restarts = 0
         try:
-            pending = await self._start()
+            pending = await self._restart(restarts)
             if pending == 0:
-                return
+                self.caught_up.set()
+                if not self._follow:
+                    return
             last_data = time.monotonic()
             while True:
-                if not await self._arrival(last_data + STALLED_S - time.monotonic()):
-                    if time.monotonic() - last_data >= STALLED_S:
-                        return
+                wait = HEARTBEATS_MISSED * IDLE_HEARTBEAT_S
+                if not self._follow:
+                    wait = last_data + STALLED_S - time.monotonic()
+                if await self._arrival(wait):
+                    batch, outcome = await self._take()
+                elif self._follow:
+                    batch, outcome = [], _Outcome.RESTART  # not even a heartbeat: start anew
+                elif time.monotonic() - last_data >= STALLED_S:
+                    return
+                else:
                     continue
-                batch, outcome = await self._take()
                 if batch:
+                    restarts = 0
                     last_data = time.monotonic()
                     yield batch
-                if outcome is _Outcome.DONE:
-                    return
-                if outcome is _Outcome.RESTART:
-                    restarts += 1
-                    if restarts > MAX_RESTARTS:
-                        raise BusError(
-                            f"reading {self._stream} lost messages {restarts} times over; is "
-                            "the connection to NATS stable?"
-                        )
-                    if await self._start() == 0:
+                if outcome is _Outcome.CAUGHT_UP:
+                    self.caught_up.set()
+                    if not self._follow:
                         return
+                elif outcome is _Outcome.RESTART:
+                    restarts += 1
+                    if await self._restart(restarts) == 0:
+                        self.caught_up.set()
+                        if not self._follow:
+                            return
         finally:
             await self._stop()
 
@@ -243,8 +279,8 @@ class _StreamRead:
             seq = int(tokens[base + 3])
             self._last_seq = seq
             batch.append((seq, int(tokens[base + 5]), subject, data))
-            if tokens[base + 6] == "0":
-                outcome = _Outcome.DONE
+            if tokens[base + 6] == "0" and not self.caught_up.is_set():
+                outcome = _Outcome.CAUGHT_UP
                 break
         self._last_delivered = delivered
         del items[:taken]
@@ -265,8 +301,43 @@ async def stream_records(
     is stored when the read catches up. Malformed messages are skipped (a live feed drops them
     too). A message past the bounds ends the read before it is decoded."""
     name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
-    telemetry = stream == "telemetry"
     read = _StreamRead(js, name, filter_subject, start_seq, start_ns)
+    records = _records(read, stream, REPLAY_CONSUMER, until_seq, until_ns)
+    async with contextlib.aclosing(records):
+        async for record in records:
+            yield record
+
+
+async def follow_records(
+    js: JetStreamContext,
+    stream: Stream,
+    filter_subject: str,
+    *,
+    start_seq: int | None = None,
+    caught_up: asyncio.Event | None = None,
+    consumer: str = REPLAY_CONSUMER,
+) -> AsyncGenerator[Record, None]:
+    """Like `stream_records`, then every message stored after, for as long as it is iterated
+    (through reconnects). `caught_up` is set once every message stored when it started has
+    been taken; refusals are counted under `consumer`. The server sends no further ahead than
+    its flow control window, so a slow reader holds a bounded buffer and loses nothing."""
+    name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
+    read = _StreamRead(js, name, filter_subject, start_seq, None, follow=True, caught_up=caught_up)
+    records = _records(read, stream, consumer, None, None)
+    async with contextlib.aclosing(records):
+        async for record in records:
+            yield record
+
+
+async def _records(
+    read: _StreamRead,
+    stream: Stream,
+    consumer: str,
+    until_seq: int | None,
+    until_ns: int | None,
+) -> AsyncGenerator[Record, None]:
+    """The records of `read`'s messages within the bounds that decode and pass provenance."""
+    telemetry = stream == "telemetry"
     rejected = MESSAGES_REJECTED.labels
     async with contextlib.aclosing(read.batches()) as batches:
         async for batch in batches:
@@ -278,7 +349,7 @@ async def stream_records(
                 try:
                     event: AnyEvent = decode_event(data)
                 except StrataError as exc:
-                    rejected(REPLAY_CONSUMER, exc.code).inc()
+                    rejected(consumer, exc.code).inc()
                 else:
                     if telemetry and not isinstance(event, WorkerHeartbeat | MetricSampled):
                         refused: provenance.Refusal | None = provenance.Refusal(
@@ -289,7 +360,7 @@ async def stream_records(
                     if refused is None:
                         yield Record(seq, stored_ns, event, stream)
                     else:
-                        rejected(REPLAY_CONSUMER, refused.code).inc()
+                        rejected(consumer, refused.code).inc()
                 if seq == until_seq:
                     return
 
