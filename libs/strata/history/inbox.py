@@ -79,14 +79,16 @@ class RawInbox:
     or raise. Close the inbox when done; the client's own dispatch is restored with the last one.
     """
 
-    def __init__(self, nc: NATS, deliver: Deliver) -> None:
+    def __init__(self, nc: NATS, deliver: Deliver, raw: bool = RAW_DISPATCH) -> None:
         self._nc = nc
         self._deliver = deliver
+        self.raw = raw and RAW_DISPATCH
+        """Whether messages skip the client's dispatch (else: an ordinary callback)."""
         self.subject = nc.new_inbox()
         self._sub: Subscription | None = None
 
     async def open(self) -> RawInbox:
-        if not RAW_DISPATCH:
+        if not self.raw:
 
             async def parsed(msg: Msg) -> None:
                 self._deliver(msg.subject, msg.reply, msg.data, _headers_of(msg))

@@ -51,6 +51,7 @@ INACTIVE_S: Final = 60.0
 """The server removes a read's consumer this long after its reader went away without a word."""
 MAX_RESTARTS: Final = 5
 """Consumers one read may start again in a row before it gives up with `BusError`."""
+_JUDGED_KEPT: Final = 65_536
 HEARTBEATS_MISSED: Final = 3
 """A following read that hears nothing for this many heartbeat intervals starts anew."""
 
@@ -251,43 +252,44 @@ class _StreamRead:
         items = self._items
         batch: list[Raw] = []
         delivered = self._last_delivered
-        taken = 0
         outcome = _Outcome.MORE
-        # More may arrive while a flow control answer is sent: the loop takes those too.
-        for index, (subject, reply, data) in enumerate(items):
-            if subject or not reply or not batch:
-                taken = index + 1
-            if not subject:
-                if reply:
-                    if batch:
-                        break  # answered once the reader has taken the batch before it
-                    await self._js._nc.publish(reply, b"")
-                    continue
-                if data == b"restart" or int(data) > delivered:
+        caught_up = self.caught_up.is_set()
+        first = 0
+        index = 0
+        while index < len(items):  # more may arrive while flow control is answered
+            subject, reply, data = items[index]
+            index += 1
+            if subject:
+                # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>, or with
+                # the domain and account hash after ACK and a token more at the end.
+                parts = reply.rsplit(".", 5)
+                if not first:
+                    first = 2 if reply.count(".") == 8 else 1
+                consumer_seq = int(parts[first + 1])
+                if consumer_seq != delivered + 1:
                     outcome = _Outcome.RESTART
                     break
-                continue
-            tokens = reply.split(".")
-            # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>, or with the
-            # domain and account hash after ACK (and a token more at the end).
-            base = 2 if len(tokens) == 9 else 4
-            consumer_seq = int(tokens[base + 4])
-            if consumer_seq != delivered + 1:
+                delivered = consumer_seq
+                batch.append((int(parts[first]), int(parts[first + 2]), subject, data))
+                if parts[first + 3] == "0" and not caught_up:
+                    outcome = _Outcome.CAUGHT_UP
+                    break
+            elif reply:
+                if batch:
+                    index -= 1  # answered once the reader has taken the batch before it
+                    break
+                await self._js._nc.publish(reply, b"")
+            elif data == b"restart" or int(data) > delivered:
                 outcome = _Outcome.RESTART
                 break
-            delivered = consumer_seq
-            seq = int(tokens[base + 3])
-            self._last_seq = seq
-            batch.append((seq, int(tokens[base + 5]), subject, data))
-            if tokens[base + 6] == "0" and not self.caught_up.is_set():
-                outcome = _Outcome.CAUGHT_UP
-                break
         self._last_delivered = delivered
-        del items[:taken]
+        if batch:
+            self._last_seq = batch[-1][0]
+        del items[:index]
         return batch, outcome
 
 
-async def stream_records(
+def stream_records(
     js: JetStreamContext,
     stream: Stream,
     filter_subject: str,
@@ -302,13 +304,10 @@ async def stream_records(
     too). A message past the bounds ends the read before it is decoded."""
     name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
     read = _StreamRead(js, name, filter_subject, start_seq, start_ns)
-    records = _records(read, stream, REPLAY_CONSUMER, until_seq, until_ns)
-    async with contextlib.aclosing(records):
-        async for record in records:
-            yield record
+    return _records(read, stream, REPLAY_CONSUMER, until_seq, until_ns)
 
 
-async def follow_records(
+def follow_records(
     js: JetStreamContext,
     stream: Stream,
     filter_subject: str,
@@ -323,10 +322,7 @@ async def follow_records(
     its flow control window, so a slow reader holds a bounded buffer and loses nothing."""
     name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
     read = _StreamRead(js, name, filter_subject, start_seq, None, follow=True, caught_up=caught_up)
-    records = _records(read, stream, consumer, None, None)
-    async with contextlib.aclosing(records):
-        async for record in records:
-            yield record
+    return _records(read, stream, consumer, None, None)
 
 
 async def _records(
@@ -339,6 +335,9 @@ async def _records(
     """The records of `read`'s messages within the bounds that decode and pass provenance."""
     telemetry = stream == "telemetry"
     rejected = MESSAGES_REJECTED.labels
+    # An event's provenance depends on its subject, job, type and source alone, and a history
+    # repeats few of those: each is judged once.
+    judged: dict[tuple[str, str, str, str], provenance.Refusal | None] = {}
     async with contextlib.aclosing(read.batches()) as batches:
         async for batch in batches:
             for seq, stored_ns, subject, data in batch:
@@ -351,12 +350,22 @@ async def _records(
                 except StrataError as exc:
                     rejected(consumer, exc.code).inc()
                 else:
-                    if telemetry and not isinstance(event, WorkerHeartbeat | MetricSampled):
-                        refused: provenance.Refusal | None = provenance.Refusal(
-                            "not_a_heartbeat", ""
-                        )
+                    refused: provenance.Refusal | None
+                    if telemetry:
+                        if isinstance(event, WorkerHeartbeat | MetricSampled):
+                            refused = provenance.refusal(subject, event)
+                        else:
+                            refused = provenance.Refusal("not_a_heartbeat", "")
                     else:
-                        refused = provenance.refusal(subject, event)
+                        key = (subject, event.job, event.type, event.source)
+                        if key in judged:
+                            refused = judged[key]
+                        else:
+                            refused = provenance.refusal(subject, event)
+                            if isinstance(event, WorkerHeartbeat | MetricSampled):
+                                pass  # their rule reads more fields: never remembered
+                            elif len(judged) < _JUDGED_KEPT:
+                                judged[key] = refused
                     if refused is None:
                         yield Record(seq, stored_ns, event, stream)
                     else:
@@ -365,7 +374,7 @@ async def _records(
                     return
 
 
-async def job_history(
+def job_history(
     js: JetStreamContext,
     job: str,
     *,
@@ -379,7 +388,8 @@ async def job_history(
 
     Bounds are events-stream sequences or stored times. Heartbeats start with the first event
     read, and with `until_seq` they stop at the last one, so the two streams stay one consistent
-    cut of the history.
+    cut of the history. Without heartbeats this is the events' read itself, with no generator
+    in between.
     """
     events = stream_records(
         js,
@@ -390,14 +400,23 @@ async def job_history(
         until_seq=until_seq,
         until_ns=until_ns,
     )
+    if not telemetry:
+        return events
+    return _with_heartbeats(js, job, events, from_seq, since_ns, until_seq, until_ns)
+
+
+async def _with_heartbeats(
+    js: JetStreamContext,
+    job: str,
+    events: AsyncGenerator[Record, None],
+    from_seq: int | None,
+    since_ns: int | None,
+    until_seq: int | None,
+    until_ns: int | None,
+) -> AsyncGenerator[Record, None]:
     async with contextlib.aclosing(events):
         head = await anext(events, None)
         if head is None:
-            return
-        if not telemetry:
-            yield head
-            async for record in events:
-                yield record
             return
         beats = stream_records(
             js,
