@@ -382,9 +382,9 @@ def job_history(
     since_ns: int | None = None,
     until_seq: int | None = None,
     until_ns: int | None = None,
-    telemetry: bool = True,
+    telemetry: bool = False,
 ) -> AsyncGenerator[Record, None]:
-    """A job's events (and heartbeats, with `telemetry`) merged in stored order, within bounds.
+    """A job's events (and heartbeats, with `telemetry=True`) merged in stored order, within bounds.
 
     Bounds are events-stream sequences or stored times. Heartbeats start with the first event
     read, and with `until_seq` they stop at the last one, so the two streams stay one consistent
