@@ -13,10 +13,10 @@ Snapshots are pickled: the gateway reads back only the bytes it wrote itself, in
 process, and pickling copies the domains' states whole, whatever their shape (a 1,000-worker job
 is about 1 MB and 20 ms). Three rules bound what they cost:
 
-- spacing: a job is snapshotted at most once per `every` of its events (4,096 at first);
-- time: a snapshot waits until at least `cost_factor` times the last one's duration has passed
-  since it, so snapshots take at most a fifth of the gateway's time while it catches up with a
-  long stream (and nearly none once it follows the live one);
+- spacing: a job is snapshotted at most once per `every` of its events (2,048 at first);
+- time: a snapshot waits until at least `cost_factor` (3) times the last one's duration has
+  passed since it, so snapshots take at most a quarter of the gateway's time while it catches up
+  with a long stream (and nearly none once it follows the live one);
 - memory: all snapshots together stay within `budget_bytes` (`STRATA_REPLAY_SNAPSHOT_MB`, 256
   MiB by default). Past it, the job holding the most gives up every other snapshot and doubles
   its spacing, so an old job keeps snapshots over its whole history, further apart.
@@ -36,8 +36,8 @@ from strata.services.readmodel.state import JobState
 
 log = structlog.get_logger("strata.readmodel")
 
-SNAPSHOT_EVERY_EVENTS: Final = 4096
-SNAPSHOT_COST_FACTOR: Final = 4.0
+SNAPSHOT_EVERY_EVENTS: Final = 2048
+SNAPSHOT_COST_FACTOR: Final = 3.0
 SNAPSHOT_BUDGET_BYTES: Final = 256 * 1024 * 1024
 
 _LEFT_OUT: Final = frozenset({"beats", "_evolvers", "_routes", "_recent_rows"})
