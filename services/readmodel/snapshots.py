@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
-from strata.services.readmodel.state import JobState
+from strata.services.readmodel.state import JobState, collector_paused
 
 log = structlog.get_logger("strata.readmodel")
 
@@ -56,7 +56,8 @@ def freeze(state: JobState) -> bytes:
 def thaw(blob: bytes) -> JobState:
     """A new state from `freeze`'s bytes, independent of the one it was taken from."""
     state = JobState.__new__(JobState)
-    vars(state).update(pickle.loads(blob))  # only bytes this process wrote
+    with collector_paused():  # a restore makes some 100,000 objects at once, cycles none
+        vars(state).update(pickle.loads(blob))  # only bytes this process wrote
     state.beats = {}
     state._recent_rows = {}
     state._connect_domains()
