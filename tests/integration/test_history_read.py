@@ -161,3 +161,38 @@ async def test_the_raw_inbox_hands_over_what_was_sent_either_way(bus: Bus, raw: 
 
 async def _count(got: list[Any], wanted: int) -> bool:
     return len(got) >= wanted
+
+
+async def test_a_follower_goes_on_after_the_server_restarts(own_nats_server: Any) -> None:
+    async with await Bus.connect(own_nats_server.url, deadline=10) as bus:
+        await bus.ensure_streams()
+        job = support.new_job("follow")
+        before = await stored(bus, job, 50)
+        follower = follow_records(bus.js, "events", subjects.job_events(job), start_seq=1)
+        taken: list[int] = []
+        async for record in follower:
+            taken.append(record.seq)
+            if len(taken) == len(before):
+                break
+        await asyncio.to_thread(own_nats_server.restart)
+        after: list[int] = []
+
+        async def publish_after_restart() -> bool:
+            try:
+                after.extend(await stored(bus, job, 5))
+            except Exception:
+                return False
+            return True
+
+        await support.async_wait_until(publish_after_restart, 20, "publishing after the restart")
+        # A publish cut off by the restart may have stored some events: the stream says which.
+        expected = [r.seq async for r in job_history(bus.js, job)]
+        assert expected[: len(before)] == before
+        assert expected[-len(after) :] == after
+        async with asyncio.timeout(30):
+            async for record in follower:
+                taken.append(record.seq)
+                if len(taken) == len(expected):
+                    break
+        await follower.aclose()
+    assert taken == expected

@@ -161,9 +161,12 @@ class _StreamRead:
             config.opt_start_seq = self._start_seq
         elif self._start_ns is not None:
             config.deliver_policy = DeliverPolicy.BY_START_TIME
+            # Floored to the microsecond a datetime holds (a float would round some up, past
+            # the message asked for); what the floor lets in early is dropped by `_records`.
+            seconds, nanoseconds = divmod(self._start_ns, 1_000_000_000)
             config.opt_start_time = datetime.datetime.fromtimestamp(
-                self._start_ns / 1e9, datetime.UTC
-            )
+                seconds, datetime.UTC
+            ) + datetime.timedelta(microseconds=nanoseconds // 1000)
         info = await self._js.add_consumer(self._stream, config=config)
         self._consumer = info.name
         return info.num_pending or 0
@@ -304,7 +307,7 @@ def stream_records(
     too). A message past the bounds ends the read before it is decoded."""
     name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
     read = _StreamRead(js, name, filter_subject, start_seq, start_ns)
-    return _records(read, stream, REPLAY_CONSUMER, until_seq, until_ns)
+    return _records(read, stream, REPLAY_CONSUMER, until_seq, until_ns, start_ns)
 
 
 def follow_records(
@@ -331,6 +334,7 @@ async def _records(
     consumer: str,
     until_seq: int | None,
     until_ns: int | None,
+    since_ns: int | None = None,
 ) -> AsyncGenerator[Record, None]:
     """The records of `read`'s messages within the bounds that decode and pass provenance."""
     telemetry = stream == "telemetry"
@@ -345,6 +349,8 @@ async def _records(
                     until_ns is not None and stored_ns > until_ns
                 ):
                     return
+                if since_ns is not None and stored_ns < since_ns:
+                    continue
                 try:
                     event: AnyEvent = decode_event(data)
                 except StrataError as exc:
