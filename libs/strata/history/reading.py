@@ -40,6 +40,7 @@ from strata.events import (
 )
 from strata.history.inbox import RawInbox
 from strata.history.records import Record, Stream
+from strata.logs import Throttle
 from strata.metrics import MESSAGES_REJECTED
 
 log = structlog.get_logger("strata.history")
@@ -325,7 +326,7 @@ def follow_records(
     its flow control window, so a slow reader holds a bounded buffer and loses nothing."""
     name = subjects.EVENTS_STREAM if stream == "events" else subjects.TELEMETRY_STREAM
     read = _StreamRead(js, name, filter_subject, start_seq, None, follow=True, caught_up=caught_up)
-    return _records(read, stream, consumer, None, None)
+    return _records(read, stream, consumer, None, None, warn=Throttle())
 
 
 async def _records(
@@ -335,10 +336,25 @@ async def _records(
     until_seq: int | None,
     until_ns: int | None,
     since_ns: int | None = None,
+    warn: Throttle | None = None,
 ) -> AsyncGenerator[Record, None]:
-    """The records of `read`'s messages within the bounds that decode and pass provenance."""
+    """The records of `read`'s messages within the bounds that decode and pass provenance; with
+    `warn`, what is refused is logged now and then (never once per message: a sender controls
+    how many it sends)."""
     telemetry = stream == "telemetry"
-    rejected = MESSAGES_REJECTED.labels
+
+    def rejected(subject: str, code: str, message: str) -> None:
+        MESSAGES_REJECTED.labels(consumer, code).inc()
+        held_back = warn(code) if warn is not None else None
+        if held_back is not None:
+            log.warning(
+                "event_rejected",
+                consumer=consumer,
+                subject=subject[:300],
+                error=message,
+                held_back=held_back,
+            )
+
     # An event's provenance depends on its subject, job, type and source alone, and a history
     # repeats few of those: each is judged once.
     judged: dict[tuple[str, str, str, str], provenance.Refusal | None] = {}
@@ -354,7 +370,7 @@ async def _records(
                 try:
                     event: AnyEvent = decode_event(data)
                 except StrataError as exc:
-                    rejected(consumer, exc.code).inc()
+                    rejected(subject, exc.code, exc.message)
                 else:
                     refused: provenance.Refusal | None
                     if telemetry:
@@ -375,7 +391,7 @@ async def _records(
                     if refused is None:
                         yield Record(seq, stored_ns, event, stream)
                     else:
-                        rejected(consumer, refused.code).inc()
+                        rejected(subject, refused.code, refused.message)
                 if seq == until_seq:
                     return
 
