@@ -9,6 +9,7 @@ from strata.history.reading import (
     follow_records,
     job_history,
     stream_records,
+    type_filter,
 )
 from strata.history.records import Record, Stream, dumps, read_records, record_from_json
 from strata.history.timeline import summarize
@@ -25,4 +26,5 @@ __all__ = [
     "record_from_json",
     "stream_records",
     "summarize",
+    "type_filter",
 ]

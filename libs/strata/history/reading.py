@@ -31,6 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from strata.errors import BusError, StrataError
 from strata.events import (
+    EVENT_TYPES,
     AnyEvent,
     MetricSampled,
     WorkerHeartbeat,
@@ -291,6 +292,23 @@ class _StreamRead:
             self._last_seq = batch[-1][0]
         del items[:index]
         return batch, outcome
+
+
+AREAS: Final = frozenset(event_type.split(".")[0] for event_type in EVENT_TYPES)
+
+
+def type_filter(job: str, prefix: str | None) -> tuple[str, str | None]:
+    """The subject that selects a job's events of type `prefix` on the server (an area such as
+    `barrier` or `barrier.`, or a full type), and what is left for the reader to check: a read
+    of one kind of event then neither receives nor decodes the others."""
+    if not prefix:
+        return subjects.job_events(job), None
+    if prefix in EVENT_TYPES:
+        return subjects.event_subject(job, prefix), None
+    area = prefix.removesuffix(".")
+    if area in AREAS:
+        return subjects.area_events(job, area), None
+    return subjects.job_events(job), prefix
 
 
 def stream_records(

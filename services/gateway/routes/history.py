@@ -11,8 +11,7 @@ import contextlib
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from strata.events import EVENT_TYPES, subjects
-from strata.history import ReplayLimits, job_history, stream_records, summarize
+from strata.history import ReplayLimits, job_history, stream_records, summarize, type_filter
 from strata.services.gateway.api import Dashboard, EventPage
 from strata.services.gateway.context import (
     MAX_PAGE,
@@ -26,21 +25,8 @@ from strata.services.gateway.context import (
 from strata.services.readmodel import JobState, fold_history, render_dashboard
 
 MAX_EVENTS_SCANNED: Final = 50_000
-AREAS: Final = frozenset(event_type.split(".")[0] for event_type in EVENT_TYPES)
 
 router = APIRouter(tags=["history"])
-
-
-def _type_filter(job: str, prefix: str | None) -> tuple[str, str | None]:
-    """The subject that selects events of `prefix` on the server, and what is left to check here."""
-    if not prefix:
-        return subjects.job_events(job), None
-    if prefix in EVENT_TYPES:
-        return subjects.event_subject(job, prefix), None
-    area = prefix.removesuffix(".")
-    if area in AREAS:
-        return subjects.area_events(job, area), None
-    return subjects.job_events(job), prefix
 
 
 @router.get("/jobs/{job}/events", response_model=EventPage)
@@ -54,7 +40,7 @@ async def events(
     ] = None,
 ) -> Response:
     """A job's events after a stream sequence, from JetStream, with their full JSON."""
-    subject, prefix = _type_filter(job, type)
+    subject, prefix = type_filter(job, type)
     items: list[dict[str, Any]] = []
     last_seq, scanned = after_seq, 0
     records = stream_records(bus(request).js, "events", subject, start_seq=after_seq + 1)
