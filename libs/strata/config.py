@@ -44,6 +44,7 @@ class Env:
     REPLAY_MAX_EVENTS: Final = "STRATA_REPLAY_MAX_EVENTS"
     REPLAY_TIMEOUT: Final = "STRATA_REPLAY_TIMEOUT"
     REPLAY_CONCURRENCY: Final = "STRATA_REPLAY_CONCURRENCY"
+    REPLAY_SNAPSHOT_MB: Final = "STRATA_REPLAY_SNAPSHOT_MB"
     ACK_JOURNAL: Final = "STRATA_ACK_JOURNAL"
 
 
@@ -83,6 +84,8 @@ class Settings(BaseSettings):
     """Seconds one replay may take, reading included."""
     replay_concurrency: int = Field(default=2, ge=1, le=64)
     """Replays a gateway runs at once; more are refused until one ends."""
+    replay_snapshot_mb: int = Field(default=256, ge=0, le=1_000_000)
+    """MiB the gateway's snapshots of past states (for time travel) may take, all jobs together."""
 
     storage_backend: Literal["local", "s3"] = Field(
         default="local", validation_alias=AliasChoices(Env.STORAGE_BACKEND, "storage_backend")

@@ -5,6 +5,8 @@ worker on STRATA_TELEMETRY, keeps only what passes the provenance rule (an event
 subject from a publisher that may emit it, a heartbeat on its worker's subject from that worker),
 folds both through `strata.services.readmodel` (the code `strata replay` runs),
 counts the rates only a live view has, and wakes the push streams of a job when it changes.
+Along the way it keeps snapshots of each job's state (`strata.services.readmodel.snapshots`), so
+time travel folds only from the nearest one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from typing import Any, Final
 
 import nats.errors
@@ -21,10 +23,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
-from strata.bus import Bus, Delivered, EventFeed
+from strata.bus import Bus, Delivered
 from strata.errors import StrataError
 from strata.events import WorkerHeartbeat, decode_event, provenance, subjects
-from strata.history import dumps
+from strata.history import Record, dumps, follow_records
 from strata.metrics import MESSAGES_REJECTED
 from strata.services.gateway.metrics_history import MetricHistory, follow_samples
 from strata.services.readmodel import (
@@ -35,6 +37,7 @@ from strata.services.readmodel import (
     render_dashboard,
     with_rates,
 )
+from strata.services.readmodel.snapshots import SnapshotStore
 from strata.services.readmodel.views import Dashboard
 
 log = structlog.get_logger("strata.gateway")
@@ -122,9 +125,15 @@ class ChangeSignal:
 class LiveModel:
     """The read model of every job, kept current by the streams."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        snapshots: SnapshotStore | None = None,
+    ) -> None:
         self.clock = clock
         self.model = ReadModel()
+        self.snapshots = snapshots if snapshots is not None else SnapshotStore()
+        """Snapshots of the jobs' states as they were, for time travel (`/api/replay`)."""
         self.rates: dict[str, JobRates] = {}
         self.signals: dict[str, ChangeSignal] = {}
         self.caught_up = asyncio.Event()
@@ -132,24 +141,23 @@ class LiveModel:
         self.metric_history = MetricHistory()
         self._static: dict[str, tuple[int, Dashboard]] = {}
         self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
-        self._feed: EventFeed | None = None
         self._telemetry: JetStreamContext.PushSubscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- life -------------------------------------------------------------------------------------
 
     async def start(self, bus: Bus) -> LiveModel:
-        self._feed = EventFeed(
+        # Read through a flow-controlled consumer of its own: a gateway catching up with a
+        # long stream holds a bounded buffer however slowly it folds, and loses nothing.
+        events = follow_records(
             bus.js,
-            subjects.EVENTS_STREAM,
+            "events",
             subjects.all_events(),
             start_seq=1,
-            name=CONSUMER,
-            provenance=True,
+            caught_up=self.caught_up,
+            consumer=CONSUMER,
         )
-        await self._feed.start()
-        self._spawn(self._follow_events(self._feed), "events")
-        self._spawn(self._mark_caught_up(self._feed), "caught-up")
+        self._spawn(self._follow_events(events), "events")
         # The latest heartbeat of each worker, then every new one: a restarted gateway shows the
         # last sign of life of every worker at once, without replaying hours of telemetry.
         self._telemetry = await bus.js.subscribe(
@@ -171,8 +179,6 @@ class LiveModel:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        if self._feed is not None:
-            await self._feed.stop()
         if self._telemetry is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._telemetry.unsubscribe()
@@ -180,13 +186,10 @@ class LiveModel:
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=f"gateway-{name}"))
 
-    async def _follow_events(self, feed: EventFeed) -> None:
-        async for delivered in feed:
-            self.fold_event(delivered)
-
-    async def _mark_caught_up(self, feed: EventFeed) -> None:
-        await feed.caught_up.wait()
-        self.caught_up.set()
+    async def _follow_events(self, events: AsyncGenerator[Record, None]) -> None:
+        async with contextlib.aclosing(events):
+            async for record in events:
+                self.fold_record(record)
 
     async def _follow_heartbeats(self, sub: JetStreamContext.PushSubscription) -> None:
         async for message in sub.messages:
@@ -202,19 +205,24 @@ class LiveModel:
         return rates
 
     def fold_event(self, delivered: Delivered) -> None:
-        event = delivered.event
+        self.fold_record(Record(delivered.seq, delivered.stored_ns, delivered.event))
+
+    def fold_record(self, record: Record) -> None:
+        """Fold one record of the events stream (provenance already checked)."""
+        event = record.event
         if isinstance(event, WorkerHeartbeat):
             return  # not on the events stream by construction; never a state change
         state = self.model.job(event.job)
         errors = state.fold_errors
-        state.apply_event(delivered.seq, event, delivered.stored_ns)
+        state.apply_event(record.seq, event, record.stored_ns)
+        self.snapshots.folded(state, record.stored_ns)
         if state.fold_errors != errors:
             FOLD_ERRORS.inc()
             log.error("event_not_folded", job=event.job, error=state.last_fold_error)
         rates = self._job_rates(event.job)
-        rates.events.add(delivered.stored_ns)
+        rates.events.add(record.stored_ns)
         if event.type in REQUEST_TYPES:
-            rates.requests.add(delivered.stored_ns)
+            rates.requests.add(record.stored_ns)
         _FOLDED_EVENTS.inc()
         self._changed(event.job)
 

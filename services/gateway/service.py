@@ -15,6 +15,7 @@ from strata.history import ReplayLimits
 from strata.services.gateway.app import API_TOKEN_ENV, DASHBOARD_DIST, GatewayState, create_app
 from strata.services.gateway.assets import missing_dashboard_message
 from strata.services.gateway.live import LiveModel
+from strata.services.readmodel import SnapshotStore
 
 log = structlog.get_logger("strata.gateway")
 
@@ -53,7 +54,8 @@ class Gateway:
         self.state.bus = bus
         self.state.streams_ready = True  # the runtime provisions the streams before start()
         await self.state.listen_for_status(bus)
-        self.live = await LiveModel().start(bus)
+        snapshots = SnapshotStore(budget_bytes=settings.replay_snapshot_mb * 1024 * 1024)
+        self.live = await LiveModel(snapshots=snapshots).start(bus)
         self.state.live = self.live
         token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)
         self.app = create_app(

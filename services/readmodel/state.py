@@ -124,16 +124,9 @@ class JobState:
         self.sharding = sharding_domain.ShardingState()
         self.barriers = barrier_domain.BarrierState()
         self.checkpoints = checkpoint_domain.CheckpointState()
-        states = {
-            "registry": self.registry,
-            "sharding": self.sharding,
-            "barrier": self.barriers,
-            "checkpoint": self.checkpoints,
-        }
-        self._evolvers: dict[str, tuple[Evolve, Any]] = {
-            name: (domain.evolve, states[name]) for name, domain in DOMAINS.items()
-        }
+        self._evolvers: dict[str, tuple[Evolve, Any]] = {}
         self._routes: dict[str, list[tuple[Evolve, Any]]] = {}
+        self._connect_domains()
         self.seq = 0
         """Stream sequence (STRATA_EVENTS) of the last event folded."""
         self.ts = 0
@@ -160,6 +153,17 @@ class JobState:
         self._pruned: dict[int, _Pruned] = {}
         self._last_commit: tuple[int, float] | None = None
         """(total bytes, duration in ms) of the checkpoint committed last."""
+
+    def _connect_domains(self) -> None:
+        """Each domain's `evolve` with the state it folds into (again after a restore)."""
+        states = {
+            "registry": self.registry,
+            "sharding": self.sharding,
+            "barrier": self.barriers,
+            "checkpoint": self.checkpoints,
+        }
+        self._evolvers = {name: (domain.evolve, states[name]) for name, domain in DOMAINS.items()}
+        self._routes = {}
 
     # -- folding ----------------------------------------------------------------------------------
 
@@ -434,7 +438,7 @@ class ReadModel:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     # A fold allocates objects for every event and frees few of them: the cycle collector would
     # scan the growing state again and again (a third of a rebuild's time) to find nothing.
     enabled = gc.isenabled()
@@ -451,7 +455,7 @@ def rebuild(records: Iterable[Record], job: str, until_seq: int | None = None) -
     sequence `until_seq` and the heartbeats stored before the last of those."""
     state = JobState(job)
     after_last: list[Record] = []
-    with _collector_paused():
+    with collector_paused():
         for record in records:
             if record.event.job != job:
                 continue
@@ -481,17 +485,19 @@ async def fold_history(
     """
     folded = 0
     try:
+        # The collector paused as in `rebuild`; a replay is bounded in time, so it is not for long.
         async with contextlib.aclosing(history), asyncio.timeout(limits.timeout_s):
-            async for record in history:
-                if folded == limits.max_records:
-                    raise TooLarge(
-                        f"replaying job {state.job!r} to that point folds more than "
-                        f"{limits.max_records:,} events and heartbeats, the most one replay "
-                        f"may fold; {narrow}",
-                        limit=limits.max_records,
-                    )
-                state.apply(record)
-                folded += 1
+            with collector_paused():
+                async for record in history:
+                    if folded == limits.max_records:
+                        raise TooLarge(
+                            f"replaying job {state.job!r} to that point folds more than "
+                            f"{limits.max_records:,} events and heartbeats, the most one replay "
+                            f"may fold; {narrow}",
+                            limit=limits.max_records,
+                        )
+                    state.apply(record)
+                    folded += 1
     except TimeoutError:
         raise DeadlineExceeded(
             f"replaying job {state.job!r} took more than {limits.timeout_s:g}s "

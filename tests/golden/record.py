@@ -60,7 +60,7 @@ async def settle(bus: Bus, job: str) -> None:
 async def export(nats_url: str, job: str) -> list[str]:
     async with await Bus.connect(nats_url, name="golden-recorder") as bus:
         await settle(bus, job)
-        return [record.to_json() async for record in job_history(bus.js, job)]
+        return [record.to_json() async for record in job_history(bus.js, job, telemetry=True)]
 
 
 def record(name: str) -> Path:

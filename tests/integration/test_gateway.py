@@ -354,7 +354,7 @@ async def test_replaying_the_whole_stream_gives_exactly_the_live_dashboard(
         async def live_equals_replay() -> bool:
             nonlocal live
             rebuilt = JobState(job)
-            async for record in job_history(bus.js, job):
+            async for record in job_history(bus.js, job, telemetry=True):
                 rebuilt.apply(record)
             live = await get(http, "/api/dashboard", job=job)
             return without_live_rates(live) == render_dashboard(rebuilt)

@@ -365,19 +365,33 @@ def _replay_limits(args: argparse.Namespace) -> ReplayLimits:
 
 
 async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
-    from strata.history import job_history
+    from strata.history import job_history, stream_records, type_filter
     from strata.services.readmodel import JobState, fold_history
 
     async with await _connect(args.nats_url) as bus:
-        history = job_history(
-            bus.js,
-            args.job,
-            from_seq=bounds.from_seq,
-            since_ns=bounds.since_ns,
-            until_seq=bounds.until_seq,
-            until_ns=bounds.until_ns,
-            telemetry=args.heartbeats,
-        )
+        if args.type and not args.state and not args.heartbeats:
+            # A timeline of one kind of event: the server selects it by subject, so the others
+            # are neither sent nor decoded.
+            subject, _ = type_filter(args.job, args.type)
+            history = stream_records(
+                bus.js,
+                "events",
+                subject,
+                start_seq=bounds.from_seq,
+                start_ns=bounds.since_ns,
+                until_seq=bounds.until_seq,
+                until_ns=bounds.until_ns,
+            )
+        else:
+            history = job_history(
+                bus.js,
+                args.job,
+                from_seq=bounds.from_seq,
+                since_ns=bounds.since_ns,
+                until_seq=bounds.until_seq,
+                until_ns=bounds.until_ns,
+                telemetry=args.heartbeats,
+            )
         if args.state:
             narrow = "stop earlier (--until-seq, --until)" + (
                 ", leave heartbeats out (no --heartbeats)" if args.heartbeats else ""

@@ -6,8 +6,10 @@ and reading from JetStream. What the history folds into (the read model the gate
 from strata.history.reading import (
     REPLAY_CONSUMER,
     ReplayLimits,
+    follow_records,
     job_history,
     stream_records,
+    type_filter,
 )
 from strata.history.records import Record, Stream, dumps, read_records, record_from_json
 from strata.history.timeline import summarize
@@ -18,9 +20,11 @@ __all__ = [
     "ReplayLimits",
     "Stream",
     "dumps",
+    "follow_records",
     "job_history",
     "read_records",
     "record_from_json",
     "stream_records",
     "summarize",
+    "type_filter",
 ]

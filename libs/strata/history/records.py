@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import pydantic
 
@@ -22,9 +21,11 @@ from strata.events.codec import validation_error
 Stream = Literal["events", "telemetry"]
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """An event as read from a stream (or an exported line): its stream sequence and stored time."""
+class Record(NamedTuple):
+    """An event as read from a stream (or an exported line): its stream sequence and stored time.
+
+    A named tuple: a replay makes one per stored event, and a tuple is built in a fraction of
+    the time a frozen dataclass takes."""
 
     seq: int
     stored_ns: int

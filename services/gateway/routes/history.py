@@ -1,7 +1,8 @@
 """Jobs' history, read from JetStream on demand: pages of events, and the state at a past point.
 
-A replay is bounded in what it folds (`ReplayLimits`), in time, and in how many run at once
-(`ReplaySlots`), so no caller can tie the gateway up.
+A replay starts from the gateway's nearest snapshot of the job (`LiveModel.snapshots`) unless
+heartbeats are asked for, and is bounded in what it folds (`ReplayLimits`), in time, and in how
+many run at once (`ReplaySlots`), so no caller can tie the gateway up.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import contextlib
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from strata.events import EVENT_TYPES, subjects
-from strata.history import ReplayLimits, job_history, stream_records, summarize
+from strata.history import ReplayLimits, job_history, stream_records, summarize, type_filter
 from strata.services.gateway.api import Dashboard, EventPage
 from strata.services.gateway.context import (
     MAX_PAGE,
@@ -19,26 +19,14 @@ from strata.services.gateway.context import (
     JobInPath,
     ReplaySlots,
     bus,
+    gateway,
     json_response,
 )
 from strata.services.readmodel import JobState, fold_history, render_dashboard
 
 MAX_EVENTS_SCANNED: Final = 50_000
-AREAS: Final = frozenset(event_type.split(".")[0] for event_type in EVENT_TYPES)
 
 router = APIRouter(tags=["history"])
-
-
-def _type_filter(job: str, prefix: str | None) -> tuple[str, str | None]:
-    """The subject that selects events of `prefix` on the server, and what is left to check here."""
-    if not prefix:
-        return subjects.job_events(job), None
-    if prefix in EVENT_TYPES:
-        return subjects.event_subject(job, prefix), None
-    area = prefix.removesuffix(".")
-    if area in AREAS:
-        return subjects.area_events(job, area), None
-    return subjects.job_events(job), prefix
 
 
 @router.get("/jobs/{job}/events", response_model=EventPage)
@@ -52,7 +40,7 @@ async def events(
     ] = None,
 ) -> Response:
     """A job's events after a stream sequence, from JetStream, with their full JSON."""
-    subject, prefix = _type_filter(job, type)
+    subject, prefix = type_filter(job, type)
     items: list[dict[str, Any]] = []
     last_seq, scanned = after_seq, 0
     records = stream_records(bus(request).js, "events", subject, start_seq=after_seq + 1)
@@ -88,8 +76,9 @@ async def replay(
     ] = False,
 ) -> Response:
     """The dashboard of a job as it was at a point of its history; live rates are null.
-    Bounded: too many events to fold is a 422 (`too_large`), too long a 504
-    (`deadline_exceeded`), too many replays at once a 429 (`busy`)."""
+    Without heartbeats it folds from the gateway's nearest snapshot before the point, with
+    them from the job's first event. Bounded: too many events to fold is a 422 (`too_large`),
+    too long a 504 (`deadline_exceeded`), too many replays at once a 429 (`busy`)."""
     if (seq is None) == (at is None):
         raise HTTPException(422, detail="give exactly one of seq (a stream sequence) or at (ns)")
     narrow = "ask for an earlier point (a smaller seq or at)" + (
@@ -97,9 +86,24 @@ async def replay(
     )
     replays: ReplaySlots = request.app.state.replays
     limits: ReplayLimits = request.app.state.replay_limits
+    live = gateway(request).live
     with replays.hold():
-        history = job_history(bus(request).js, job, until_seq=seq, until_ns=at, telemetry=telemetry)
-        rebuilt = await fold_history(history, JobState(job), limits, narrow)
+        start = JobState(job)
+        if live is not None and not telemetry:
+            # The nearest snapshot at or before the point: only the events after it are read.
+            start = live.snapshots.nearest(job, seq=seq, at_ns=at)
+        if seq is not None and start.events and start.seq == seq:
+            rebuilt = start
+        else:
+            history = job_history(
+                bus(request).js,
+                job,
+                from_seq=start.seq + 1 if start.events else None,
+                until_seq=seq,
+                until_ns=at,
+                telemetry=telemetry,
+            )
+            rebuilt = await fold_history(history, start, limits, narrow)
     if rebuilt.events == 0:
         raise HTTPException(404, detail=f"job {job!r} has no events at that point")
     return json_response(render_dashboard(rebuilt))
