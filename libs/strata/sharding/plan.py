@@ -180,7 +180,7 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     n = len(new_members)
 
     # Everything below walks shards in reading order; inverting the permutation costs no sort.
-    in_order = _epoch_order(plan)
+    in_order = _reading_order(plan)
     open_in_order = open_mask[in_order]
     owner_in_order = owner[in_order]
     pool = in_order[open_in_order & (owner_in_order < 0)].tolist()
@@ -245,7 +245,7 @@ def _moved_to_back(
     return moved_position
 
 
-def _epoch_order(plan: Plan) -> IndexArray:
+def _reading_order(plan: Plan) -> IndexArray:
     """Shard ids in reading order: the inverse of the `position` permutation."""
     order = np.empty_like(plan.position)
     order[plan.position] = np.arange(plan.position.size, dtype=np.int64)
