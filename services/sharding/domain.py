@@ -51,7 +51,7 @@ from strata.events.requests import (
     ShardSpan,
 )
 from strata.services.domain import Decision
-from strata.sharding import DatasetSpec, Plan, initial_plan, replan, shard_order
+from strata.sharding import DatasetSpec, Plan, initial_plan, replan
 
 SOURCE = "sharding"
 
@@ -656,14 +656,16 @@ def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int)
 
 # -- snapshots ------------------------------------------------------------------------------------
 
-SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSION = 4
 """2: restore counts and retired plan versions. 3: only the plans of each dataset's newest epochs
-(`domain.EPOCHS_KEPT`), with the versions of those dropped. An older snapshot is ignored: the
-stream is replayed instead, which drops the old plans exactly as evolve does."""
+(`domain.EPOCHS_KEPT`), with the versions of those dropped. 4: each plan's reading order, which a
+re-plan changes (moved shards go last), so it no longer follows from (seed, epoch). An older
+snapshot is ignored: the stream is replayed instead, which rebuilds all of it as evolve does."""
 
 
 def snapshot(state: ShardingState) -> dict[str, Any]:
-    """Plans are history-dependent, so their owner arrays are stored, not recomputed."""
+    """Plans are history-dependent, so their owner and reading-order arrays are stored, not
+    recomputed."""
     jobs = []
     for job in state.jobs.values():
         jobs.append(
@@ -685,6 +687,7 @@ def snapshot(state: ShardingState) -> dict[str, Any]:
                         "members": ep.plan.members,
                         "version": ep.plan.version,
                         "owner": ep.plan.owner.astype(np.int32).tobytes(),
+                        "position": ep.plan.position.astype(np.int32).tobytes(),
                         "done": np.packbits(ep.plan.done).tobytes(),
                         "offsets": [[s, o] for s, o in ep.offsets.items()],
                     }
@@ -710,10 +713,8 @@ def restore(data: dict[str, Any]) -> ShardingState:
             job.datasets[ds] = DatasetSpec(ds, total, size, shuffle, seed)
         for p in raw["plans"]:
             spec = job.datasets[p["dataset_id"]]
-            order = shard_order(spec, p["epoch"])
-            position = np.empty_like(order)
-            position[order] = np.arange(order.size, dtype=np.int64)
             owner = np.frombuffer(p["owner"], dtype=np.int32).astype(np.int64)
+            position = np.frombuffer(p["position"], dtype=np.int32).astype(np.int64)
             done = np.unpackbits(np.frombuffer(p["done"], dtype=np.uint8))[: owner.size]
             plan = Plan(spec, p["epoch"], list(p["members"]), owner, position, p["version"])
             plan.done = done.astype(np.bool_)

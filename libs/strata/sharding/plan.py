@@ -4,9 +4,10 @@ The shard order of an epoch comes from a numpy generator seeded with (seed, epoc
 every process and after every restart. The first plan of an epoch deals that order round-robin over
 the members (sorted by id), so loads differ by at most one shard. When membership changes, `replan`
 moves only unfinished shards, and as few as balance allows: a leaver's unfinished shards go to the
-least-loaded survivors, a joiner takes the surplus of the most-loaded. A plan is a function of the
-epoch's first members and its sequence of changes, all of which are events, so a replay rebuilds
-it exactly.
+least-loaded survivors, a joiner takes the surplus of the most-loaded. A moved shard is read after
+the shards its new reader already had, so the shard a worker is reading stays its first. A plan is
+a function of the epoch's first members and its sequence of changes, all of which are events, so a
+replay rebuilds it exactly.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class Plan:
     """The assignment of one dataset's shards for one epoch.
 
     `owner[s]` is the index into `members` of the worker that reads shard `s`; `position[s]` is the
-    shard's place in the epoch order, and each worker reads its shards in that order.
+    shard's place in the reading order, and each worker reads its shards in that order. It starts
+    as the epoch order; `replan` puts the shards it moves after all others (keeping their order),
+    so a worker never finds a shard it is given ahead of the one it is reading.
     """
 
     dataset: DatasetSpec
@@ -156,6 +159,12 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     (never their first, which may be in progress), up to an even share. Shards of members that
     stay move only to feed a joiner, so a departure moves exactly the departed member's
     unfinished shards.
+
+    Moved shards go to the back of the reading order. A worker reads its shards in that order and
+    reports each before it starts the next, so the shard it is reading is its first unfinished one:
+    the one a joiner never takes. Were an inherited shard placed ahead of it (by epoch order), the
+    shard being read would no longer be first, and a later joiner could take it and read again the
+    samples consumed of it and not yet reported.
     """
     new_members = _check_members(members)
     if new_members == plan.members and not plan.unowned():
@@ -170,13 +179,13 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     open_mask = ~plan.done
     n = len(new_members)
 
-    # Everything below walks shards in epoch order; inverting the permutation costs no sort.
-    in_order = _epoch_order(plan)
+    # Everything below walks shards in reading order; inverting the permutation costs no sort.
+    in_order = _reading_order(plan)
     open_in_order = open_mask[in_order]
     owner_in_order = owner[in_order]
     pool = in_order[open_in_order & (owner_in_order < 0)].tolist()
     held = in_order[open_in_order & (owner_in_order >= 0)]
-    # Grouped by reader, each reader's shards still in epoch order.
+    # Grouped by reader, each reader's shards still in reading order.
     held = held[np.argsort(_narrow(owner[held], n), kind="stable")]
     counts = np.bincount(owner[held], minlength=n)
     bounds = np.concatenate(([0], np.cumsum(counts)))
@@ -204,28 +213,40 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
             if count:
                 pool.extend(held[bounds[i + 1] - count : bounds[i + 1]].tolist())
         pool.sort(key=plan.position.__getitem__)
-    # Fill from the bottom, in epoch order, so shards keep their place in the reading order.
+    # Fill from the bottom, in reading order, so moved shards keep their order among themselves.
     heap = [(loads[i], new_members[i], i) for i in range(n)]
     heapq.heapify(heap)
     for shard in pool:
         load, name, i = heapq.heappop(heap)
         owner[shard] = i
         heapq.heappush(heap, (load + 1, name, i))
+    moved = open_mask & ((owner != carried) | (carried < 0))
     changed = Plan(
         plan.dataset,
         plan.epoch,
         new_members,
         owner,
-        plan.position,
+        _moved_to_back(in_order, moved[in_order], plan.position),
         version=plan.version + 1,
         done=plan.done.copy(),
     )
-    moved = int(np.count_nonzero(open_mask & ((owner != carried) | (carried < 0))))
-    return changed, moved
+    return changed, int(np.count_nonzero(moved))
 
 
-def _epoch_order(plan: Plan) -> IndexArray:
-    """Shard ids in epoch order: the inverse of the `position` permutation."""
+def _moved_to_back(
+    in_order: IndexArray, moved_in_order: npt.NDArray[np.bool_], position: IndexArray
+) -> IndexArray:
+    """`position` with the moved shards after all others, each part in its old order."""
+    if not moved_in_order.any():
+        return position
+    order = np.concatenate((in_order[~moved_in_order], in_order[moved_in_order]))
+    moved_position = np.empty_like(order)
+    moved_position[order] = np.arange(order.size, dtype=np.int64)
+    return moved_position
+
+
+def _reading_order(plan: Plan) -> IndexArray:
+    """Shard ids in reading order: the inverse of the `position` permutation."""
     order = np.empty_like(plan.position)
     order[plan.position] = np.arange(plan.position.size, dtype=np.int64)
     return order

@@ -17,6 +17,7 @@ from strata.events.requests import (
 from strata.services.domain import Decision
 from strata.services.sharding import domain
 from strata.services.sharding.domain import ShardingState, restore, snapshot
+from strata.sharding import shard_order
 
 JOB = "job-a"
 DATASET = "ds"
@@ -187,3 +188,31 @@ def test_shards_done_by_a_worker_gone_since_the_checkpoint_get_a_live_reader_on_
     plan_of = state.jobs[JOB].plans[(DATASET, 0)].plan
     assert sorted(plan_of.shards_of("w0")) == list(range(8))
     assert plan_of.unowned() == 0
+
+
+def test_the_reading_order_a_replan_made_survives_a_snapshot() -> None:
+    state = started_job()
+    before = state.jobs[JOB].plans[(DATASET, 0)].plan.shards_of("w0")
+    domain.evolve(
+        state,
+        WorkerFailed(
+            job=JOB,
+            source="registry",
+            worker_id="w1",
+            rank=1,
+            reason="killed",
+            last_heartbeat_ts=0,
+            membership_epoch=3,
+        ),
+    )
+    for event in domain.replan_after_membership_change(state, JOB, NOW):
+        domain.evolve(state, event)
+    reading = state.jobs[JOB].plans[(DATASET, 0)].plan.shards_of("w0")
+    # w1's shards are read after w0's own, not merged into them by epoch order.
+    assert reading[: len(before)] == before
+    epoch_order = shard_order(state.jobs[JOB].datasets[DATASET], 0).tolist()
+    assert reading != [s for s in epoch_order if s in reading]
+
+    rebuilt = restore(snapshot(state)).jobs[JOB].plans[(DATASET, 0)].plan
+
+    assert rebuilt.shards_of("w0") == reading

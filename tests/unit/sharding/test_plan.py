@@ -143,6 +143,66 @@ def test_every_sample_is_consumed_exactly_once_across_failures_and_joins(
     assert sorted(consumed) == list(range(spec.num_shards))
 
 
+def first_unfinished(plan: Plan) -> dict[str, int]:
+    """The shard each member reads now: its first unfinished one in reading order."""
+    firsts = {}
+    for worker in plan.members:
+        pending = [s for s in plan.shards_of(worker) if not plan.done[s]]
+        if pending:
+            firsts[worker] = pending[0]
+    return firsts
+
+
+@given(
+    spec=specs,
+    members=member_sets,
+    epoch=st.integers(0, 50),
+    steps=st.lists(st.tuples(st.booleans(), st.integers(0, 100), st.floats(0, 1)), max_size=8),
+)
+@settings(max_examples=200)
+def test_the_shard_a_worker_is_reading_stays_its_own_and_first(
+    spec: DatasetSpec,
+    members: set[str],
+    epoch: int,
+    steps: list[tuple[bool, int, float]],
+) -> None:
+    """Members read (and report) their shards in order while others fail or join: the shard a
+    survivor is reading is never taken, and no shard it is given is read before it."""
+    plan = initial_plan(spec, epoch, sorted(members))
+    live = set(members)
+    for fail, pick, fraction in steps:
+        for worker in sorted(live):
+            pending = [s for s in plan.shards_of(worker) if not plan.done[s]]
+            plan.mark_done(pending[: int(len(pending) * fraction)])
+        if fail and len(live) > 1:
+            live.discard(sorted(live)[pick % len(live)])
+        else:
+            live.add(f"j{pick}")
+        reading = first_unfinished(plan)
+        plan, _ = replan(plan, sorted(live))
+        after = first_unfinished(plan)
+        for worker, shard in reading.items():
+            if worker in live:
+                assert after[worker] == shard, (worker, shard, after.get(worker))
+
+
+def test_a_shard_in_progress_stays_with_its_reader_after_a_failure_and_joins() -> None:
+    """Shards inherited from a failed worker come after the one the survivor is reading; by epoch
+    order they came first, so a joiner took the survivor's shard in progress (its last by epoch
+    order) and read its first samples again."""
+    spec = DatasetSpec("ds", 44, 7, True, 0)
+    plan = initial_plan(spec, 0, ["w0", "w1"])
+    assert plan.shards_of("w1") == [4, 6, 0]
+    plan.mark_done([4])  # w1 is now reading shard 6, not yet reported
+    plan, _ = replan(plan, ["w1"])  # w0 fails: w1 inherits 2, 3, 1 and 5
+    assert plan.shards_of("w1")[:2] == [4, 6]
+    plan, _ = replan(plan, ["w1", "w2"])
+    plan, _ = replan(plan, ["w1", "w2", "w3"])
+    assert 6 in plan.shards_of("w1")
+    assert first_unfinished(plan)["w1"] == 6
+    assert sorted(s for w in plan.members for s in plan.shards_of(w)) == list(range(7))
+
+
 def test_large_plan_meets_the_balance_bound() -> None:
     spec = DatasetSpec("big", 1_000_000, 10, True, 7)
     plan = initial_plan(spec, 0, [f"w{i}" for i in range(1000)])
