@@ -47,7 +47,6 @@ from strata.events.requests import (
     MembersRequest,
     MembersResult,
     RegisterRequest,
-    Registration,
     WorkerNotice,
     WorldNotice,
 )
@@ -122,7 +121,7 @@ class Registry(Projection[RegistryState]):
         self._worlds_changed: set[str] = set()
         self._world_wakeup = asyncio.Event()
         self._commits: GroupCommit[Register | Leave, Decision[bool]] = GroupCommit(
-            self, self._decide_all
+            self, self._decide_all, committed=self._committed
         )
 
     def initial_state(self) -> RegistryState:
@@ -200,25 +199,35 @@ class Registry(Projection[RegistryState]):
 
     # -- commands ---------------------------------------------------------------------------------
 
-    async def _register(self, request: RegisterRequest) -> Registration:
+    async def _register(self, request: RegisterRequest) -> dict[str, Any]:
         worker_id = domain.worker_id_for(request)
 
-        def answer(decision: Decision[bool]) -> Registration:
-            for event in decision.events:
-                if isinstance(event, WorkerFailed):
-                    log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
+        def answer(decision: Decision[bool]) -> dict[str, Any]:
             job = self.state.job(request.job)
-            if decision.events:
-                log.info(
-                    "worker_registered",
-                    job=request.job,
-                    worker=worker_id,
-                    rank=job.members[worker_id].rank,
-                    world_size=job.world_size,
-                )
-            return domain.registration(job, worker_id, self.policy, rejoined=bool(decision.result))
+            return domain.registration_reply(
+                job, worker_id, self.policy, rejoined=bool(decision.result)
+            )
 
         return await self._commits.submit(Register(request), answer)
+
+    def _committed(self, commands: list[Register | Leave], decisions: list[Decision[bool]]) -> None:
+        """One line per job and batch: a job start of thousands of workers is a few lines."""
+        registered: Counter[str] = Counter()
+        for decision in decisions:
+            for event in decision.events:
+                if isinstance(event, WorkerRegistered):
+                    registered[event.job] += 1
+                elif isinstance(event, WorkerFailed):
+                    log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
+        for name, count in registered.items():
+            job = self.state.job(name)
+            log.info(
+                "workers_registered",
+                job=name,
+                count=count,
+                world_size=job.world_size,
+                membership_epoch=job.membership_epoch,
+            )
 
     async def _leave(self, request: LeaveRequest) -> LeaveResult:
         def answer(_: Decision[bool]) -> LeaveResult:

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import WorkerFailed, WorkerHeartbeat, WorkerRegistered, WorkerStateChanged
 from strata.events.models import SUPERSEDED_REASON
-from strata.events.requests import LeaveRequest, RegisterRequest
+from strata.events.requests import LeaveRequest, RegisterRequest, Registration
 from strata.services.domain import Decision
 from strata.services.registry import domain
 from strata.services.registry.domain import (
@@ -566,3 +566,22 @@ def test_a_job_start_in_one_batch_gives_every_worker_its_own_rank_and_epoch() ->
     assert [e.world_size for e in registered] == list(range(1, 51))  # type: ignore[attr-defined]
     assert len({e.id for e in registered}) == 50
     assert state.jobs == {}
+
+
+def test_the_registration_reply_is_the_registration_model_as_plain_data() -> None:
+    state = RegistryState()
+    decisions = domain.decide_all(
+        state,
+        [Register(RegisterRequest(job=JOB, worker_id=f"w{i}", instance=f"p{i}")) for i in range(3)],
+        ns(1.0),
+        POLICY,
+    )
+    for decision in decisions:
+        for event in decision.events:
+            domain.evolve(state, event)
+    job = state.job(JOB)
+    for rejoined in (False, True):
+        reply = domain.registration_reply(job, "w1", POLICY, rejoined)
+        assert Registration.model_validate(reply).model_dump() == reply
+        assert reply == domain.registration(job, "w1", POLICY, rejoined).model_dump()
+        assert (reply["rank"], reply["world_size"], reply["rejoined"]) == (1, 3, rejoined)
