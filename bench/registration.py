@@ -239,14 +239,19 @@ def respond(url: str, ready: Any, stop: Any) -> None:
         await nc.subscribe(ECHO, cb=answer, pending_msgs_limit=1_000_000)
         await nc.flush()
         ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(stop.wait)
         await nc.close()
 
     asyncio.run(main())
 
 
 # -- the parent ------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process `pid` so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def simulated(count: int) -> list[tuple[str, str]]:
@@ -269,51 +274,59 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rates: dict[str, list[float]] = {"baseline": [], "registry": []}
     seconds: list[float] = []
+    cpu_us: list[float] = []
     failed = 0
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="strata-bench-registration-") as tmp:
-        with NatsServer(store_dir=Path(tmp) / "nats") as server:
-            port = procutil.free_port()
-            env = {
-                **os.environ,
-                Env.NATS_URL: server.url,
-                Env.HEALTH_PORT: str(port),
-                # Nobody heartbeats here: no registration may time out during the run.
-                Env.HEARTBEAT_INTERVAL: "60",
-                Env.HEARTBEAT_TIMEOUT: "600",
-                Env.LOG_FORMAT: "json",
-            }
-            profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-            log_file = Path(tmp) / "registry.log"
-            registry = procutil.spawn_service("registry", env, log_file, python_args=profile)
-            ready, stop = ctx.Event(), ctx.Event()
-            echo = ctx.Process(target=respond, args=(server.url, ready, stop), daemon=True)
-            echo.start()
-            try:
-                if not ready.wait(60):
-                    raise SystemExit("the echo responder did not start")
-                _wait_registry(server.url, log_file)
-                for round_index in range(args.rounds):
-                    for mode in ("baseline", "registry"):
-                        job = f"start-{uuid.uuid4().hex[:8]}"
-                        subject = ECHO if mode == "baseline" else REGISTER
-                        start = register_workers(
-                            server.url, job, simulated(args.workers), args.procs, subject=subject
-                        )
-                        rates[mode].append(args.workers / start.seconds)
-                        if mode == "registry":
-                            seconds.append(start.seconds)
-                            failed += start.failed
-                        print(
-                            f"round {round_index + 1} {mode:8s} {args.workers:,} registrations "
-                            f"in {start.seconds:5.2f} s ({args.workers / start.seconds:7,.0f}/s), "
-                            f"{start.failed} failed",
-                            flush=True,
-                        )
-            finally:
-                stop.set()
-                echo.join(10)
-                procutil.terminate(registry, timeout=30)
+    with (
+        tempfile.TemporaryDirectory(prefix="strata-bench-registration-") as tmp,
+        NatsServer(store_dir=Path(tmp) / "nats") as server,
+    ):
+        port = procutil.free_port()
+        env = {
+            **os.environ,
+            Env.NATS_URL: server.url,
+            Env.HEALTH_PORT: str(port),
+            # Nobody heartbeats here: no registration may time out during the run.
+            Env.HEARTBEAT_INTERVAL: "60",
+            Env.HEARTBEAT_TIMEOUT: "600",
+            Env.LOG_FORMAT: "json",
+        }
+        profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+        log_file = Path(tmp) / "registry.log"
+        registry = procutil.spawn_service("registry", env, log_file, python_args=profile)
+        ready, stop = ctx.Event(), ctx.Event()
+        echo = ctx.Process(target=respond, args=(server.url, ready, stop), daemon=True)
+        echo.start()
+        try:
+            if not ready.wait(60):
+                raise SystemExit("the echo responder did not start")
+            _wait_registry(server.url, log_file)
+            for round_index in range(args.rounds):
+                for mode in ("baseline", "registry"):
+                    job = f"start-{uuid.uuid4().hex[:8]}"
+                    subject = ECHO if mode == "baseline" else REGISTER
+                    cpu_before = cpu_seconds(registry.pid)
+                    start = register_workers(
+                        server.url, job, simulated(args.workers), args.procs, subject=subject
+                    )
+                    rates[mode].append(args.workers / start.seconds)
+                    cost = ""
+                    if mode == "registry":
+                        seconds.append(start.seconds)
+                        failed += start.failed
+                        used = cpu_seconds(registry.pid) - cpu_before
+                        cpu_us.append(used / args.workers * 1e6)
+                        cost = f", registry CPU {cpu_us[-1]:.0f} us per registration"
+                    print(
+                        f"round {round_index + 1} {mode:8s} {args.workers:,} registrations "
+                        f"in {start.seconds:5.2f} s ({args.workers / start.seconds:7,.0f}/s), "
+                        f"{start.failed} failed{cost}",
+                        flush=True,
+                    )
+        finally:
+            stop.set()
+            echo.join(10)
+            procutil.terminate(registry, timeout=30)
     ours = statistics.median(rates["registry"])
     baseline = statistics.median(rates["baseline"])
     took = statistics.median(seconds)
@@ -323,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(median of {args.rounds} rounds, {os.cpu_count()} cores shared, load "
         f"{os.getloadavg()[0]:.1f}):"
         f"\n  registry                 {ours:7,.0f}/s  ({spread(rates['registry'])}), "
-        f"{took:.2f} s, {failed} failed"
+        f"{took:.2f} s, {failed} failed, registry CPU {statistics.median(cpu_us):.0f} us "
+        f"per registration ({min(cpu_us):.0f} to {max(cpu_us):.0f})"
         f"\n  nats-py fixed responder  {baseline:7,.0f}/s  ({spread(rates['baseline'])})"
         f"\n  ratio {ours / baseline:.2f}; aim: {AIM_WORKERS:,} in <= {AIM_SECONDS:g} s "
         f"({AIM_WORKERS / AIM_SECONDS:,.0f}/s): {'met' if met else 'MISSED'}"
@@ -334,23 +348,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _wait_registry(url: str, log_file: Path, timeout: float = 60.0) -> None:
     """Until the registry answers a ping (it serves once its state is rebuilt)."""
 
-    async def ping() -> None:
+    async def ping() -> bool:
         nc = await nats.connect(url)
         try:
             deadline = time.monotonic() + timeout
-            while True:
+            while time.monotonic() < deadline:
                 try:
                     await nc.request(subjects.rpc_subject("registry", "ping"), pack({}), timeout=1)
-                    return
+                    return True
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                    if time.monotonic() > deadline:
-                        tail = log_file.read_text(errors="replace")[-2000:]
-                        raise SystemExit(f"the registry did not start:\n{tail}") from None
                     await asyncio.sleep(0.1)
+            return False
         finally:
             await nc.close()
 
-    asyncio.run(ping())
+    if not asyncio.run(ping()):
+        tail = log_file.read_text(errors="replace")[-2000:]
+        raise SystemExit(f"the registry did not start:\n{tail}")
 
 
 if __name__ == "__main__":
