@@ -67,6 +67,8 @@ RPC_CONCURRENCY = 4096
 """Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
 WORLD_COALESCE_S = 0.05
 """How long a burst of membership changes is gathered into one world notice."""
+WORLD_SPACING_PER_WORKER = 1e-4
+"""Seconds between two world notices of one job, per live worker (see `world_spacing`)."""
 WORLD_REPEAT_S = 2.0
 """Every job's world is announced again this often: a worker that missed a notice (a
 reconnect, a registry restart) is current again within this time."""
@@ -387,9 +389,12 @@ class Registry(Projection[RegistryState]):
 
         Every worker of a job listens here instead of to every membership event: a job start
         of N registrations then costs each worker a handful of notices, not N events, and the
-        whole job O(N) messages, not O(N^2).
+        whole job O(N) messages, not O(N^2). A job's notices are spaced by `world_spacing`, so
+        while its membership keeps changing (a start of thousands) the fan-out stays under
+        1 / `WORLD_SPACING_PER_WORKER` messages a second whatever the job's size.
         """
         last_repeat = self.clock()
+        announced: dict[str, float] = {}
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(WORLD_REPEAT_S):
@@ -397,14 +402,28 @@ class Registry(Projection[RegistryState]):
             # Let the burst finish: registrations arrive together when a job starts.
             await asyncio.sleep(WORLD_COALESCE_S)
             self._world_wakeup.clear()
-            jobs, self._worlds_changed = self._worlds_changed, set()
-            if self.clock() - last_repeat >= WORLD_REPEAT_S:
-                last_repeat = self.clock()
-                jobs |= {name for name, job in self.state.jobs.items() if job.world_size}
-            for name in sorted(jobs):
+            now = self.clock()
+            if now - last_repeat >= WORLD_REPEAT_S:
+                last_repeat = now
+                self._worlds_changed |= {
+                    name for name, job in self.state.jobs.items() if job.world_size
+                }
+            due = []
+            for name in sorted(self._worlds_changed):
+                job = self.state.jobs.get(name)
+                if job is None or now - announced.get(name, -math.inf) >= world_spacing(
+                    job.world_size
+                ):
+                    due.append(name)
+            self._worlds_changed.difference_update(due)
+            if self._worlds_changed:
+                self._world_wakeup.set()  # the rest are announced once their spacing is over
+            for name in due:
                 job = self.state.jobs.get(name)
                 if job is None:
+                    announced.pop(name, None)
                     continue
+                announced[name] = now
                 notice = WorldNotice(
                     job=name, membership_epoch=job.membership_epoch, world_size=job.world_size
                 )
@@ -421,6 +440,13 @@ class Registry(Projection[RegistryState]):
                 await self.bus.publish(event)
             except StrataError as exc:
                 log.error("state_change_not_published", error=str(exc))
+
+
+def world_spacing(world_size: int) -> float:
+    """The least time between two world notices of a job of `world_size` workers: each notice
+    reaches every worker, so a notice per coalescing window at 10,000 workers would be 200,000
+    messages a second; spaced by size, it is at most 10,000 (a notice a second at 10,000)."""
+    return max(WORLD_COALESCE_S, world_size * WORLD_SPACING_PER_WORKER)
 
 
 # -- fast heartbeat decoding ----------------------------------------------------------------------
