@@ -50,7 +50,8 @@ async def child(mode: str, url: str, job: str, first: int, count: int) -> None:
         else []
     )
     print("ready", flush=True)
-    await asyncio.to_thread(sys.stdin.readline)  # "go"
+    if (await asyncio.to_thread(sys.stdin.readline)).strip() != "go":
+        return  # the parent is gone: start nothing
     failures = 0
     held: list[object] = []
     if mode == "strata":
