@@ -40,6 +40,7 @@ from strata.events import WorkerFailed, WorkerHeartbeat, decode_event, encode_ev
 from strata.logs import configure_logging
 from strata.services.registry import domain
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.registration import AIM_SECONDS as REGISTER_AIM_S
 from bench.registration import AIM_WORKERS as REGISTER_AIM_WORKERS
 from bench.registration import register_workers
