@@ -13,7 +13,9 @@ and one task takes everything queued at a moment, under the service's lock:
    changes only by folding what the stream stored);
 2. every event of the batch is published pipelined, in order, and the task waits once until the
    feed has folded the last of them in;
-3. each caller is answered, from the state as folded, in arrival order.
+3. `committed(commands, decisions)`, when given, sees the stored batch once (a service's one
+   log line for the batch, not one per command);
+4. each caller is answered, from the state as folded, in arrival order.
 
 Ordering is arrival order, as with one request at a time. Event ids stay deterministic, so a
 command decided again after a crash (the caller retries) is dropped as a duplicate as before. A
@@ -28,8 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+import structlog
 from strata.errors import StrataError
 from strata.events.models import Event
+
+log = structlog.get_logger("strata.commit")
 
 C = TypeVar("C")
 R = TypeVar("R")
@@ -76,9 +81,11 @@ class GroupCommit(Generic[C, D]):
         *,
         max_batch: int = MAX_BATCH,
         prepare: Callable[[list[C]], Awaitable[None]] | None = None,
+        committed: Callable[[list[C], list[D]], None] | None = None,
     ) -> None:
         self._projection = projection
         self._decide_all = decide_all
+        self._committed = committed
         self._max_batch = max_batch
         self._prepare = prepare
         self._queue: list[_Waiting[C, D]] = []
@@ -115,14 +122,20 @@ class GroupCommit(Generic[C, D]):
                 self._fail(batch, exc)
                 return
         async with self._projection.lock:
+            commands = [waiting.command for waiting in batch]
             try:
-                decisions = self._decide_all([waiting.command for waiting in batch])
+                decisions = self._decide_all(commands)
                 events = [event for decision in decisions for event in decision.events]
                 if events:
                     await self._projection.publish_all(events)
             except Exception as exc:  # nothing of the batch is known to be stored: all retry
                 self._fail(batch, exc)
                 return
+            if self._committed is not None:
+                try:
+                    self._committed(commands, decisions)
+                except Exception:  # an account of the batch must not stop answering it
+                    log.exception("commit_hook_failed")
             for waiting, decision in zip(batch, decisions, strict=True):
                 if waiting.future.done():  # the caller went away (cancelled)
                     continue

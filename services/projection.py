@@ -21,13 +21,15 @@ from typing import Any, Generic, TypeVar
 
 import nats.errors
 import structlog
+from nats.js.api import PubAck
 from nats.js.kv import KeyValue
-from strata.bus import Bus, EventFeed
+from strata.bus import Bus, Delivered, EventFeed
 from strata.bus.connection import backoff_delays, retry_transient
+from strata.bus.publish import MSG_ID
 from strata.bus.snapshots import load_snapshot, save_snapshot, snapshot_bucket
 from strata.config import Settings
 from strata.errors import BusError, ServiceUnavailable, StrataError
-from strata.events import subjects
+from strata.events import encode_event, subject_for, subjects
 from strata.events.models import Event
 from strata.metrics import MESSAGES_REJECTED, observe_decided
 
@@ -59,6 +61,10 @@ class Projection(Generic[S]):
         self._reactions: asyncio.Queue[Event] = asyncio.Queue()
         self._wakers: set[asyncio.Task[None]] = set()
         self.live = False
+        # A service without reactions does not pay a queued no-op per event it folds.
+        self._reacts = type(self).on_applied is not Projection.on_applied
+        self._unconfirmed: set[str] = set()
+        """Ids of events published without an ack, until the feed delivers them (`publish_all`)."""
 
     # -- to implement -----------------------------------------------------------------------------
 
@@ -179,11 +185,22 @@ class Projection(Generic[S]):
                 log.exception("event_not_folded", service=self.name, seq=delivered.seq)
                 MESSAGES_REJECTED.labels(self.name, "not_folded").inc()
             self.last_seq = delivered.seq
+            if self._unconfirmed and delivered.event.id in self._unconfirmed:
+                self._confirm(delivered)
             async with self._applied:
                 self._applied.notify_all()
-            if self.live:
+            if self.live and self._reacts:
                 # Reactions run on their own task: one that publishes waits for this very loop.
                 self._reactions.put_nowait(delivered.event)
+
+    def _confirm(self, delivered: Delivered) -> None:
+        """An event `publish_all` sent without an ack is stored: journaled as if acknowledged."""
+        self._unconfirmed.discard(delivered.event.id)
+        journal = self.bus.publish_options.journal
+        if journal is not None:
+            journal.record(
+                delivered.event.id, PubAck(stream=subjects.EVENTS_STREAM, seq=delivered.seq)
+            )
 
     async def _react(self) -> None:
         while True:
@@ -222,12 +239,36 @@ class Projection(Generic[S]):
             await self.wait_applied(ack.seq)
 
     async def publish_all(self, events: Sequence[Event]) -> None:
-        """Publish `events` pipelined, in order, then wait once until the last is folded in."""
-        if events:
-            acks = await self.bus.publish_many(events)
-            for event in events:
-                observe_decided(event)
-            await self.wait_applied(max(ack.seq for ack in acks))
+        """Publish `events` in order and wait once until the last is folded in.
+
+        Only the last waits for a JetStream acknowledgement: the others go out before it on the
+        same connection (so they are stored before it, in order) with no ack to wait for, and
+        the feed, which delivers everything stored, confirms them as it folds them. An event it
+        has not delivered by then was lost (a leader change) or was a duplicate of one stored
+        earlier: it is published again with an ack, which stores it or names the earlier copy.
+        An acknowledgement per event costs the service a message to read and a future to settle
+        each, the larger part of storing a job start's registrations.
+        """
+        if not events:
+            return
+        unconfirmed = {event.id for event in events[:-1]}
+        self._unconfirmed |= unconfirmed
+        try:
+            for event in events[:-1]:
+                await self.bus.nc.publish(
+                    subject_for(event), encode_event(event), headers={MSG_ID: event.id}
+                )
+            (ack,) = await self.bus.publish_many(events[-1:])
+            await self.wait_applied(ack.seq)
+            unconfirmed &= self._unconfirmed
+            if unconfirmed:
+                again = [event for event in events if event.id in unconfirmed]
+                acks = await self.bus.publish_many(again)
+                await self.wait_applied(max(ack.seq for ack in acks))
+        finally:
+            self._unconfirmed -= unconfirmed
+        for event in events:
+            observe_decided(event)
 
     def apply_before_storage(self, events: list[Event]) -> None:
         """Fold `events` into the state now, before they are stored: the one exception to

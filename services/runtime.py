@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import signal
 from typing import Protocol
 
@@ -21,6 +22,10 @@ from strata.logs import bind, configure_logging
 from strata.services.health import HealthServer
 
 log = structlog.get_logger("strata.service")
+
+GC_THRESHOLDS = (20_000, 10, 10)
+"""The collector's thresholds once a service is started (Python's default first one is 700: at
+thousands of requests a second that is a collection every few requests)."""
 
 
 class Service(Protocol):
@@ -79,6 +84,12 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
         else:
             await wait_for_streams(bus)
         await service.start(bus, settings)
+        # What is here now (the imports, the state rebuilt from the stream) lives as long as
+        # the process: left to the collector, every full collection walks all of it again, and
+        # a burst of requests (a job start) triggers several. The young generation is collected
+        # less often too: a request's objects die by reference counting, not by the collector.
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         log.info("service_started", service=service.name, nats=settings.nats_url)
         await stop.wait()
         log.info("service_stopping", service=service.name)

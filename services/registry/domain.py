@@ -608,18 +608,24 @@ def begin_grace(state: RegistryState, now_ns: int) -> None:
 
 
 def registration(job: Job, worker_id: str, policy: Policy, rejoined: bool) -> Registration:
+    return Registration.model_validate(registration_reply(job, worker_id, policy, rejoined))
+
+
+def registration_reply(job: Job, worker_id: str, policy: Policy, rejoined: bool) -> dict[str, Any]:
+    """`registration(...)` as the plain data of the RPC reply, built without the model: a job
+    start answers thousands of these at once (a test holds the two to the same content)."""
     member = job.members[worker_id]
-    return Registration(
-        job=job.job,
-        worker_id=worker_id,
-        instance=member.instance,
-        rank=member.rank,
-        world_size=job.world_size,
-        membership_epoch=job.membership_epoch,
-        heartbeat_interval=policy.heartbeat_interval,
-        heartbeat_timeout=policy.heartbeat_timeout,
-        rejoined=rejoined,
-    )
+    return {
+        "job": job.job,
+        "worker_id": worker_id,
+        "instance": member.instance,
+        "rank": member.rank,
+        "world_size": job.world_size,
+        "membership_epoch": job.membership_epoch,
+        "heartbeat_interval": policy.heartbeat_interval,
+        "heartbeat_timeout": policy.heartbeat_timeout,
+        "rejoined": rejoined,
+    }
 
 
 def leave_result(job: Job, worker_id: str) -> LeaveResult:

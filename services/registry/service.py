@@ -55,7 +55,6 @@ from strata.events.requests import (
     MembersRequest,
     MembersResult,
     RegisterRequest,
-    Registration,
     WorkerNotice,
     WorldNotice,
 )
@@ -77,6 +76,8 @@ RPC_CONCURRENCY = 4096
 """Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
 WORLD_COALESCE_S = 0.05
 """How long a burst of membership changes is gathered into one world notice."""
+WORLD_SPACING_PER_WORKER = 1e-4
+"""Seconds between two world notices of one job, per live worker (see `world_spacing`)."""
 WORLD_REPEAT_S = 2.0
 """Every job's world is announced again this often: a worker that missed a notice (a
 reconnect, a registry restart) is current again within this time."""
@@ -149,7 +150,7 @@ class Registry(Projection[RegistryState]):
         self._worlds_changed: set[str] = set()
         self._world_wakeup = asyncio.Event()
         self._commits: GroupCommit[Register | Leave, Decision[bool]] = GroupCommit(
-            self, self._decide_all
+            self, self._decide_all, committed=self._committed
         )
 
     def initial_state(self) -> RegistryState:
@@ -246,25 +247,35 @@ class Registry(Projection[RegistryState]):
 
     # -- commands ---------------------------------------------------------------------------------
 
-    async def _register(self, request: RegisterRequest) -> Registration:
+    async def _register(self, request: RegisterRequest) -> dict[str, Any]:
         worker_id = domain.worker_id_for(request)
 
-        def answer(decision: Decision[bool]) -> Registration:
-            for event in decision.events:
-                if isinstance(event, WorkerFailed):
-                    log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
+        def answer(decision: Decision[bool]) -> dict[str, Any]:
             job = self.state.job(request.job)
-            if decision.events:
-                log.info(
-                    "worker_registered",
-                    job=request.job,
-                    worker=worker_id,
-                    rank=job.members[worker_id].rank,
-                    world_size=job.world_size,
-                )
-            return domain.registration(job, worker_id, self.policy, rejoined=bool(decision.result))
+            return domain.registration_reply(
+                job, worker_id, self.policy, rejoined=bool(decision.result)
+            )
 
         return await self._commits.submit(Register(request), answer)
+
+    def _committed(self, commands: list[Register | Leave], decisions: list[Decision[bool]]) -> None:
+        """One line per job and batch: a job start of thousands of workers is a few lines."""
+        registered: Counter[str] = Counter()
+        for decision in decisions:
+            for event in decision.events:
+                if isinstance(event, WorkerRegistered):
+                    registered[event.job] += 1
+                elif isinstance(event, WorkerFailed):
+                    log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
+        for name, count in registered.items():
+            job = self.state.job(name)
+            log.info(
+                "workers_registered",
+                job=name,
+                count=count,
+                world_size=job.world_size,
+                membership_epoch=job.membership_epoch,
+            )
 
     async def _leave(self, request: LeaveRequest) -> LeaveResult:
         def answer(_: Decision[bool]) -> LeaveResult:
@@ -567,9 +578,12 @@ class Registry(Projection[RegistryState]):
 
         Every worker of a job listens here instead of to every membership event: a job start
         of N registrations then costs each worker a handful of notices, not N events, and the
-        whole job O(N) messages, not O(N^2).
+        whole job O(N) messages, not O(N^2). A job's notices are spaced by `world_spacing`, so
+        while its membership keeps changing (a start of thousands) the fan-out stays under
+        1 / `WORLD_SPACING_PER_WORKER` messages a second whatever the job's size.
         """
         last_repeat = self.clock()
+        announced: dict[str, float] = {}
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(WORLD_REPEAT_S):
@@ -577,14 +591,28 @@ class Registry(Projection[RegistryState]):
             # Let the burst finish: registrations arrive together when a job starts.
             await asyncio.sleep(WORLD_COALESCE_S)
             self._world_wakeup.clear()
-            jobs, self._worlds_changed = self._worlds_changed, set()
-            if self.clock() - last_repeat >= WORLD_REPEAT_S:
-                last_repeat = self.clock()
-                jobs |= {name for name, job in self.state.jobs.items() if job.world_size}
-            for name in sorted(jobs):
+            now = self.clock()
+            if now - last_repeat >= WORLD_REPEAT_S:
+                last_repeat = now
+                self._worlds_changed |= {
+                    name for name, job in self.state.jobs.items() if job.world_size
+                }
+            due = []
+            for name in sorted(self._worlds_changed):
+                job = self.state.jobs.get(name)
+                if job is None or now - announced.get(name, -math.inf) >= world_spacing(
+                    job.world_size
+                ):
+                    due.append(name)
+            self._worlds_changed.difference_update(due)
+            if self._worlds_changed:
+                self._world_wakeup.set()  # the rest are announced once their spacing is over
+            for name in due:
                 job = self.state.jobs.get(name)
                 if job is None:
+                    announced.pop(name, None)
                     continue
+                announced[name] = now
                 notice = WorldNotice(
                     job=name, membership_epoch=job.membership_epoch, world_size=job.world_size
                 )
@@ -601,6 +629,13 @@ class Registry(Projection[RegistryState]):
                 await self.bus.publish(event)
             except StrataError as exc:
                 log.error("state_change_not_published", error=str(exc))
+
+
+def world_spacing(world_size: int) -> float:
+    """The least time between two world notices of a job of `world_size` workers: each notice
+    reaches every worker, so a notice per coalescing window at 10,000 workers would be 200,000
+    messages a second; spaced by size, it is at most 10,000 (a notice a second at 10,000)."""
+    return max(WORLD_COALESCE_S, world_size * WORLD_SPACING_PER_WORKER)
 
 
 # -- fast heartbeat decoding ----------------------------------------------------------------------

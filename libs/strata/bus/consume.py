@@ -34,6 +34,8 @@ from strata.metrics import EVENTS_CONSUMED, MESSAGES_REJECTED
 log = structlog.get_logger("strata.bus")
 
 RejectHook = Callable[[str, StrataError], None]
+FEED_BUFFER = 4096
+"""Messages a feed holds for its reader; past that, nats-py's own pending limit takes over."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class EventFeed:
         self._name = name
         self._on_reject = on_reject
         self._sub: object | None = None
+        # Filled by the subscription's callback and read here: nats-py's message iterator costs
+        # a task and an asyncio.wait per message, the larger part of reading an event.
+        self._buffer: asyncio.Queue[Msg | None] = asyncio.Queue(maxsize=FEED_BUFFER)
+        self._consumed = EVENTS_CONSUMED.labels(name)
         self.caught_up = asyncio.Event()
         self._caught_up_at: int | None = None
         self.rejected: Counter[str] = Counter()
@@ -93,6 +99,7 @@ class EventFeed:
         """Stream sequence of the last message taken, valid or rejected."""
 
     async def start(self) -> EventFeed:
+        self._buffer = asyncio.Queue(maxsize=FEED_BUFFER)
         config = ConsumerConfig()
         if self._start_seq is not None and self._start_seq > 1:
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
@@ -103,6 +110,7 @@ class EventFeed:
         sub = await self._js.subscribe(
             self._filter,
             stream=self._stream,
+            cb=self._buffer.put,
             ordered_consumer=True,
             config=config,
             idle_heartbeat=2.0,
@@ -132,6 +140,10 @@ class EventFeed:
             with contextlib.suppress(nats.errors.Error):
                 await self._sub.unsubscribe()  # type: ignore[attr-defined]
             self._sub = None
+            # The reader stops at this mark; what it has not taken yet is no longer wanted.
+            while self._buffer.full():
+                self._buffer.get_nowait()
+            self._buffer.put_nowait(None)
 
     async def __aenter__(self) -> EventFeed:
         return await self.start()
@@ -157,9 +169,8 @@ class EventFeed:
     async def __aiter__(self) -> AsyncGenerator[Delivered, None]:
         if self._sub is None:
             await self.start()
-        sub = self._sub
-        assert sub is not None
-        async for msg in sub.messages:  # type: ignore[attr-defined]
+        buffer = self._buffer
+        while (msg := await buffer.get()) is not None:
             meta = msg.metadata
             self.position = meta.sequence.stream
             # Set before handing the event out, so the code handling the last stored event
@@ -179,7 +190,7 @@ class EventFeed:
                     self._reject(msg.subject, StrataError(refused.message, code=refused.code))
                     continue
             self.last_seq = delivered.seq
-            EVENTS_CONSUMED.labels(self._name).inc()
+            self._consumed.inc()
             yield delivered
 
 

@@ -17,7 +17,7 @@ from strata.events import (
     subjects,
 )
 from strata.events.models import SUPERSEDED_REASON
-from strata.events.requests import LeaveRequest, RegisterRequest
+from strata.events.requests import LeaveRequest, RegisterRequest, Registration
 from strata.services.domain import Decision
 from strata.services.registry import domain
 from strata.services.registry.domain import (
@@ -638,3 +638,22 @@ def test_the_leader_records_a_partitions_failures_with_its_own_epochs_and_only_l
     for event in confirmed:
         domain.evolve(leader, event)
     assert domain.confirm_failures(leader, found) == []  # a repeated report changes nothing
+
+
+def test_the_registration_reply_is_the_registration_model_as_plain_data() -> None:
+    state = RegistryState()
+    decisions = domain.decide_all(
+        state,
+        [Register(RegisterRequest(job=JOB, worker_id=f"w{i}", instance=f"p{i}")) for i in range(3)],
+        ns(1.0),
+        POLICY,
+    )
+    for decision in decisions:
+        for event in decision.events:
+            domain.evolve(state, event)
+    job = state.job(JOB)
+    for rejoined in (False, True):
+        reply = domain.registration_reply(job, "w1", POLICY, rejoined)
+        assert Registration.model_validate(reply).model_dump() == reply
+        assert reply == domain.registration(job, "w1", POLICY, rejoined).model_dump()
+        assert (reply["rank"], reply["world_size"], reply["rejoined"]) == (1, 3, rejoined)
