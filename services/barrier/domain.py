@@ -214,8 +214,9 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
 
 
 def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
-    first = min(gen.arrived.values())
-    last = max(gen.arrived.values())
+    # A release proven by a participant after a restart may rest on no arrival this state holds.
+    first = min(gen.arrived.values(), default=gen.opened_ns)
+    last = max(gen.arrived.values(), default=gen.opened_ns)
     return BarrierReleased(
         id=event_id("released", job, gen.name, gen.generation),
         job=job,
@@ -265,6 +266,16 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                 f"than its arrival {previous[0]}; this process restarted its count"
             )
         )
+    if request.generation is not None:
+        hinted = named.generations.get(request.generation)
+        if hinted is not None and hinted.status != "waiting":
+            # A re-sent arrival that a restarted service never stored, for a generation that
+            # ended meanwhile: it was part of it (an earlier answer said so), so it gets that
+            # generation's outcome, not a seat in the next one.
+            return Decision(
+                [_arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)],
+                result=hinted.generation,
+            )
     events: list[Event] = []
     current = named.current
     if current is None or current.status != "waiting":
@@ -295,20 +306,46 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                 )
             )
         arrived_before = len(current.arrived)
-    events.append(
-        BarrierArrived(
-            id=event_id("arrived", request.job, request.name, generation, request.worker_id),
-            job=request.job,
-            source=SOURCE,
-            ts=now_ns,
-            name=request.name,
-            generation=generation,
-            worker_id=request.worker_id,
-            arrival=request.arrival,
-            arrived=arrived_before + 1,
-        )
-    )
+    events.append(_arrived(request, generation, arrived_before + 1, now_ns))
     return Decision(events, result=generation)
+
+
+def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int) -> BarrierArrived:
+    return BarrierArrived(
+        id=event_id("arrived", request.job, request.name, generation, request.worker_id),
+        job=request.job,
+        source=SOURCE,
+        ts=now_ns,
+        name=request.name,
+        generation=generation,
+        worker_id=request.worker_id,
+        arrival=request.arrival,
+        arrived=arrived,
+    )
+
+
+def _proven(state: BarrierState, request: ArriveRequest) -> Generation | None:
+    """The waiting generation that `request` proves released, if any: its sender says it passed
+    it (`passed`), and only a release lets a participant pass. After a restart, a release that
+    participants saw but the stream lost is known this way; in every other case the generation
+    is released in the state already and nothing is proven.
+    release (`release_proven`) before `arrive`."""
+    if request.passed is None:
+        return None
+    job = state.jobs.get(request.job)
+    if job is None or request.worker_id not in job.live:
+        return None
+    if request.instance is not None and job.instances.get(request.worker_id) != request.instance:
+        return None
+    named = job.barriers.get(request.name)
+    gen = named.generations.get(request.passed) if named is not None else None
+    return gen if gen is not None and gen.status == "waiting" else None
+
+
+def release_proven(state: BarrierState, request: ArriveRequest, now_ns: int) -> list[Event]:
+    """The release `proven` finds, as an event (the same id as the one the stream lost)."""
+    gen = _proven(state, request)
+    return [] if gen is None else [_release(request.job, gen, now_ns)]
 
 
 def _timed_out(job: str, gen: Generation, now_ns: int) -> BarrierTimedOut:
