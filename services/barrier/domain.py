@@ -12,10 +12,11 @@ restart. No I/O; the clock is passed in (ns).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from strata.errors import ConflictError, NotFound, WorkerSuperseded
+from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -445,6 +446,60 @@ def member_gone(
                 _broken(job_id, gen, [worker_id], f"participant {worker_id!r} {why}", now_ns)
             )
     return events
+
+
+Joined = tuple[str, str, int]
+"""(job, name, generation): where an arrival was counted."""
+
+
+@dataclass
+class Batch:
+    """What a batch of arrivals decided, already folded into the state."""
+
+    told: list[Event] = field(default_factory=list)
+    """Openings and conclusions, in order: stored before anyone is told an outcome."""
+    record: list[BarrierArrived] = field(default_factory=list)
+    """The arrivals, a record for the dashboard and replay: no outcome rests on them."""
+    joined: list[Joined | StrataError] = field(default_factory=list)
+    """Per request, in order: where it was counted, or the error to answer with."""
+
+
+def decide_arrivals(state: BarrierState, requests: Sequence[ArriveRequest], now_ns: int) -> Batch:
+    """Decide `requests` in order, each against the state the previous ones left, folding every
+    decision into `state` at once (`evolve` is idempotent: folding them again when the stream
+    returns them changes nothing). For each: the release it proves (`passed`), the conclusion
+    already due, the arrival, and the conclusion it completes. Answer each caller with
+    `outcome(state, *joined)` once `told` is stored: the whole batch is then decided, so an
+    arrival decided early hears of a release that a later one completed."""
+    batch = Batch()
+
+    def fold(events: Sequence[Event]) -> None:
+        for event in events:
+            evolve(state, event)
+
+    for request in requests:
+        for events in (
+            release_proven(state, request, now_ns),
+            conclude(state, request.job, request.name, now_ns),
+        ):
+            fold(events)
+            batch.told.extend(events)
+        decision = arrive(state, request, now_ns)
+        if decision.error is not None:
+            batch.joined.append(decision.error)
+            continue
+        assert decision.result is not None
+        fold(decision.events)
+        for event in decision.events:
+            if isinstance(event, BarrierArrived):
+                batch.record.append(event)
+            else:
+                batch.told.append(event)
+        after = conclude(state, request.job, request.name, now_ns)
+        fold(after)
+        batch.told.extend(after)
+        batch.joined.append((request.job, request.name, decision.result))
+    return batch
 
 
 def outcome(state: BarrierState, job: str, name: str, generation: int) -> BarrierOutcome:

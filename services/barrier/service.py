@@ -9,7 +9,8 @@ only after that are the callers answered, on the same connection: whoever learns
 learns it from a message the server received after the event that records it. Their
 acknowledgements are collected in the background. `barrier.arrived` events are a record for the
 dashboard and `strata replay`, not a proof: they are written after the generation's conclusion,
-or once they have waited `barrier_record_arrivals_s`. After a crash, waiters re-send their
+or once no arrival came for `barrier_record_arrivals_s` (so that writing them, and folding them
+back from the stream, does not delay the decisions of a burst). After a crash, waiters re-send their
 arrivals and the generation is rebuilt from them (see docs/barriers.md, "Crash recovery").
 """
 
@@ -28,7 +29,6 @@ from strata.bus.publish import MSG_ID, publish_bytes
 from strata.config import Settings
 from strata.errors import StrataError
 from strata.events import (
-    BarrierArrived,
     BarrierBrokenEvent,
     BarrierReleased,
     BarrierTimedOut,
@@ -50,6 +50,7 @@ TIMEOUT_CHECK_S = 0.05
 STOP_FLUSH_S = 5.0
 ACK_WAIT_S = 2.0
 MAX_BATCH = 1024
+RECORD_AT_LATEST = 8
 Key = tuple[str, str, int]
 Sent = tuple[Event, bytes, "asyncio.Future[PubAck] | None"]
 Conclusion = BarrierReleased | BarrierBrokenEvent | BarrierTimedOut
@@ -66,6 +67,7 @@ class Barrier(Projection[BarrierState]):
         self._unrecorded: list[Event] = []
         """`barrier.arrived` events decided and not written yet, in decision order."""
         self._unrecorded_since = 0.0
+        self._last_arrival_at = 0.0
         self._record_after_s = 0.25
         self._background: set[asyncio.Task[None]] = set()
         self.batches = 0
@@ -198,7 +200,15 @@ class Barrier(Projection[BarrierState]):
         conclusions, then answer."""
         while True:
             if self._unrecorded:
-                linger = self._unrecorded_since + self._record_after_s - time.monotonic()
+                # Written once no arrival came for a while (the barrier waits for stragglers and
+                # the service is idle), at the latest RECORD_AT_LATEST times that after the first.
+                linger = (
+                    min(
+                        self._last_arrival_at + self._record_after_s,
+                        self._unrecorded_since + RECORD_AT_LATEST * self._record_after_s,
+                    )
+                    - time.monotonic()
+                )
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), max(0.0, linger))
                 except TimeoutError:
@@ -225,51 +235,27 @@ class Barrier(Projection[BarrierState]):
         self.batches += 1
         self.arrivals += len(batch)
         async with self.lock:
-            now = self.now_ns()
-            told: list[Event] = []
-            answers = [self._decide(request, now, told) for request, _ in batch]
-            await self._send(told)
+            decided = domain.decide_arrivals(
+                self.state, [request for request, _ in batch], self.now_ns()
+            )
+            self._last_arrival_at = time.monotonic()
+            if decided.record and not self._unrecorded:
+                self._unrecorded_since = self._last_arrival_at
+            self._unrecorded.extend(decided.record)
+            await self._send(decided.told)
             # The record of a concluded generation follows its conclusion at once.
-            if any(isinstance(event, Conclusion) for event in told):
+            if any(isinstance(event, Conclusion) for event in decided.told):
                 await self._record_arrivals()
-        # Every answer from the state as the whole batch left it: an arrival decided early in
-        # the batch is told about a release that a later one completed.
-        for (_, future), answer in zip(batch, answers, strict=True):
+        for (_, future), joined in zip(batch, decided.joined, strict=True):
             if future.done():
                 continue
-            if isinstance(answer, StrataError):
-                future.set_exception(answer)
+            if isinstance(joined, StrataError):
+                future.set_exception(joined)
             else:
                 try:
-                    future.set_result(domain.outcome(self.state, *answer))
+                    future.set_result(domain.outcome(self.state, *joined))
                 except StrataError as exc:
                     future.set_exception(exc)
-
-    def _decide(self, request: ArriveRequest, now: int, told: list[Event]) -> Key | StrataError:
-        """Apply the arrival and whatever it proves or concludes; the generation it joined, or the
-        error to answer with. Openings and conclusions go to `told`."""
-        for events in (
-            domain.release_proven(self.state, request, now),
-            domain.conclude(self.state, request.job, request.name, now),
-        ):
-            self.apply_before_storage(events)
-            told.extend(events)
-        decision = domain.arrive(self.state, request, now)
-        if decision.error is not None:
-            return decision.error
-        assert decision.result is not None
-        self.apply_before_storage(decision.events)
-        for event in decision.events:
-            if isinstance(event, BarrierArrived):
-                if not self._unrecorded:
-                    self._unrecorded_since = time.monotonic()
-                self._unrecorded.append(event)
-            else:
-                told.append(event)
-        after = domain.conclude(self.state, request.job, request.name, now)
-        self.apply_before_storage(after)
-        told.extend(after)
-        return (request.job, request.name, decision.result)
 
     # -- failures and deadlines --------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Barriers against real registry and barrier processes and a real nats-server: 100 participants
 released together and never before the last arrives, a SIGKILLed participant breaking the barrier
 for the other 99 within the failure timeout, the barrier service SIGKILLed mid-barrier and
-restarted, a name reused for 50 generations, explicit counts, timeouts, graceful leaves, a
-worker process restarted under the same id, and a restart superseding a waiting participant.
+restarted (with the arrivals stored, and with none stored: rebuilt from re-sends), a name reused
+for 50 generations, explicit counts, timeouts, graceful leaves, a worker process restarted under
+the same id, and a restart superseding a waiting participant.
 """
 
 from __future__ import annotations
@@ -232,6 +233,65 @@ async def test_the_barrier_service_killed_mid_barrier_releases_exactly_once_afte
         assert sorted(e.worker_id for e in arrived) == sorted(w.id for w in group)
         # the name goes on from there, with the restarted service
         assert await meet(group, "step") == [1] * 5
+    finally:
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        await bus.close()
+        barrier.stop()
+        registry.stop()
+
+
+async def test_a_generation_whose_arrivals_died_with_the_service_is_rebuilt_from_the_re_sends(
+    own_nats_server: NatsServer, tmp_path: Path, workers: list[strata.aio.Worker]
+) -> None:
+    """The service keeps arrivals in memory only: SIGKILLed while two participants that passed
+    generation 0 wait at generation 1 (none of their arrivals stored), the restarted one learns
+    of them from their re-sends alone, and the third participant's first arrival completes it."""
+    url = own_nats_server.url
+    registry = start_service("registry", url, tmp_path)
+    # Arrivals are recorded only at a conclusion: at the kill, none of generation 1's is stored.
+    quiet = {Env.BARRIER_RECORD_ARRIVALS_S: "3600"}
+    barrier = ServiceProcess(
+        "barrier", url, tmp_path, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT, env=quiet
+    ).start()
+    bus = await Bus.connect(url, name="test-barrier-rebuilt")
+    try:
+        job = new_job("barrier")
+        group = await start_workers(workers, job, url, numbered(3))
+        assert await meet(group, "step") == [0] * 3
+        opened = await bus.nc.subscribe(subjects.event_subject(job, "barrier.opened"))
+        waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in group[:2]]
+        await opened.next_msg(timeout=ARRIVALS_TIMEOUT)
+        await opened.unsubscribe()
+
+        async def both_answered() -> bool:
+            # Each waiter's first answer ("waiting at 1") has come back.
+            return all(w._barriers is not None and w._barriers._waiters for w in group[:2])
+
+        await async_wait_until(both_answered, 10, "both arrivals to be answered")
+        stored = await job_events(bus, job)
+        assert [e.generation for e in of_type(stored, BarrierArrived)] == [0, 0, 0]
+        barrier.kill()
+        await asyncio.to_thread(barrier.start)
+        last, _ = await timed_barrier(group[2], "step")
+        results = await asyncio.gather(*waiting)
+        assert [outcome for outcome, _ in results] == [1, 1]
+        assert last == 1
+
+        async def recorded() -> bool:
+            events = await job_events(bus, job)
+            return len(of_type(events, BarrierArrived)) == 6
+
+        await async_wait_until(recorded, 10, "generation 1's arrivals to be recorded")
+        events = await job_events(bus, job)
+        assert [(e.generation, e.participants) for e in of_type(events, BarrierReleased)] == [
+            (0, 3),
+            (1, 3),
+        ]
+        assert [e.generation for e in of_type(events, BarrierOpened)] == [0, 1]
+        rebuilt = [e for e in of_type(events, BarrierArrived) if e.generation == 1]
+        assert sorted(e.worker_id for e in rebuilt) == sorted(w.id for w in group)
+        # and the name goes on with the restarted service
+        assert await meet(group, "step") == [2] * 3
     finally:
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
         await bus.close()
