@@ -186,18 +186,7 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
             for old in sorted(named.generations)[:-KEEP_GENERATIONS]:
                 del named.generations[old]
     elif isinstance(event, BarrierArrived):
-        named = state.job(event.job).named(event.name)
-        gen = named.generations.get(event.generation)
-        if gen is not None:
-            gen.arrived.setdefault(event.worker_id, event.ts)
-            gen.pending.discard(event.worker_id)
-            if not gen.by_count and event.worker_id not in gen.expected:
-                gen.expected.add(event.worker_id)
-                gen.expected_count = len(gen.expected)
-        previous = named.by_worker.get(event.worker_id)
-        from_old_process = event.generation <= named.restarted.get(event.worker_id, -1)
-        if not from_old_process and (previous is None or previous[0] <= event.arrival):
-            named.by_worker[event.worker_id] = (event.arrival, event.generation)
+        _count(state, event)
     elif isinstance(event, BarrierReleased | BarrierBrokenEvent | BarrierTimedOut):
         gen = state.job(event.job).named(event.name).generations.get(event.generation)
         if gen is not None and gen.status == "waiting":
@@ -211,7 +200,50 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
     return state
 
 
+def _count(state: BarrierState, event: BarrierArrived | Arrival) -> None:
+    """An arrival's change to the state, from its event or its record (the same fields)."""
+    named = state.job(event.job).named(event.name)
+    gen = named.generations.get(event.generation)
+    if gen is not None:
+        gen.arrived.setdefault(event.worker_id, event.ts)
+        gen.pending.discard(event.worker_id)
+        if not gen.by_count and event.worker_id not in gen.expected:
+            gen.expected.add(event.worker_id)
+            gen.expected_count = len(gen.expected)
+    previous = named.by_worker.get(event.worker_id)
+    from_old_process = event.generation <= named.restarted.get(event.worker_id, -1)
+    if not from_old_process and (previous is None or previous[0] <= event.arrival):
+        named.by_worker[event.worker_id] = (event.arrival, event.generation)
+
+
 # -- decisions ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """An arrival as decided: the fields of its `barrier.arrived` event, which is built only when
+    it is recorded (in a burst, building a thousand events would cost more than deciding)."""
+
+    job: str
+    name: str
+    generation: int
+    worker_id: str
+    arrival: int
+    arrived: int
+    ts: int
+
+    def event(self) -> BarrierArrived:
+        return BarrierArrived(
+            id=event_id("arrived", self.job, self.name, self.generation, self.worker_id),
+            job=self.job,
+            source=SOURCE,
+            ts=self.ts,
+            name=self.name,
+            generation=self.generation,
+            worker_id=self.worker_id,
+            arrival=self.arrival,
+            arrived=self.arrived,
+        )
 
 
 def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
@@ -238,6 +270,16 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
     An arrival naming a process (`instance`) other than the one that registered the worker last
     is refused: that process was superseded by a restart.
     """
+    decision, arrival = _admit(state, request, now_ns)
+    if arrival is not None:
+        decision.events.append(arrival.event())
+    return decision
+
+
+def _admit(
+    state: BarrierState, request: ArriveRequest, now_ns: int
+) -> tuple[Decision[int], Arrival | None]:
+    """`arrive`, with the arrival as a record rather than an event (None for a retry)."""
     job = state.jobs.get(request.job)
     if job is None or request.worker_id not in job.live:
         return Decision(
@@ -245,7 +287,7 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                 f"worker {request.worker_id!r} is not a live member of job {request.job!r}: "
                 "register it (strata.Worker.start) before using barriers"
             )
-        )
+        ), None
     registered = job.instances.get(request.worker_id)
     if request.instance is not None and registered not in (None, request.instance):
         # A process that a restart of the worker replaced: its arrivals, late or retried, would
@@ -255,28 +297,26 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                 f"worker {request.worker_id!r} of job {request.job!r} was registered by another "
                 "process after this one: this process's arrivals no longer count"
             )
-        )
+        ), None
     named = job.barriers.get(request.name) or NamedBarrier()
     previous = named.by_worker.get(request.worker_id)
     if previous is not None and previous[0] == request.arrival:
-        return Decision(result=previous[1])  # a retry: same generation, same answer
+        return Decision(result=previous[1]), None  # a retry: same generation, same answer
     if previous is not None and previous[0] > request.arrival:
         return Decision(
             error=ConflictError(
                 f"arrival {request.arrival} of {request.worker_id!r} at {request.name!r} is older "
                 f"than its arrival {previous[0]}; this process restarted its count"
             )
-        )
+        ), None
     if request.generation is not None:
         hinted = named.generations.get(request.generation)
         if hinted is not None and hinted.status != "waiting":
             # A re-sent arrival that a restarted service never stored, for a generation that
             # ended meanwhile: it was part of it (an earlier answer said so), so it gets that
             # generation's outcome, not a seat in the next one.
-            return Decision(
-                [_arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)],
-                result=hinted.generation,
-            )
+            arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)
+            return Decision(result=hinted.generation), arrival
     events: list[Event] = []
     current = named.current
     if current is None or current.status != "waiting":
@@ -305,23 +345,22 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                     f"{request.worker_id!r} already waits at {request.name!r} generation "
                     f"{generation} with an earlier arrival; wait for that one to finish"
                 )
-            )
+            ), None
         arrived_before = len(current.arrived)
-    events.append(_arrived(request, generation, arrived_before + 1, now_ns))
-    return Decision(events, result=generation)
+    return Decision(events, result=generation), _arrived(
+        request, generation, arrived_before + 1, now_ns
+    )
 
 
-def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int) -> BarrierArrived:
-    return BarrierArrived(
-        id=event_id("arrived", request.job, request.name, generation, request.worker_id),
-        job=request.job,
-        source=SOURCE,
-        ts=now_ns,
-        name=request.name,
-        generation=generation,
-        worker_id=request.worker_id,
-        arrival=request.arrival,
-        arrived=arrived,
+def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int) -> Arrival:
+    return Arrival(
+        request.job,
+        request.name,
+        generation,
+        request.worker_id,
+        request.arrival,
+        arrived,
+        now_ns,
     )
 
 
@@ -458,8 +497,9 @@ class Batch:
 
     told: list[Event] = field(default_factory=list)
     """Openings and conclusions, in order: stored before anyone is told an outcome."""
-    record: list[BarrierArrived] = field(default_factory=list)
-    """The arrivals, a record for the dashboard and replay: no outcome rests on them."""
+    record: list[Arrival] = field(default_factory=list)
+    """The arrivals, a record for the dashboard and replay (`Arrival.event()`): no outcome rests
+    on them."""
     joined: list[Joined | StrataError] = field(default_factory=list)
     """Per request, in order: where it was counted, or the error to answer with."""
 
@@ -484,17 +524,16 @@ def decide_arrivals(state: BarrierState, requests: Sequence[ArriveRequest], now_
         ):
             fold(events)
             batch.told.extend(events)
-        decision = arrive(state, request, now_ns)
+        decision, arrival = _admit(state, request, now_ns)
         if decision.error is not None:
             batch.joined.append(decision.error)
             continue
         assert decision.result is not None
         fold(decision.events)
-        for event in decision.events:
-            if isinstance(event, BarrierArrived):
-                batch.record.append(event)
-            else:
-                batch.told.append(event)
+        batch.told.extend(decision.events)
+        if arrival is not None:
+            _count(state, arrival)
+            batch.record.append(arrival)
         after = conclude(state, request.job, request.name, now_ns)
         fold(after)
         batch.told.extend(after)

@@ -64,7 +64,7 @@ class Barrier(Projection[BarrierState]):
         self._rpc: RpcServer | None = None
         self._queue: list[tuple[ArriveRequest, asyncio.Future[BarrierOutcome]]] = []
         self._wakeup = asyncio.Event()
-        self._unrecorded: list[Event] = []
+        self._unrecorded: list[domain.Arrival] = []
         """`barrier.arrived` events decided and not written yet, in decision order."""
         self._unrecorded_since = 0.0
         self._last_arrival_at = 0.0
@@ -174,7 +174,7 @@ class Barrier(Projection[BarrierState]):
     async def _record_arrivals(self) -> None:
         """Write the `barrier.arrived` events decided so far (the record, not the proof)."""
         arrivals, self._unrecorded = self._unrecorded, []
-        await self._send(arrivals)
+        await self._send([arrival.event() for arrival in arrivals])
 
     # -- arrivals ----------------------------------------------------------------------------------
 
@@ -246,16 +246,24 @@ class Barrier(Projection[BarrierState]):
             # The record of a concluded generation follows its conclusion at once.
             if any(isinstance(event, Conclusion) for event in decided.told):
                 await self._record_arrivals()
+        # One answer per generation: the whole batch is decided, so they are all alike.
+        outcomes: dict[domain.Joined, BarrierOutcome | StrataError] = {}
         for (_, future), joined in zip(batch, decided.joined, strict=True):
             if future.done():
                 continue
             if isinstance(joined, StrataError):
                 future.set_exception(joined)
-            else:
+                continue
+            answer = outcomes.get(joined)
+            if answer is None:
                 try:
-                    future.set_result(domain.outcome(self.state, *joined))
+                    answer = outcomes[joined] = domain.outcome(self.state, *joined)
                 except StrataError as exc:
-                    future.set_exception(exc)
+                    answer = outcomes[joined] = exc
+            if isinstance(answer, StrataError):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
 
     # -- failures and deadlines --------------------------------------------------------------------
 

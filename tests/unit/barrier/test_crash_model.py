@@ -103,7 +103,7 @@ class CrashingBarrier(RuleBasedStateMachine):
         self.ids: set[str] = set()
         self.participants = {w: Participant(w) for w in WORKERS}
         self.state: BarrierState | None = None
-        self.unrecorded: list[Event] = []
+        self.unrecorded: list[domain.Arrival] = []
         self.inflight: list[ArriveRequest] = []
         """Requests sent and not yet taken by the service (a crash loses the ones it took)."""
         for rank, worker in enumerate(WORKERS):
@@ -202,8 +202,7 @@ class CrashingBarrier(RuleBasedStateMachine):
             return
         self._store(decided.told, reached)
         if any(isinstance(e, Conclusion) for e in decided.told):
-            self._store(self.unrecorded)
-            self.unrecorded = []
+            self._record()
         answered = data.draw(st.sets(st.integers(0, len(batch) - 1)))
         for index in sorted(answered):
             self._answer(batch[index], decided.joined[index])
@@ -224,7 +223,10 @@ class CrashingBarrier(RuleBasedStateMachine):
     @precondition(lambda self: self.state is not None and bool(self.unrecorded))
     @rule()
     def record_arrivals(self) -> None:
-        self._store(self.unrecorded)
+        self._record()
+
+    def _record(self) -> None:
+        self._store([arrival.event() for arrival in self.unrecorded])
         self.unrecorded = []
 
     @precondition(lambda self: self.state is not None)
