@@ -17,6 +17,8 @@ arrivals and the generation is rebuilt from them (see docs/barriers.md, "Crash r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -38,7 +40,7 @@ from strata.events import (
     subject_for,
 )
 from strata.events.models import Event
-from strata.events.requests import ARRIVE, ArriveRequest, BarrierOutcome
+from strata.events.requests import ARRIVE, ArriveRequest
 from strata.metrics import observe_decided
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
@@ -51,6 +53,8 @@ STOP_FLUSH_S = 5.0
 ACK_WAIT_S = 2.0
 MAX_BATCH = 1024
 RECORD_AT_LATEST = 8
+RECORD_AFTER_CONCLUSION_S = 0.01
+RECORD_SLICE = 64
 Key = tuple[str, str, int]
 Sent = tuple[Event, bytes, "asyncio.Future[PubAck] | None"]
 Conclusion = BarrierReleased | BarrierBrokenEvent | BarrierTimedOut
@@ -62,12 +66,13 @@ class Barrier(Projection[BarrierState]):
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         super().__init__(clock)
         self._rpc: RpcServer | None = None
-        self._queue: list[tuple[ArriveRequest, asyncio.Future[BarrierOutcome]]] = []
+        self._queue: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]] = []
         self._wakeup = asyncio.Event()
         self._unrecorded: list[domain.Arrival] = []
         """`barrier.arrived` events decided and not written yet, in decision order."""
         self._unrecorded_since = 0.0
         self._last_arrival_at = 0.0
+        self._concluded_at = math.inf
         self._record_after_s = 0.25
         self._background: set[asyncio.Task[None]] = set()
         self.batches = 0
@@ -86,6 +91,7 @@ class Barrier(Projection[BarrierState]):
             owed = domain.recover(self.state, self.now_ns())
             self.apply_before_storage(owed)
             await self._send(owed)
+            self._concluded(owed)
         self.spawn(self._decide_batches(), "arrivals")
         self._rpc = RpcServer(bus.nc, self.name, concurrency=MAX_BATCH)
         self._rpc.serve(ARRIVE, self._arrive)
@@ -95,8 +101,7 @@ class Barrier(Projection[BarrierState]):
     async def before_stop(self) -> None:
         if self._rpc is not None:
             await self._rpc.stop()
-        async with self.lock:
-            await self._record_arrivals()
+        await self._record_arrivals()
         if self._background:
             await asyncio.wait(self._background, timeout=STOP_FLUSH_S)
 
@@ -171,14 +176,27 @@ class Barrier(Projection[BarrierState]):
             **latency,
         )
 
-    async def _record_arrivals(self) -> None:
-        """Write the `barrier.arrived` events decided so far (the record, not the proof)."""
+    def _take_unrecorded(self) -> list[domain.Arrival]:
         arrivals, self._unrecorded = self._unrecorded, []
-        await self._send([arrival.event() for arrival in arrivals])
+        self._concluded_at = math.inf
+        return arrivals
+
+    async def _record_arrivals(self) -> None:
+        """Write the `barrier.arrived` events decided so far."""
+        await self._record(self._take_unrecorded())
+
+    async def _record(self, arrivals: list[domain.Arrival]) -> None:
+        """Write `arrivals` as `barrier.arrived` events (the record, not the proof), a slice at
+        a time so that arrivals and answers go on meanwhile."""
+        for start in range(0, len(arrivals), RECORD_SLICE):
+            records = arrivals[start : start + RECORD_SLICE]
+            await self._send([arrival.event() for arrival in records])
+            await asyncio.sleep(0)
 
     # -- arrivals ----------------------------------------------------------------------------------
 
-    async def _arrive(self, request: ArriveRequest) -> BarrierOutcome:
+    async def _arrive(self, request: ArriveRequest) -> dict[str, Any]:
+        """The arrival's outcome (a `BarrierOutcome`'s fields)."""
         job = self.state.jobs.get(request.job)
         if (
             job is None
@@ -190,31 +208,23 @@ class Barrier(Projection[BarrierState]):
         ):
             # Its registration may be stored and not folded here yet: catch up, then decide.
             await self.sync()
-        future: asyncio.Future[BarrierOutcome] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._queue.append((request, future))
         self._wakeup.set()
         return await future
 
     async def _decide_batches(self) -> None:
         """One batch after another: decide every arrival waiting now, write the openings and
-        conclusions, then answer."""
+        conclusions, then answer. Arrivals are recorded in between, when no batch waits."""
         while True:
             if self._unrecorded:
-                # Written once no arrival came for a while (the barrier waits for stragglers and
-                # the service is idle), at the latest RECORD_AT_LATEST times that after the first.
-                linger = (
-                    min(
-                        self._last_arrival_at + self._record_after_s,
-                        self._unrecorded_since + RECORD_AT_LATEST * self._record_after_s,
-                    )
-                    - time.monotonic()
-                )
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), max(0.0, linger))
-                except TimeoutError:
-                    async with self.lock:
-                        await self._record_arrivals()
+                linger = self._record_at() - time.monotonic()
+                if linger <= 0:
+                    # On a task of its own: batches go on being decided meanwhile.
+                    self._in_background(self._record(self._take_unrecorded()))
                     continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), linger)
             else:
                 await self._wakeup.wait()
             self._wakeup.clear()
@@ -229,8 +239,25 @@ class Barrier(Projection[BarrierState]):
                         if not future.done():
                             future.set_exception(exc)
 
+    def _record_at(self) -> float:
+        """When the arrivals decided so far are recorded (monotonic): once no arrival came for
+        `barrier_record_arrivals_s` (the barrier waits for stragglers, the service is idle), at
+        the latest RECORD_AT_LATEST times that after the first, and just after a conclusion
+        (once its waiters are answered: recording a thousand arrivals takes milliseconds)."""
+        return min(
+            self._last_arrival_at + self._record_after_s,
+            self._unrecorded_since + RECORD_AT_LATEST * self._record_after_s,
+            self._concluded_at + RECORD_AFTER_CONCLUSION_S,
+        )
+
+    def _concluded(self, events: Sequence[Event]) -> None:
+        """Record the arrivals soon after a conclusion among `events`."""
+        if any(isinstance(event, Conclusion) for event in events):
+            self._concluded_at = min(self._concluded_at, time.monotonic())
+            self._wakeup.set()
+
     async def _decide_batch(
-        self, batch: list[tuple[ArriveRequest, asyncio.Future[BarrierOutcome]]]
+        self, batch: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]]
     ) -> None:
         self.batches += 1
         self.arrivals += len(batch)
@@ -243,11 +270,10 @@ class Barrier(Projection[BarrierState]):
                 self._unrecorded_since = self._last_arrival_at
             self._unrecorded.extend(decided.record)
             await self._send(decided.told)
-            # The record of a concluded generation follows its conclusion at once.
-            if any(isinstance(event, Conclusion) for event in decided.told):
-                await self._record_arrivals()
-        # One answer per generation: the whole batch is decided, so they are all alike.
-        outcomes: dict[domain.Joined, BarrierOutcome | StrataError] = {}
+            self._concluded(decided.told)
+        # One answer per generation, as plain data: the whole batch is decided, so they are all
+        # alike, and the RPC server packs a dict without validating or dumping a model.
+        outcomes: dict[domain.Joined, dict[str, Any] | StrataError] = {}
         for (_, future), joined in zip(batch, decided.joined, strict=True):
             if future.done():
                 continue
@@ -257,7 +283,8 @@ class Barrier(Projection[BarrierState]):
             answer = outcomes.get(joined)
             if answer is None:
                 try:
-                    answer = outcomes[joined] = domain.outcome(self.state, *joined)
+                    outcome = domain.outcome(self.state, *joined)
+                    answer = outcomes[joined] = outcome.model_dump(mode="python")
                 except StrataError as exc:
                     answer = outcomes[joined] = exc
             if isinstance(answer, StrataError):
@@ -275,8 +302,7 @@ class Barrier(Projection[BarrierState]):
             broken = domain.member_gone(self.state, event.job, event.worker_id, why, self.now_ns())
             self.apply_before_storage(broken)
             await self._send(broken)
-            if broken:
-                await self._record_arrivals()
+            self._concluded(broken)
 
     async def _time_out(self) -> None:
         while True:
@@ -286,8 +312,7 @@ class Barrier(Projection[BarrierState]):
                     expired = domain.due(self.state, self.now_ns())
                     self.apply_before_storage(expired)
                     await self._send(expired)
-                    if expired:
-                        await self._record_arrivals()
+                    self._concluded(expired)
             except Exception:  # one bad generation must not stop every other one timing out
                 log.exception("barrier_timeouts_failed")
 
