@@ -5,9 +5,10 @@ explicit count). It is released exactly when complete, broken at once when an ex
 fails or leaves, and timed out at its deadline. Arrivals carry the worker's own arrival count, so a
 retried arrival (after a lost reply or a service restart) counts once and gets the same answer.
 `evolve` is idempotent: the service applies its decisions at once and folds them again, unchanged,
-when they come back from the stream. A release is derived from the arrivals alone, so a generation
-whose release was decided but never stored is released again, with the same event id, after a
-restart. No I/O; the clock is passed in (ns).
+when they come back from the stream. Arrivals are not stored before a release: after a restart a
+generation is rebuilt from the arrivals that were recorded and those the waiters re-send (a re-send
+names its generation; `passed` proves an earlier release), and a conclusion decided again has the
+same event id (docs/barriers.md, "Crash recovery"). No I/O; the clock is passed in (ns).
 """
 
 from __future__ import annotations
