@@ -29,7 +29,7 @@ from nats.js.api import PubAck
 from strata.bus import Bus, RpcServer
 from strata.bus.publish import MSG_ID, publish_bytes
 from strata.config import Settings
-from strata.errors import StrataError
+from strata.errors import ServiceUnavailable, StrataError
 from strata.events import (
     BarrierBrokenEvent,
     BarrierReleased,
@@ -75,6 +75,8 @@ class Barrier(Projection[BarrierState]):
         self._concluded_at = math.inf
         self._record_after_s = 0.25
         self._background: set[asyncio.Task[None]] = set()
+        self._stopped_deciding = ""
+        """Why the service decides nothing more (a decision it could not store), if it stopped."""
         self.batches = 0
         self.arrivals = 0
 
@@ -112,7 +114,7 @@ class Barrier(Projection[BarrierState]):
 
     # -- writing events ----------------------------------------------------------------------------
 
-    async def _send(self, events: Sequence[Event]) -> None:
+    async def _send(self, events: Sequence[Event], *, record: bool = False) -> None:
         """Write `events` to the connection, in order, and return without waiting for their
         acknowledgements (a background task collects them, re-sending what got none: each id
         makes a re-send harmless). Anything written to the connection after this returns
@@ -128,11 +130,39 @@ class Barrier(Projection[BarrierState]):
                     subject_for(event), payload, headers={MSG_ID: event.id}
                 )
             except (TimeoutError, nats.errors.Error):
+                # Not even written (the connection's buffer is full, or it is closed): store a
+                # decision now, through the usual retries, before anything is said about it (a
+                # record is left to the background re-send).
+                if not record:
+                    await self._store_or_stop(event, payload)
                 ack = None
             sent.append((event, payload, ack))
-        self._in_background(self._confirm(sent))
+        self._in_background(self._confirm(sent, record=record))
 
-    async def _confirm(self, sent: list[Sent]) -> None:
+    async def _store_or_stop(self, event: Event, payload: bytes) -> None:
+        try:
+            await publish_bytes(
+                self.bus.js, subject_for(event), payload, event.id, options=self.bus.publish_options
+            )
+        except StrataError as exc:
+            # The state holds a decision the stream may never get: stop deciding, so that
+            # nobody is told it, until a restart rebuilds the state from the stream.
+            self._stopped_deciding = f"could not store {event.type} ({exc.message})"
+            log.error("barrier_decision_not_stored", event=event.type, error=exc.message)
+            raise ServiceUnavailable(self._stopped_message()) from exc
+
+    def _stopped_message(self) -> str:
+        return (
+            f"the barrier service {self._stopped_deciding} and decides nothing more: restart it "
+            "(it rebuilds its state from the stream; waiters re-send their arrivals)"
+        )
+
+    def ready(self) -> tuple[bool, str]:
+        if self._stopped_deciding:
+            return False, self._stopped_deciding
+        return super().ready()
+
+    async def _confirm(self, sent: list[Sent], *, record: bool) -> None:
         futures = [ack for _, _, ack in sent if ack is not None]
         if futures:
             await asyncio.wait(futures, timeout=ACK_WAIT_S)
@@ -154,6 +184,8 @@ class Barrier(Projection[BarrierState]):
                     )
             except StrataError as exc:
                 log.error("barrier_event_not_published", event=event.type, error=str(exc))
+                if not record:  # a decision the stream refused: see _store_or_stop
+                    self._stopped_deciding = f"could not store {event.type} ({exc.message})"
                 continue
             observe_decided(event)
             if isinstance(event, Conclusion):
@@ -190,7 +222,7 @@ class Barrier(Projection[BarrierState]):
         a time so that arrivals and answers go on meanwhile."""
         for start in range(0, len(arrivals), RECORD_SLICE):
             records = arrivals[start : start + RECORD_SLICE]
-            await self._send([arrival.event() for arrival in records])
+            await self._send([arrival.event() for arrival in records], record=True)
             await asyncio.sleep(0)
 
     # -- arrivals ----------------------------------------------------------------------------------
@@ -261,6 +293,8 @@ class Barrier(Projection[BarrierState]):
     ) -> None:
         self.batches += 1
         self.arrivals += len(batch)
+        if self._stopped_deciding:
+            raise ServiceUnavailable(self._stopped_message())
         async with self.lock:
             decided = domain.decide_arrivals(
                 self.state, [request for request, _ in batch], self.now_ns()
