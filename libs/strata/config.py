@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     ack_journal: Path | None = None
     """A file to append the id of every event JetStream acknowledged to (tests check it)."""
-    barrier_record_arrivals_s: float = Field(default=0.25, ge=0, le=3600)
+    barrier_record_arrivals_s: float = Field(default=1.0, ge=0, le=3600)
     """How long the barrier service may hold `barrier.arrived` events (the record of who waits,
     not needed for a release) before writing them; a generation's conclusion writes them at once."""
 

@@ -73,7 +73,7 @@ class Barrier(Projection[BarrierState]):
         self._unrecorded_since = 0.0
         self._last_arrival_at = 0.0
         self._concluded_at = math.inf
-        self._record_after_s = 0.25
+        self._record_after_s = 1.0
         self._background: set[asyncio.Task[None]] = set()
         self._stopped_deciding = ""
         """Why the service decides nothing more (a decision it could not store), if it stopped."""
