@@ -334,6 +334,6 @@ class CrashingBarrier(RuleBasedStateMachine):
 
 
 CrashingBarrier.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None
+    max_examples=600, stateful_step_count=30, deadline=None
 )
 TestCrashingBarrier = CrashingBarrier.TestCase
