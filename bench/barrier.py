@@ -47,6 +47,8 @@ SIZES = (10, 100, 1000)
 FINAL = ("barrier.released", "barrier.broken", "barrier.timed_out")
 AIM_P99_MS = 5.0
 AIM_P99_SIZE = 100
+AIM_WORKERS_RATIO = 2.0
+"""Real `strata.aio.Worker`s (a connection each) against the in-process participants."""
 ORIGINAL_P99_MS = 48.0
 BARRIER = "step"
 BARRIER_TIMEOUT_S = 120.0
@@ -171,22 +173,15 @@ import nats
 
 async def main() -> None:
     nc = await nats.connect(sys.argv[1])
-    js = nc.jetstream()
-    await js.add_stream(name="BENCH_FLOOR", subjects=["bench.floor.evt.>"], max_msgs=100_000)
     counts: dict[bytes, int] = {}
-    stores: dict[bytes, list[asyncio.Future]] = {}
 
     async def arrive(msg) -> None:
         rep, n, worker = msg.data.split(b" ")
         counts[rep] = counts.get(rep, 0) + 1
-        headers = {"Nats-Msg-Id": (rep + b"-" + worker).decode()}
-        stored = js.publish("bench.floor.evt.arrived", msg.data, headers=headers)
-        store = asyncio.ensure_future(stored)
-        stores.setdefault(rep, []).append(store)
         if counts[rep] < int(n):
             await msg.respond(b"waiting")
             return
-        await asyncio.gather(*stores.pop(rep))
+        del counts[rep]
         await nc.publish("bench.floor.released", rep)
         await msg.respond(b"released")
 
@@ -203,8 +198,9 @@ asyncio.run(main())
 
 
 class FloorResponder:
-    """The least a durable barrier on NATS does, in plain nats-py: store each arrival in a stream
-    (awaiting the ack), then publish the release on a core subject."""
+    """The least a barrier on NATS does, in plain nats-py: count each arrival's request, answer
+    it, and publish the release on a core subject (what Strata's barrier does on the way to a
+    release, with nothing decided, stored or checked)."""
 
     def __init__(self, nats_url: str) -> None:
         self.proc = subprocess.Popen(
@@ -627,8 +623,6 @@ async def measure(args: argparse.Namespace, url: str, tcp_port: int) -> tuple[li
     finally:
         for close in reversed(closers):
             await close()
-        with contextlib.suppress(Exception):  # a server that outlives the run keeps no trace
-            await bus.js.delete_stream("BENCH_FLOOR")
         await bus.close()
 
 
@@ -676,11 +670,11 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
     )
     comparison(sizes, "straggler", args)
     print("(ratio = strata / tcpstore; below 1 is faster)")
-    print("\ninfo: everyone arrives at once, ms from the go to each participant's return")
+    print("\neveryone arrives at once, ms from the go to each participant's return")
     comparison(sizes, "burst", args)
     print(
-        "\ninfo: the least a durable barrier on NATS does, in plain nats-py on the same server: "
-        "each arrival\nstored in a stream (its ack awaited), then the release on a core subject"
+        "\ninfo: the least a barrier on NATS does, in plain nats-py on the same server: a "
+        "request per arrival,\nthe release on a core subject (nothing decided, stored or checked)"
     )
     info_rows(sizes, "floor")
     with_workers = [s for s in sizes if ("workers", "straggler") in s.series]
@@ -696,24 +690,43 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
             cells = "  ".join(f"{a:7.2f} / {b:7.2f}" for a, b in pairs)
             print(f"  {series.label:<18} {size.n:>5,}  {cells}")
     print(
-        f"\nAims: p99 at most {AIM_P99_MS:g} ms at {AIM_P99_SIZE} participants (the original "
-        f"advertised {ORIGINAL_P99_MS:g} ms), and no slower than the TCPStore barrier at any size."
+        f"\nAims: p50 and p99 no slower than the TCPStore barrier at every size, for the last "
+        "arrival and for everyone at once;\n"
+        f"p99 at most {AIM_P99_MS:g} ms at {AIM_P99_SIZE} participants for the last arrival (the "
+        f"original advertised {ORIGINAL_P99_MS:g} ms); real workers within "
+        f"{AIM_WORKERS_RATIO:g}x of the in-process participants."
     )
     met = True
-    for size in sizes:
-        ours, theirs = size.get("strata"), size.get("tcpstore")
-        verdicts = []
-        if size.n == AIM_P99_SIZE:
-            ok = ours.figure(99) <= AIM_P99_MS
-            met &= ok
-            verdicts.append(f"p99 {ms(ours.figure(99))} <= {AIM_P99_MS:g}: {verdict(ok)}")
-        for q in (50, 99):
-            ok = ours.figure(q) <= theirs.figure(q)
-            met &= ok
-            verdicts.append(
-                f"p{q} {ms(ours.figure(q))} vs TCPStore {ms(theirs.figure(q))}: {verdict(ok)}"
-            )
-        print(f"{size.n:>5,} participants: " + "; ".join(verdicts))
+    for scenario in SCENARIOS:
+        for size in sizes:
+            ours, theirs = size.get("strata", scenario), size.get("tcpstore", scenario)
+            verdicts = []
+            if size.n == AIM_P99_SIZE and scenario == "straggler":
+                ok = ours.figure(99) <= AIM_P99_MS
+                met &= ok
+                verdicts.append(f"p99 {ms(ours.figure(99))} <= {AIM_P99_MS:g}: {verdict(ok)}")
+            for q in (50, 99):
+                ok = ours.figure(q) <= theirs.figure(q)
+                met &= ok
+                verdicts.append(
+                    f"p{q} {ms(ours.figure(q))} vs TCPStore {ms(theirs.figure(q))}: {verdict(ok)}"
+                )
+            label = "last arrival" if scenario == "straggler" else "at once"
+            print(f"{size.n:>5,} participants, {label}: " + "; ".join(verdicts))
+    for size in with_workers:
+        for scenario in SCENARIOS:
+            ours, real = size.get("strata", scenario), size.get("workers", scenario)
+            verdicts = []
+            for q in (50, 99):
+                ratio = real.figure(q) / ours.figure(q)
+                ok = ratio <= AIM_WORKERS_RATIO
+                met &= ok
+                verdicts.append(
+                    f"p{q} {ms(real.figure(q))} vs {ms(ours.figure(q))} "
+                    f"({ratio:.2f}x): {verdict(ok)}"
+                )
+            label = "last arrival" if scenario == "straggler" else "at once"
+            print(f"{size.n:>5,} real workers, {label}: " + "; ".join(verdicts))
     return met
 
 

@@ -46,6 +46,7 @@ class Env:
     REPLAY_CONCURRENCY: Final = "STRATA_REPLAY_CONCURRENCY"
     REPLAY_SNAPSHOT_MB: Final = "STRATA_REPLAY_SNAPSHOT_MB"
     ACK_JOURNAL: Final = "STRATA_ACK_JOURNAL"
+    BARRIER_RECORD_ARRIVALS_S: Final = "STRATA_BARRIER_RECORD_ARRIVALS_S"
 
 
 LogFormat = Literal["auto", "json", "console"]
@@ -99,6 +100,9 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     ack_journal: Path | None = None
     """A file to append the id of every event JetStream acknowledged to (tests check it)."""
+    barrier_record_arrivals_s: float = Field(default=1.0, ge=0, le=3600)
+    """How long the barrier service may hold `barrier.arrived` events (the record of who waits,
+    not needed for a release) before writing them; a generation's conclusion writes them at once."""
 
     @field_validator("nats_url")
     @classmethod

@@ -5,17 +5,19 @@ explicit count). It is released exactly when complete, broken at once when an ex
 fails or leaves, and timed out at its deadline. Arrivals carry the worker's own arrival count, so a
 retried arrival (after a lost reply or a service restart) counts once and gets the same answer.
 `evolve` is idempotent: the service applies its decisions at once and folds them again, unchanged,
-when they come back from the stream. A release is derived from the arrivals alone, so a generation
-whose release was decided but never stored is released again, with the same event id, after a
-restart. No I/O; the clock is passed in (ns).
+when they come back from the stream. Arrivals are not stored before a release: after a restart a
+generation is rebuilt from the arrivals that were recorded and those the waiters re-send (a re-send
+names its generation; `passed` proves an earlier release), and a conclusion decided again has the
+same event id (docs/barriers.md, "Crash recovery"). No I/O; the clock is passed in (ns).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from strata.errors import ConflictError, NotFound, WorkerSuperseded
+from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -185,18 +187,7 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
             for old in sorted(named.generations)[:-KEEP_GENERATIONS]:
                 del named.generations[old]
     elif isinstance(event, BarrierArrived):
-        named = state.job(event.job).named(event.name)
-        gen = named.generations.get(event.generation)
-        if gen is not None:
-            gen.arrived.setdefault(event.worker_id, event.ts)
-            gen.pending.discard(event.worker_id)
-            if not gen.by_count and event.worker_id not in gen.expected:
-                gen.expected.add(event.worker_id)
-                gen.expected_count = len(gen.expected)
-        previous = named.by_worker.get(event.worker_id)
-        from_old_process = event.generation <= named.restarted.get(event.worker_id, -1)
-        if not from_old_process and (previous is None or previous[0] <= event.arrival):
-            named.by_worker[event.worker_id] = (event.arrival, event.generation)
+        _count(state, event)
     elif isinstance(event, BarrierReleased | BarrierBrokenEvent | BarrierTimedOut):
         gen = state.job(event.job).named(event.name).generations.get(event.generation)
         if gen is not None and gen.status == "waiting":
@@ -210,12 +201,56 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
     return state
 
 
+def _count(state: BarrierState, event: BarrierArrived | Arrival) -> None:
+    """An arrival's change to the state, from its event or its record (the same fields)."""
+    named = state.job(event.job).named(event.name)
+    gen = named.generations.get(event.generation)
+    if gen is not None:
+        gen.arrived.setdefault(event.worker_id, event.ts)
+        gen.pending.discard(event.worker_id)
+        if not gen.by_count and event.worker_id not in gen.expected:
+            gen.expected.add(event.worker_id)
+            gen.expected_count = len(gen.expected)
+    previous = named.by_worker.get(event.worker_id)
+    from_old_process = event.generation <= named.restarted.get(event.worker_id, -1)
+    if not from_old_process and (previous is None or previous[0] <= event.arrival):
+        named.by_worker[event.worker_id] = (event.arrival, event.generation)
+
+
 # -- decisions ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """An arrival as decided: the fields of its `barrier.arrived` event, which is built only when
+    it is recorded (in a burst, building a thousand events would cost more than deciding)."""
+
+    job: str
+    name: str
+    generation: int
+    worker_id: str
+    arrival: int
+    arrived: int
+    ts: int
+
+    def event(self) -> BarrierArrived:
+        return BarrierArrived(
+            id=event_id("arrived", self.job, self.name, self.generation, self.worker_id),
+            job=self.job,
+            source=SOURCE,
+            ts=self.ts,
+            name=self.name,
+            generation=self.generation,
+            worker_id=self.worker_id,
+            arrival=self.arrival,
+            arrived=self.arrived,
+        )
+
+
 def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
-    first = min(gen.arrived.values())
-    last = max(gen.arrived.values())
+    # A release proven by a participant after a restart may rest on no arrival this state holds.
+    first = min(gen.arrived.values(), default=gen.opened_ns)
+    last = max(gen.arrived.values(), default=gen.opened_ns)
     return BarrierReleased(
         id=event_id("released", job, gen.name, gen.generation),
         job=job,
@@ -236,6 +271,16 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
     An arrival naming a process (`instance`) other than the one that registered the worker last
     is refused: that process was superseded by a restart.
     """
+    decision, arrival = _admit(state, request, now_ns)
+    if arrival is not None:
+        decision.events.append(arrival.event())
+    return decision
+
+
+def _admit(
+    state: BarrierState, request: ArriveRequest, now_ns: int
+) -> tuple[Decision[int], Arrival | None]:
+    """`arrive`, with the arrival as a record rather than an event (None for a retry)."""
     job = state.jobs.get(request.job)
     if job is None or request.worker_id not in job.live:
         return Decision(
@@ -243,7 +288,7 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                 f"worker {request.worker_id!r} is not a live member of job {request.job!r}: "
                 "register it (strata.Worker.start) before using barriers"
             )
-        )
+        ), None
     registered = job.instances.get(request.worker_id)
     if request.instance is not None and registered not in (None, request.instance):
         # A process that a restart of the worker replaced: its arrivals, late or retried, would
@@ -253,18 +298,26 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                 f"worker {request.worker_id!r} of job {request.job!r} was registered by another "
                 "process after this one: this process's arrivals no longer count"
             )
-        )
+        ), None
     named = job.barriers.get(request.name) or NamedBarrier()
     previous = named.by_worker.get(request.worker_id)
     if previous is not None and previous[0] == request.arrival:
-        return Decision(result=previous[1])  # a retry: same generation, same answer
+        return Decision(result=previous[1]), None  # a retry: same generation, same answer
     if previous is not None and previous[0] > request.arrival:
         return Decision(
             error=ConflictError(
                 f"arrival {request.arrival} of {request.worker_id!r} at {request.name!r} is older "
                 f"than its arrival {previous[0]}; this process restarted its count"
             )
-        )
+        ), None
+    if request.generation is not None:
+        hinted = named.generations.get(request.generation)
+        if hinted is not None and hinted.status != "waiting":
+            # A re-sent arrival that a restarted service never stored, for a generation that
+            # ended meanwhile: it was part of it (an earlier answer said so), so it gets that
+            # generation's outcome, not a seat in the next one.
+            arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)
+            return Decision(result=hinted.generation), arrival
     events: list[Event] = []
     current = named.current
     if current is None or current.status != "waiting":
@@ -293,22 +346,47 @@ def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision
                     f"{request.worker_id!r} already waits at {request.name!r} generation "
                     f"{generation} with an earlier arrival; wait for that one to finish"
                 )
-            )
+            ), None
         arrived_before = len(current.arrived)
-    events.append(
-        BarrierArrived(
-            id=event_id("arrived", request.job, request.name, generation, request.worker_id),
-            job=request.job,
-            source=SOURCE,
-            ts=now_ns,
-            name=request.name,
-            generation=generation,
-            worker_id=request.worker_id,
-            arrival=request.arrival,
-            arrived=arrived_before + 1,
-        )
+    return Decision(events, result=generation), _arrived(
+        request, generation, arrived_before + 1, now_ns
     )
-    return Decision(events, result=generation)
+
+
+def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int) -> Arrival:
+    return Arrival(
+        request.job,
+        request.name,
+        generation,
+        request.worker_id,
+        request.arrival,
+        arrived,
+        now_ns,
+    )
+
+
+def _proven(state: BarrierState, request: ArriveRequest) -> Generation | None:
+    """The waiting generation that `request` proves released, if any: its sender says it passed
+    it (`passed`), and only a release lets a participant pass. After a restart, a release that
+    participants saw but the stream lost is known this way; in every other case the generation
+    is released in the state already and nothing is proven.
+    release (`release_proven`) before `arrive`."""
+    if request.passed is None:
+        return None
+    job = state.jobs.get(request.job)
+    if job is None or request.worker_id not in job.live:
+        return None
+    if request.instance is not None and job.instances.get(request.worker_id) != request.instance:
+        return None
+    named = job.barriers.get(request.name)
+    gen = named.generations.get(request.passed) if named is not None else None
+    return gen if gen is not None and gen.status == "waiting" else None
+
+
+def release_proven(state: BarrierState, request: ArriveRequest, now_ns: int) -> list[Event]:
+    """The release `proven` finds, as an event (the same id as the one the stream lost)."""
+    gen = _proven(state, request)
+    return [] if gen is None else [_release(request.job, gen, now_ns)]
 
 
 def _timed_out(job: str, gen: Generation, now_ns: int) -> BarrierTimedOut:
@@ -408,6 +486,60 @@ def member_gone(
                 _broken(job_id, gen, [worker_id], f"participant {worker_id!r} {why}", now_ns)
             )
     return events
+
+
+Joined = tuple[str, str, int]
+"""(job, name, generation): where an arrival was counted."""
+
+
+@dataclass
+class Batch:
+    """What a batch of arrivals decided, already folded into the state."""
+
+    told: list[Event] = field(default_factory=list)
+    """Openings and conclusions, in order: stored before anyone is told an outcome."""
+    record: list[Arrival] = field(default_factory=list)
+    """The arrivals, a record for the dashboard and replay (`Arrival.event()`): no outcome rests
+    on them."""
+    joined: list[Joined | StrataError] = field(default_factory=list)
+    """Per request, in order: where it was counted, or the error to answer with."""
+
+
+def decide_arrivals(state: BarrierState, requests: Sequence[ArriveRequest], now_ns: int) -> Batch:
+    """Decide `requests` in order, each against the state the previous ones left, folding every
+    decision into `state` at once (`evolve` is idempotent: folding them again when the stream
+    returns them changes nothing). For each: the release it proves (`passed`), the conclusion
+    already due, the arrival, and the conclusion it completes. Answer each caller with
+    `outcome(state, *joined)` once `told` is stored: the whole batch is then decided, so an
+    arrival decided early hears of a release that a later one completed."""
+    batch = Batch()
+
+    def fold(events: Sequence[Event]) -> None:
+        for event in events:
+            evolve(state, event)
+
+    for request in requests:
+        for events in (
+            release_proven(state, request, now_ns),
+            conclude(state, request.job, request.name, now_ns),
+        ):
+            fold(events)
+            batch.told.extend(events)
+        decision, arrival = _admit(state, request, now_ns)
+        if decision.error is not None:
+            batch.joined.append(decision.error)
+            continue
+        assert decision.result is not None
+        fold(decision.events)
+        batch.told.extend(decision.events)
+        if arrival is not None:
+            _count(state, arrival)
+            batch.record.append(arrival)
+        after = conclude(state, request.job, request.name, now_ns)
+        fold(after)
+        batch.told.extend(after)
+        batch.joined.append((request.job, request.name, decision.result))
+    return batch
 
 
 def outcome(state: BarrierState, job: str, name: str, generation: int) -> BarrierOutcome:

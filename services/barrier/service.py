@@ -1,35 +1,46 @@
-"""The barrier service's NATS adapter: arrivals over RPC, release/break/timeout as events.
+"""The barrier service's NATS adapter: arrivals over RPC, decided in batches; outcomes as events.
 
-Release latency is the product here, so decisions are applied to the state at once, before they
-are stored (`Projection.apply_before_storage`: the domain's `evolve` is idempotent, and folds them
-again unchanged when they come back from the stream), no lock is held across I/O, and arrival
-events are published concurrently. Waiters are told an outcome only once the arrivals it rests on
-are stored: a release can then always be derived again from the stream, so the release event
-itself goes out without anyone waiting for its ack. Waiters
-learn the outcome from the `barrier.released|broken|timed_out` event (core subscribers see it as
-the server takes it) or, after a restart, by retrying their arrival.
+Release latency is the product here, so nothing waits for JetStream on the way to a release. The
+arrivals waiting at a moment are decided by one task, as a batch, in memory
+(`Projection.apply_before_storage`: the domain's `evolve` is idempotent and folds them again,
+unchanged, when they come back from the stream). The batch's openings and conclusions
+(`barrier.opened|released|broken|timed_out`) are then written to the connection, in order, and
+only after that are the callers answered, on the same connection: whoever learns an outcome
+learns it from a message the server received after the event that records it. Their
+acknowledgements are collected in the background. `barrier.arrived` events are a record for the
+dashboard and `strata replay`, not a proof: they are written after the generation's conclusion,
+or once no arrival came for `barrier_record_arrivals_s` (so that writing them, and folding them
+back from the stream, does not delay the decisions of a burst). After a crash, waiters re-send their
+arrivals and the generation is rebuilt from them (see docs/barriers.md, "Crash recovery").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+import nats.errors
 import structlog
+from nats.js.api import PubAck
 from strata.bus import Bus, RpcServer
+from strata.bus.publish import MSG_ID, publish_bytes
 from strata.config import Settings
-from strata.errors import StrataError
+from strata.errors import ServiceUnavailable, StrataError
 from strata.events import (
     BarrierBrokenEvent,
     BarrierReleased,
     BarrierTimedOut,
     WorkerFailed,
     WorkerLeft,
+    encode_event,
+    subject_for,
 )
 from strata.events.models import Event
-from strata.events.requests import ARRIVE, ArriveRequest, BarrierOutcome
+from strata.events.requests import ARRIVE, ArriveRequest
 from strata.metrics import observe_decided
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
@@ -39,7 +50,13 @@ log = structlog.get_logger("strata.barrier")
 
 TIMEOUT_CHECK_S = 0.05
 STOP_FLUSH_S = 5.0
+ACK_WAIT_S = 2.0
+MAX_BATCH = 1024
+RECORD_AT_LATEST = 8
+RECORD_AFTER_CONCLUSION_S = 0.01
+RECORD_SLICE = 64
 Key = tuple[str, str, int]
+Sent = tuple[Event, bytes, "asyncio.Future[PubAck] | None"]
 Conclusion = BarrierReleased | BarrierBrokenEvent | BarrierTimedOut
 
 
@@ -49,11 +66,19 @@ class Barrier(Projection[BarrierState]):
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         super().__init__(clock)
         self._rpc: RpcServer | None = None
-        self._unstored: dict[Key, list[asyncio.Task[None]]] = {}
-        """Arrival publishes per generation, until the generation is concluded."""
-        self._concluding: dict[Key, asyncio.Future[None]] = {}
-        """Set once a concluded generation's arrivals are stored: its outcome may then be told."""
+        self._queue: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]] = []
+        self._wakeup = asyncio.Event()
+        self._unrecorded: list[domain.Arrival] = []
+        """`barrier.arrived` events decided and not written yet, in decision order."""
+        self._unrecorded_since = 0.0
+        self._last_arrival_at = 0.0
+        self._concluded_at = math.inf
+        self._record_after_s = 1.0
         self._background: set[asyncio.Task[None]] = set()
+        self._stopped_deciding = ""
+        """Why the service decides nothing more (a decision it could not store), if it stopped."""
+        self.batches = 0
+        self.arrivals = 0
 
     def initial_state(self) -> BarrierState:
         return BarrierState()
@@ -62,12 +87,15 @@ class Barrier(Projection[BarrierState]):
         return domain.evolve(state, event)
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
+        self._record_after_s = settings.barrier_record_arrivals_s
         # Conclusions decided before a crash but never stored are owed before new arrivals.
         async with self.lock:
             owed = domain.recover(self.state, self.now_ns())
             self.apply_before_storage(owed)
-            self._conclude(owed)
-        self._rpc = RpcServer(bus.nc, self.name, concurrency=256)
+            await self._send(owed)
+            self._concluded(owed)
+        self.spawn(self._decide_batches(), "arrivals")
+        self._rpc = RpcServer(bus.nc, self.name, concurrency=MAX_BATCH)
         self._rpc.serve(ARRIVE, self._arrive)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
@@ -75,6 +103,7 @@ class Barrier(Projection[BarrierState]):
     async def before_stop(self) -> None:
         if self._rpc is not None:
             await self._rpc.stop()
+        await self._record_arrivals()
         if self._background:
             await asyncio.wait(self._background, timeout=STOP_FLUSH_S)
 
@@ -83,49 +112,87 @@ class Barrier(Projection[BarrierState]):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _publish(self, event: Event) -> None:
-        try:
-            await self.bus.publish(event)
-        except StrataError as exc:
-            log.error("barrier_event_not_published", event=event.type, error=str(exc))
+    # -- writing events ----------------------------------------------------------------------------
+
+    async def _send(self, events: Sequence[Event], *, record: bool = False) -> None:
+        """Write `events` to the connection, in order, and return without waiting for their
+        acknowledgements (a background task collects them, re-sending what got none: each id
+        makes a re-send harmless). Anything written to the connection after this returns
+        reaches the server after these events."""
+        if not events:
             return
-        observe_decided(event)
-
-    def _conclude(self, events: list[Event], arrivals: Sequence[Event] = ()) -> None:
-        """Send each conclusion, in the background, once the arrivals of its generation are
-        stored: an outcome rests on arrivals the stream can prove after a restart. `arrivals` are
-        the completing arrival's events, not yet published: the same task stores them and sends
-        the conclusion right after, without waking anything in between."""
+        js = self.bus.js
+        sent: list[Sent] = []
         for event in events:
-            assert isinstance(event, Conclusion)
-            key = (event.job, event.name, event.generation)
-            in_flight = [task for task in self._unstored.pop(key, []) if not task.done()]
-            stored = None
-            if in_flight or arrivals:
-                stored = self._concluding[key] = asyncio.get_running_loop().create_future()
-            self._in_background(self._send_conclusion(key, event, arrivals, in_flight, stored))
-            arrivals = ()
+            payload = encode_event(event)
+            try:
+                ack: asyncio.Future[PubAck] | None = await js.publish_async(
+                    subject_for(event), payload, headers={MSG_ID: event.id}
+                )
+            except (TimeoutError, nats.errors.Error):
+                # Not even written (the connection's buffer is full, or it is closed): store a
+                # decision now, through the usual retries, before anything is said about it (a
+                # record is left to the background re-send).
+                if not record:
+                    await self._store_or_stop(event, payload)
+                ack = None
+            sent.append((event, payload, ack))
+        self._in_background(self._confirm(sent, record=record))
 
-    async def _send_conclusion(
-        self,
-        key: Key,
-        event: Conclusion,
-        arrivals: Sequence[Event],
-        in_flight: list[asyncio.Task[None]],
-        stored: asyncio.Future[None] | None,
-    ) -> None:
+    async def _store_or_stop(self, event: Event, payload: bytes) -> None:
         try:
-            if len(arrivals) == 1:
-                await self._publish(arrivals[0])
-            elif arrivals:
-                await asyncio.gather(*(self._publish(arrival) for arrival in arrivals))
-            if in_flight:
-                await asyncio.gather(*in_flight)
-        finally:
-            if stored is not None:
-                self._concluding.pop(key, None)
-                stored.set_result(None)
-        await self._publish(event)
+            await publish_bytes(
+                self.bus.js, subject_for(event), payload, event.id, options=self.bus.publish_options
+            )
+        except StrataError as exc:
+            # The state holds a decision the stream may never get: stop deciding, so that
+            # nobody is told it, until a restart rebuilds the state from the stream.
+            self._stopped_deciding = f"could not store {event.type} ({exc.message})"
+            log.error("barrier_decision_not_stored", event=event.type, error=exc.message)
+            raise ServiceUnavailable(self._stopped_message()) from exc
+
+    def _stopped_message(self) -> str:
+        return (
+            f"the barrier service {self._stopped_deciding} and decides nothing more: restart it "
+            "(it rebuilds its state from the stream; waiters re-send their arrivals)"
+        )
+
+    def ready(self) -> tuple[bool, str]:
+        if self._stopped_deciding:
+            return False, self._stopped_deciding
+        return super().ready()
+
+    async def _confirm(self, sent: list[Sent], *, record: bool) -> None:
+        futures = [ack for _, _, ack in sent if ack is not None]
+        if futures:
+            await asyncio.wait(futures, timeout=ACK_WAIT_S)
+        journal = self.bus.publish_options.journal
+        for event, payload, ack in sent:
+            try:
+                if ack is not None and ack.done() and not ack.cancelled() and not ack.exception():
+                    if journal is not None:
+                        journal.record(event.id, ack.result())
+                else:
+                    if ack is not None:
+                        ack.cancel()
+                    await publish_bytes(
+                        self.bus.js,
+                        subject_for(event),
+                        payload,
+                        event.id,
+                        options=self.bus.publish_options,
+                    )
+            except StrataError as exc:
+                log.error("barrier_event_not_published", event=event.type, error=str(exc))
+                if not record:  # a decision the stream refused: see _store_or_stop
+                    self._stopped_deciding = f"could not store {event.type} ({exc.message})"
+                continue
+            observe_decided(event)
+            if isinstance(event, Conclusion):
+                self._log_conclusion(event)
+
+    @staticmethod
+    def _log_conclusion(event: Conclusion) -> None:
         latency = {}
         if isinstance(event, BarrierReleased):
             latency = {
@@ -141,7 +208,27 @@ class Barrier(Projection[BarrierState]):
             **latency,
         )
 
-    async def _arrive(self, request: ArriveRequest) -> BarrierOutcome:
+    def _take_unrecorded(self) -> list[domain.Arrival]:
+        arrivals, self._unrecorded = self._unrecorded, []
+        self._concluded_at = math.inf
+        return arrivals
+
+    async def _record_arrivals(self) -> None:
+        """Write the `barrier.arrived` events decided so far."""
+        await self._record(self._take_unrecorded())
+
+    async def _record(self, arrivals: list[domain.Arrival]) -> None:
+        """Write `arrivals` as `barrier.arrived` events (the record, not the proof), a slice at
+        a time so that arrivals and answers go on meanwhile."""
+        for start in range(0, len(arrivals), RECORD_SLICE):
+            records = arrivals[start : start + RECORD_SLICE]
+            await self._send([arrival.event() for arrival in records], record=True)
+            await asyncio.sleep(0)
+
+    # -- arrivals ----------------------------------------------------------------------------------
+
+    async def _arrive(self, request: ArriveRequest) -> dict[str, Any]:
+        """The arrival's outcome (a `BarrierOutcome`'s fields)."""
         job = self.state.jobs.get(request.job)
         if (
             job is None
@@ -153,38 +240,93 @@ class Barrier(Projection[BarrierState]):
         ):
             # Its registration may be stored and not folded here yet: catch up, then decide.
             await self.sync()
-        async with self.lock:
-            outcome = self._decide(request)
-        if isinstance(outcome, StrataError):
-            raise outcome
-        if outcome.status != "waiting":
-            # Said only once the arrivals it rests on are stored (a retry can come that soon).
-            stored = self._concluding.get((outcome.job, outcome.name, outcome.generation))
-            if stored is not None:
-                await asyncio.shield(stored)
-        return outcome
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        self._wakeup.set()
+        return await future
 
-    def _decide(self, request: ArriveRequest) -> BarrierOutcome | StrataError:
-        """Apply the arrival and whatever it concludes; the answer, or the error to send."""
-        now = self.now_ns()
-        before = domain.conclude(self.state, request.job, request.name, now)
-        self.apply_before_storage(before)
-        self._conclude(before)
-        decision = domain.arrive(self.state, request, now)
-        if decision.error is not None:
-            return decision.error
-        assert decision.result is not None
-        self.apply_before_storage(decision.events)
-        key = (request.job, request.name, decision.result)
-        after = domain.conclude(self.state, request.job, request.name, now)
-        self.apply_before_storage(after)
-        if after:
-            self._conclude(after, arrivals=decision.events)
-        else:
-            for event in decision.events:
-                task = asyncio.create_task(self._publish(event))
-                self._unstored.setdefault(key, []).append(task)
-        return domain.outcome(self.state, *key)
+    async def _decide_batches(self) -> None:
+        """One batch after another: decide every arrival waiting now, write the openings and
+        conclusions, then answer. Arrivals are recorded in between, when no batch waits."""
+        while True:
+            if self._unrecorded:
+                linger = self._record_at() - time.monotonic()
+                if linger <= 0:
+                    # On a task of its own: batches go on being decided meanwhile.
+                    self._in_background(self._record(self._take_unrecorded()))
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), linger)
+            else:
+                await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                batch = self._queue[:MAX_BATCH]
+                del self._queue[: len(batch)]
+                try:
+                    await self._decide_batch(batch)
+                except Exception as exc:  # nothing of it was told: every caller retries
+                    log.exception("barrier_batch_failed", arrivals=len(batch))
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+
+    def _record_at(self) -> float:
+        """When the arrivals decided so far are recorded (monotonic): once no arrival came for
+        `barrier_record_arrivals_s` (the barrier waits for stragglers, the service is idle), at
+        the latest RECORD_AT_LATEST times that after the first, and just after a conclusion
+        (once its waiters are answered: recording a thousand arrivals takes milliseconds)."""
+        return min(
+            self._last_arrival_at + self._record_after_s,
+            self._unrecorded_since + RECORD_AT_LATEST * self._record_after_s,
+            self._concluded_at + RECORD_AFTER_CONCLUSION_S,
+        )
+
+    def _concluded(self, events: Sequence[Event]) -> None:
+        """Record the arrivals soon after a conclusion among `events`."""
+        if any(isinstance(event, Conclusion) for event in events):
+            self._concluded_at = min(self._concluded_at, time.monotonic())
+            self._wakeup.set()
+
+    async def _decide_batch(
+        self, batch: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]]
+    ) -> None:
+        self.batches += 1
+        self.arrivals += len(batch)
+        if self._stopped_deciding:
+            raise ServiceUnavailable(self._stopped_message())
+        async with self.lock:
+            decided = domain.decide_arrivals(
+                self.state, [request for request, _ in batch], self.now_ns()
+            )
+            self._last_arrival_at = time.monotonic()
+            if decided.record and not self._unrecorded:
+                self._unrecorded_since = self._last_arrival_at
+            self._unrecorded.extend(decided.record)
+            await self._send(decided.told)
+            self._concluded(decided.told)
+        # One answer per generation, as plain data: the whole batch is decided, so they are all
+        # alike, and the RPC server packs a dict without validating or dumping a model.
+        outcomes: dict[domain.Joined, dict[str, Any] | StrataError] = {}
+        for (_, future), joined in zip(batch, decided.joined, strict=True):
+            if future.done():
+                continue
+            if isinstance(joined, StrataError):
+                future.set_exception(joined)
+                continue
+            answer = outcomes.get(joined)
+            if answer is None:
+                try:
+                    outcome = domain.outcome(self.state, *joined)
+                    answer = outcomes[joined] = outcome.model_dump(mode="python")
+                except StrataError as exc:
+                    answer = outcomes[joined] = exc
+            if isinstance(answer, StrataError):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+
+    # -- failures and deadlines --------------------------------------------------------------------
 
     async def on_applied(self, event: Event) -> None:
         if not isinstance(event, WorkerFailed | WorkerLeft):
@@ -193,7 +335,8 @@ class Barrier(Projection[BarrierState]):
         async with self.lock:
             broken = domain.member_gone(self.state, event.job, event.worker_id, why, self.now_ns())
             self.apply_before_storage(broken)
-            self._conclude(broken)
+            await self._send(broken)
+            self._concluded(broken)
 
     async def _time_out(self) -> None:
         while True:
@@ -202,7 +345,8 @@ class Barrier(Projection[BarrierState]):
                 async with self.lock:
                     expired = domain.due(self.state, self.now_ns())
                     self.apply_before_storage(expired)
-                    self._conclude(expired)
+                    await self._send(expired)
+                    self._concluded(expired)
             except Exception:  # one bad generation must not stop every other one timing out
                 log.exception("barrier_timeouts_failed")
 

@@ -1,8 +1,9 @@
 """Barriers against real registry and barrier processes and a real nats-server: 100 participants
 released together and never before the last arrives, a SIGKILLed participant breaking the barrier
 for the other 99 within the failure timeout, the barrier service SIGKILLed mid-barrier and
-restarted, a name reused for 50 generations, explicit counts, timeouts, graceful leaves, a
-worker process restarted under the same id, and a restart superseding a waiting participant.
+restarted (with the arrivals stored, and with none stored: rebuilt from re-sends), a name reused
+for 50 generations, explicit counts, timeouts, graceful leaves, a worker process restarted under
+the same id, and a restart superseding a waiting participant.
 """
 
 from __future__ import annotations
@@ -137,6 +138,20 @@ def of_type(events: list[AnyEvent], kind: type[E]) -> list[E]:
     return [e for e in events if isinstance(e, kind)]
 
 
+async def recorded(bus: Bus, job: str, arrivals: int) -> list[AnyEvent]:
+    """The job's events once `arrivals` barrier.arrived events are among them: the service
+    records arrivals just after each conclusion (or once the barrier is quiet), not before."""
+    found: list[AnyEvent] = []
+
+    async def enough() -> bool:
+        nonlocal found
+        found = await job_events(bus, job)
+        return len(of_type(found, BarrierArrived)) >= arrivals
+
+    await async_wait_until(enough, 10, f"{arrivals} arrivals to be recorded")
+    return found
+
+
 # -- release --------------------------------------------------------------------------------------
 
 
@@ -149,6 +164,7 @@ async def test_a_hundred_participants_are_released_together_never_before_the_las
     group = await start_workers(workers, job, nats_url, numbered(100))
     # Met by count first, as at any start-up: then every worker is a member the service knows.
     assert await meet(group, "started", expected=100) == [0] * 100
+    await recorded(bus, job, 100)  # before watching for the next ones
     watch = await watch_arrivals(bus, job)
     first = [asyncio.create_task(timed_barrier(w, "sync")) for w in group[:-1]]
     await arrivals(watch, 99)
@@ -160,7 +176,7 @@ async def test_a_hundred_participants_are_released_together_never_before_the_las
     returned = [at for _, at in results]
     assert min(returned) >= last_called
     assert max(returned) - last_called < 5.0
-    events = [e for e in await job_events(bus, job) if getattr(e, "name", "") == "sync"]
+    events = [e for e in await recorded(bus, job, 200) if getattr(e, "name", "") == "sync"]
     [opened] = of_type(events, BarrierOpened)
     assert (opened.generation, opened.expected_count) == (0, 100)
     assert sorted(opened.expected) == sorted(w.id for w in group)
@@ -225,13 +241,70 @@ async def test_the_barrier_service_killed_mid_barrier_releases_exactly_once_afte
             return bool(of_type(await job_events(bus, job), BarrierReleased))
 
         await async_wait_until(released_stored, 10, "the release to be stored")
-        events = await job_events(bus, job)
+        events = await recorded(bus, job, 5)
         [released] = of_type(events, BarrierReleased)
         assert (released.generation, released.participants) == (0, 5)
         arrived = of_type(events, BarrierArrived)
         assert sorted(e.worker_id for e in arrived) == sorted(w.id for w in group)
         # the name goes on from there, with the restarted service
         assert await meet(group, "step") == [1] * 5
+    finally:
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        await bus.close()
+        barrier.stop()
+        registry.stop()
+
+
+async def test_a_generation_whose_arrivals_died_with_the_service_is_rebuilt_from_the_re_sends(
+    own_nats_server: NatsServer, tmp_path: Path, workers: list[strata.aio.Worker]
+) -> None:
+    """The service keeps arrivals in memory only: SIGKILLed while two participants that passed
+    generation 0 wait at generation 1 (none of their arrivals stored), the restarted one learns
+    of them from their re-sends alone, and the third participant's first arrival completes it."""
+    url = own_nats_server.url
+    registry = start_service("registry", url, tmp_path)
+    # Arrivals are recorded only at a conclusion: at the kill, none of generation 1's is stored.
+    quiet = {Env.BARRIER_RECORD_ARRIVALS_S: "3600"}
+    barrier = ServiceProcess(
+        "barrier", url, tmp_path, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT, env=quiet
+    ).start()
+    bus = await Bus.connect(url, name="test-barrier-rebuilt")
+    try:
+        job = new_job("barrier")
+        group = await start_workers(workers, job, url, numbered(3))
+        assert await meet(group, "step") == [0] * 3
+
+        # Generation 0's arrivals are recorded just after its release: before the next one opens.
+        await recorded(bus, job, 3)
+        opened = await bus.nc.subscribe(subjects.event_subject(job, "barrier.opened"))
+        waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in group[:2]]
+        await opened.next_msg(timeout=ARRIVALS_TIMEOUT)
+        await opened.unsubscribe()
+
+        async def both_answered() -> bool:
+            # Each waiter's first answer ("waiting at 1") has come back.
+            return all(w._barriers is not None and w._barriers._waiters for w in group[:2])
+
+        await async_wait_until(both_answered, 10, "both arrivals to be answered")
+        stored = await job_events(bus, job)
+        assert [e.generation for e in of_type(stored, BarrierArrived)] == [0, 0, 0]
+        barrier.kill()
+        await asyncio.to_thread(barrier.start)
+        last, _ = await timed_barrier(group[2], "step")
+        results = await asyncio.gather(*waiting)
+        assert [outcome for outcome, _ in results] == [1, 1]
+        assert last == 1
+
+        events = await recorded(bus, job, 6)
+        assert [(e.generation, e.participants) for e in of_type(events, BarrierReleased)] == [
+            (0, 3),
+            (1, 3),
+        ]
+        assert [e.generation for e in of_type(events, BarrierOpened)] == [0, 1]
+        rebuilt = [e for e in of_type(events, BarrierArrived) if e.generation == 1]
+        assert sorted(e.worker_id for e in rebuilt) == sorted(w.id for w in group)
+        # and the name goes on with the restarted service
+        assert await meet(group, "step") == [2] * 3
     finally:
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
         await bus.close()
@@ -248,7 +321,7 @@ async def test_a_name_reused_for_fifty_generations_never_mixes_them(
     for step in range(50):
         assert await meet(group, "step") == [step] * 4
 
-    events = await job_events(bus, job)
+    events = await recorded(bus, job, 50 * 4)
     assert [e.generation for e in of_type(events, BarrierOpened)] == list(range(50))
     released = of_type(events, BarrierReleased)
     assert [e.generation for e in released] == list(range(50))
@@ -339,6 +412,7 @@ async def test_a_restart_that_supersedes_a_participant_breaks_the_barrier_at_onc
     stays = await start_workers(workers, job, nats_url, numbered(3))
     [old] = await start_workers(workers, job, nats_url, ["restarting"])
     assert await meet([*stays, old], "step") == [0] * 4
+    await recorded(bus, job, 4)  # before watching for the next ones
     # Two of the others and the process about to be replaced wait; the third is still busy.
     watch = await watch_arrivals(bus, job)
     waiting = [asyncio.create_task(timed_barrier(w, "step")) for w in [*stays[:2], old]]
@@ -362,7 +436,7 @@ async def test_a_restart_that_supersedes_a_participant_breaks_the_barrier_at_onc
         await old.barrier("step", 5)
     assert await meet([*stays, restarted], "step") == [2] * 4
 
-    events = await job_events(bus, job)
+    events = await recorded(bus, job, 4 + 3 + 4)  # generation 0's, 1's and 2's
     [broken] = of_type(events, BarrierBrokenEvent)
     assert (broken.generation, broken.culprits) == (1, [old.id])
     arrived = [(e.generation, e.worker_id, e.arrival) for e in of_type(events, BarrierArrived)]

@@ -155,6 +155,7 @@ async def test_the_dashboard_follows_a_running_job(
             [(w["status"], w["step"], w["epoch"]) for w in rows] == [("training", 20, 1)] * 3
             and bool(doc["barriers"])
             and doc["barriers"][0]["status"] == "released"
+            and doc["barriers"][0]["arrived"] == 3  # arrivals are recorded after the release
             and doc["datasets"][0]["done_shards"] == 3
             and all(doc["metrics"][rate] for rate in LIVE_RATES)
         )
@@ -193,13 +194,10 @@ async def test_the_dashboard_follows_a_running_job(
     following = await get(http, f"/api/jobs/{job}/events", after_seq=page["last_seq"], limit=5)
     assert following["items"][0]["seq"] > page["last_seq"]
     barriers = await get(http, f"/api/jobs/{job}/events", type="barrier.")
-    assert [i["type"] for i in barriers["items"]] == [
-        "barrier.opened",
-        "barrier.arrived",
-        "barrier.arrived",
-        "barrier.arrived",
-        "barrier.released",
-    ]
+    # The barrier service records arrivals once it has released (or when the barrier is quiet).
+    types = [i["type"] for i in barriers["items"]]
+    assert types[0] == "barrier.opened"
+    assert sorted(types[1:]) == ["barrier.arrived"] * 3 + ["barrier.released"]
     for prefix in ("worker.registered", "worker.reg"):
         registered = await get(http, f"/api/jobs/{job}/events", type=prefix)
         assert {i["event"]["worker_id"] for i in registered["items"]} == {"w00", "w01", "w02"}

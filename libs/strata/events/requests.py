@@ -339,6 +339,17 @@ class ArriveRequest(StrictModel):
         description="The arriving process (its registration's instance): refused "
         "(`superseded`) once another process registered the worker id.",
     )
+    generation: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="On a re-sent arrival, the generation an earlier answer said it joined: "
+        "a restarted barrier service that never stored the arrival answers that generation's "
+        "outcome instead of counting the arrival again.",
+    )
+    passed: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="The last generation at this name this process was released from: proof, "
+        "for a restarted barrier service, that it was released.",
+    )
 
 
 class BarrierOutcome(StrictModel):

@@ -19,6 +19,7 @@ from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
+    BarrierOpened,
     BarrierReleased,
     BarrierTimedOut,
     Event,
@@ -26,6 +27,7 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
 )
+from strata.events.ids import event_id
 from strata.events.requests import ArriveRequest, BarrierOutcome
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState, Generation, NamedBarrier
@@ -388,6 +390,85 @@ def test_a_break_lost_in_a_crash_is_decided_again_on_recovery(driver: Driver) ->
     [again] = domain.recover(restarted, driver.now)
     assert isinstance(again, BarrierBrokenEvent)
     assert (again.id, again.culprits, again.missing) == (broken.id, ["w2"], ["w1", "w2"])
+
+
+def request(
+    worker: str, arrival: int, *, generation: int | None = None, passed: int | None = None
+) -> ArriveRequest:
+    return ArriveRequest(
+        job=JOB,
+        name="step",
+        worker_id=worker,
+        arrival=arrival,
+        generation=generation,
+        passed=passed,
+    )
+
+
+def test_a_re_sent_arrival_the_service_never_stored_gets_its_generations_outcome(
+    driver: Driver,
+) -> None:
+    for w in ("w0", "w1", "w2"):
+        ok(driver.arrive(w, "step", 0))
+    # A restart that kept the opening and the release, and none of the arrivals.
+    kept = [e for e in driver.log if not isinstance(e, BarrierArrived)]
+    restarted = replayed(kept)
+    batch = domain.decide_arrivals(restarted, [request("w1", 0, generation=0)], driver.now)
+    assert batch.joined == [(JOB, "step", 0)]
+    assert batch.told == []
+    assert domain.outcome(restarted, JOB, "step", 0).status == "released"
+    # Without naming its generation it would have opened the next one.
+    blind = domain.decide_arrivals(replayed(kept), [request("w1", 0)], driver.now)
+    assert blind.joined == [(JOB, "step", 1)]
+
+
+def test_a_generation_rebuilt_from_re_sends_keeps_its_number_and_releases_once(
+    driver: Driver,
+) -> None:
+    for w in ("w0", "w1", "w2"):
+        ok(driver.arrive(w, "step", 0))
+    ok(driver.arrive("w0", "step", 1))
+    ok(driver.arrive("w1", "step", 1))
+    # Lost in the crash: generation 1's arrivals and even its opening.
+    kept = [
+        e
+        for e in driver.log
+        if not isinstance(e, BarrierArrived) and getattr(e, "generation", None) != 1
+    ]
+    restarted = replayed(kept)
+    re_sent = [request("w0", 1, generation=1, passed=0), request("w1", 1, generation=1, passed=0)]
+    first = domain.decide_arrivals(restarted, re_sent, driver.now)
+    assert first.joined == [(JOB, "step", 1)] * 2
+    assert [e.type for e in first.told] == ["barrier.opened"]
+    last = domain.decide_arrivals(restarted, [request("w2", 1, passed=0)], driver.now)
+    [released] = last.told
+    assert isinstance(released, BarrierReleased)
+    assert (released.generation, released.participants) == (1, 3)
+    assert released.id == event_id("released", JOB, "step", 1)  # as decided before the crash
+    assert domain.decide_arrivals(restarted, re_sent, driver.now).told == []  # retries: nothing
+
+
+def test_an_arrival_that_passed_a_generation_proves_a_release_the_stream_lost(
+    driver: Driver,
+) -> None:
+    for w in ("w0", "w1", "w2"):
+        ok(driver.arrive(w, "step", 0))
+    *stored, released = driver.log
+    assert isinstance(released, BarrierReleased)
+    # The stream kept the opening but neither the arrivals nor the release (a replicated stream
+    # that lost it); w0 passed generation 0 and now arrives at the next one.
+    restarted = replayed([e for e in stored if not isinstance(e, BarrierArrived)])
+    batch = domain.decide_arrivals(restarted, [request("w0", 1, passed=0)], driver.now)
+    proven, opened = batch.told
+    assert isinstance(proven, BarrierReleased)
+    assert (proven.id, proven.generation) == (released.id, 0)
+    assert isinstance(opened, BarrierOpened)
+    assert opened.generation == 1
+    assert batch.joined == [(JOB, "step", 1)]
+    # Proof of a generation that is concluded already changes nothing.
+    again = domain.decide_arrivals(restarted, [request("w1", 1, passed=0)], driver.now)
+    assert again.told == []
+    assert again.joined == [(JOB, "step", 1)]
 
 
 def test_evolve_is_idempotent_over_a_whole_history(driver: Driver) -> None:
