@@ -130,6 +130,9 @@ class JobBarriers:
 @dataclass
 class BarrierState:
     jobs: dict[str, JobBarriers] = field(default_factory=dict)
+    recovered_ns: int = 0
+    """When this instance took over (`recover`): only a generation opened before it can have a
+    release the stream lost, so only such a one can be proven released (`passed`)."""
 
     def job(self, job: str) -> JobBarriers:
         found = self.jobs.get(job)
@@ -373,6 +376,8 @@ def _proven(state: BarrierState, request: ArriveRequest) -> Generation | None:
     release (`release_proven`) before `arrive`."""
     if request.passed is None:
         return None
+    if not state.recovered_ns:
+        return None  # no restart yet: every release this state knows of is in it already
     job = state.jobs.get(request.job)
     if job is None or request.worker_id not in job.live:
         return None
@@ -380,7 +385,11 @@ def _proven(state: BarrierState, request: ArriveRequest) -> Generation | None:
         return None
     named = job.barriers.get(request.name)
     gen = named.generations.get(request.passed) if named is not None else None
-    return gen if gen is not None and gen.status == "waiting" else None
+    if gen is None or gen.status != "waiting" or gen.opened_ns > state.recovered_ns:
+        return None  # opened by this instance, which saw everything since: nothing was lost
+    if not gen.by_count and request.worker_id not in gen.expected:
+        return None  # only a participant can have passed it
+    return gen
 
 
 def release_proven(state: BarrierState, request: ArriveRequest, now_ns: int) -> list[Event]:
@@ -430,7 +439,9 @@ def due(state: BarrierState, now_ns: int) -> list[Event]:
 def recover(state: BarrierState, now_ns: int) -> list[Event]:
     """What a restarted service owes every waiting generation: its release if it completed in
     time, its break if a participant failed or left meanwhile (a break decided but never stored),
-    else its time-out if the deadline has passed."""
+    else its time-out if the deadline has passed. From now on the state is this instance's:
+    generations opened before now are the only ones a `passed` claim may prove released."""
+    state.recovered_ns = now_ns
     events: list[Event] = []
     for job_id, gen in state.waiting():
         # A barrier counted by arrivals that a departure left out of reach is not told apart

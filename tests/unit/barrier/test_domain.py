@@ -458,6 +458,7 @@ def test_an_arrival_that_passed_a_generation_proves_a_release_the_stream_lost(
     # The stream kept the opening but neither the arrivals nor the release (a replicated stream
     # that lost it); w0 passed generation 0 and now arrives at the next one.
     restarted = replayed([e for e in stored if not isinstance(e, BarrierArrived)])
+    assert domain.recover(restarted, driver.now) == []  # the new instance goes live
     batch = domain.decide_arrivals(restarted, [request("w0", 1, passed=0)], driver.now)
     proven, opened = batch.told
     assert isinstance(proven, BarrierReleased)
@@ -469,6 +470,36 @@ def test_an_arrival_that_passed_a_generation_proves_a_release_the_stream_lost(
     again = domain.decide_arrivals(restarted, [request("w1", 1, passed=0)], driver.now)
     assert again.told == []
     assert again.joined == [(JOB, "step", 1)]
+
+
+def test_a_claim_to_have_passed_proves_nothing_the_service_saw_open_itself(
+    driver: Driver,
+) -> None:
+    """`passed` repairs only a release lost across a restart: a live instance that opened the
+    generation itself, a non-participant, or a generation opened after the restart are refused,
+    so a worker cannot release a barrier the others have not reached by claiming it passed."""
+    ok(driver.arrive("w0", "step", 0))
+    # Never restarted: a claim about the waiting generation 0 changes nothing.
+    forged = domain.decide_arrivals(driver.state, [request("w1", 0, passed=0)], driver.now)
+    assert not any(isinstance(e, BarrierReleased) for e in forged.told)
+    assert domain.outcome(driver.state, JOB, "step", 0).status == "waiting"
+    # Restarted with generation 0 open: a worker that is no participant of it proves nothing.
+    restarted = replayed([e for e in driver.log if not isinstance(e, BarrierArrived)])
+    domain.recover(restarted, driver.now)
+    driver.register("w9")
+    domain.evolve(restarted, driver.log[-1])
+    outsider = domain.decide_arrivals(restarted, [request("w9", 0, passed=0)], driver.now)
+    assert not any(isinstance(e, BarrierReleased) for e in outsider.told)
+    # A generation the new instance opened itself cannot have lost its release either.
+    driver.now += SECOND
+    for w in ("w0", "w1", "w2"):
+        domain.decide_arrivals(restarted, [request(w, 0, generation=0)], driver.now)
+    assert domain.outcome(restarted, JOB, "step", 0).status == "released"
+    opened = domain.decide_arrivals(restarted, [request("w0", 1)], driver.now)
+    assert opened.joined == [(JOB, "step", 1)]
+    late = domain.decide_arrivals(restarted, [request("w1", 1, passed=1)], driver.now + 1)
+    assert not any(isinstance(e, BarrierReleased) for e in late.told)
+    assert domain.outcome(restarted, JOB, "step", 1).status == "waiting"
 
 
 def test_evolve_is_idempotent_over_a_whole_history(driver: Driver) -> None:
