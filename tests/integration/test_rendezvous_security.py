@@ -31,6 +31,7 @@ from strata.security import (
     job_user,
     worker_credentials,
 )
+from strata.torch import store as store_module
 from strata.torch.rendezvous import JetStreamRendezvousBackend, _inbox_prefix
 from strata.torch.store import KVStore, RendezvousBucket
 
@@ -41,6 +42,13 @@ pytestmark = pytest.mark.nats
 ATTACKER, VICTIM = "job-a", "job-b"
 STREAM = subjects.RENDEZVOUS_STREAM
 BUCKET = subjects.RENDEZVOUS_BUCKET
+
+
+@pytest.fixture(autouse=True)
+def quick_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NATS drops a request its user may not send, so a refused read is known only by timing
+    out: the agent's probe gives up after 10 s; here, after 3."""
+    monkeypatch.setattr(store_module, "PROBE_DEADLINE_S", 3.0)
 
 
 @pytest.fixture
