@@ -72,6 +72,7 @@ class BarrierClient:
         self._worker = worker
         self._arrivals: dict[str, int] = {}
         self._passed: dict[str, int] = {}
+        self._concluded: dict[str, int] = {}
         """Name -> the last generation this process was released from there: sent with the next
         arrival as proof that it was released (a restarted service may not have it stored)."""
         self._outcomes: OrderedDict[Key, BarrierOutcome] = OrderedDict()
@@ -176,6 +177,7 @@ class BarrierClient:
             expected_count=expected_count,
             instance=self._worker.instance,
             passed=self._passed.get(name),
+            concluded=self._concluded.get(name),
         )
         deadline = time.monotonic() + timeout + GRACE_S
         outcome = await self._arrive(request, deadline - time.monotonic())
@@ -215,5 +217,6 @@ class BarrierClient:
                 self._waiters.pop(key, None)
         if outcome.status == "released":
             self._passed[name] = max(outcome.generation, self._passed.get(name, -1))
+        self._concluded[name] = max(outcome.generation, self._concluded.get(name, -1))
         _raise_for(outcome)
         return outcome

@@ -109,9 +109,14 @@ class JobBarriers:
     barriers: dict[str, NamedBarrier] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
     """Worker id -> the process (instance) that registered it last."""
+    since_ns: dict[str, int] = field(default_factory=dict)
+    """Worker id -> when that process first registered it: only generations opened since can
+    hold its arrivals."""
 
-    def registered(self, worker_id: str, instance: str) -> None:
+    def registered(self, worker_id: str, instance: str, ts: int) -> None:
         self.live.add(worker_id)
+        if self.instances.get(worker_id) != instance:
+            self.since_ns[worker_id] = ts
         if self.instances.get(worker_id, instance) != instance:
             # A new process counts its arrivals from 0 again; the old process's are history.
             for named in self.barriers.values():
@@ -171,7 +176,7 @@ requests/s)."""
 
 def evolve(state: BarrierState, event: Event) -> BarrierState:
     if isinstance(event, WorkerRegistered):
-        state.job(event.job).registered(event.worker_id, event.instance)
+        state.job(event.job).registered(event.worker_id, event.instance, event.ts)
     elif isinstance(event, WorkerFailed | WorkerLeft):
         state.job(event.job).live.discard(event.worker_id)
     elif isinstance(event, BarrierOpened):
@@ -321,6 +326,15 @@ def _admit(
             # generation's outcome, not a seat in the next one.
             arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)
             return Decision(result=hinted.generation), arrival
+    elif previous is None:
+        missed = _missed(job, named, request, state.recovered_ns)
+        if missed is not None:
+            # A first send (a retry of it, late) that a restarted service never stored, for a
+            # generation that concluded expecting this worker before it knew: that
+            # generation's outcome, not a seat in the next one, where it would stand for an
+            # arrival it never made.
+            arrival = _arrived(request, missed.generation, len(missed.arrived) + 1, now_ns)
+            return Decision(result=missed.generation), arrival
     events: list[Event] = []
     current = named.current
     if current is None or current.status != "waiting":
@@ -366,6 +380,30 @@ def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int)
         arrived,
         now_ns,
     )
+
+
+def _missed(
+    job: JobBarriers, named: NamedBarrier, request: ArriveRequest, recovered_ns: int
+) -> Generation | None:
+    """After a restart, for an arrival of a worker whose arrivals here the service lost, with no
+    generation named: the generation it belongs to if that one concluded. It is the first after
+    the last this process returned from (`concluded`), opened before the restart and since the
+    process registered, that expected the worker: the service cannot tell whether the worker
+    arrived there, and counting the arrival in a new generation could release that one for an
+    arrival never made (a late retry of a first send). A waiting one on the way means none."""
+    if not recovered_ns:
+        return None
+    since = job.since_ns.get(request.worker_id, 0)
+    after = -1 if request.concluded is None else request.concluded
+    for number in sorted(named.generations):
+        gen = named.generations[number]
+        if number <= after or not since <= gen.opened_ns <= recovered_ns:
+            continue
+        if gen.status == "waiting":
+            return None
+        if request.worker_id in (gen.arrived if gen.by_count else gen.expected):
+            return gen
+    return None
 
 
 def _proven(state: BarrierState, request: ArriveRequest) -> Generation | None:

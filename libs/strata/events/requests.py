@@ -350,6 +350,13 @@ class ArriveRequest(StrictModel):
         description="The last generation at this name this process was released from: proof, "
         "for a restarted barrier service, that it was released.",
     )
+    concluded: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="The last generation at this name this process returned from (released, "
+        "broken or timed out): a restarted barrier service answers a first send with the "
+        "outcome of a later generation that concluded expecting this worker, the one the "
+        "arrival was for, rather than counting it in a new one.",
+    )
 
 
 class BarrierOutcome(StrictModel):

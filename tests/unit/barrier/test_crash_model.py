@@ -53,6 +53,7 @@ class Participant:
     joined: int | None = None
     """The generation the service said this arrival joined."""
     passed: int | None = None
+    concluded: int | None = None
     outcomes: list[tuple[int, str]] = field(default_factory=list)
     """(generation, status) of every call that returned."""
     seen: dict[int, str] = field(default_factory=dict)
@@ -70,6 +71,7 @@ class Participant:
             instance=f"proc-{self.worker}",
             generation=self.joined,
             passed=self.passed,
+            concluded=self.concluded,
         )
 
     def on_event(self, generation: int, status: str) -> None:
@@ -91,6 +93,7 @@ class Participant:
             return
         self.busy, self.joined = False, None
         self.outcomes.append((generation, status))
+        self.concluded = max(generation, self.concluded if self.concluded is not None else -1)
         if status == "released":
             self.passed = max(generation, self.passed if self.passed is not None else -1)
 

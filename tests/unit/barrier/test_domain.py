@@ -393,8 +393,14 @@ def test_a_break_lost_in_a_crash_is_decided_again_on_recovery(driver: Driver) ->
 
 
 def request(
-    worker: str, arrival: int, *, generation: int | None = None, passed: int | None = None
+    worker: str,
+    arrival: int,
+    *,
+    generation: int | None = None,
+    passed: int | None = None,
+    concluded: int | None = None,
 ) -> ArriveRequest:
+    """An arrival as the SDK sends it: a process that passed a generation returned from it."""
     return ArriveRequest(
         job=JOB,
         name="step",
@@ -402,6 +408,7 @@ def request(
         arrival=arrival,
         generation=generation,
         passed=passed,
+        concluded=passed if concluded is None else concluded,
     )
 
 
@@ -470,6 +477,32 @@ def test_an_arrival_that_passed_a_generation_proves_a_release_the_stream_lost(
     again = domain.decide_arrivals(restarted, [request("w1", 1, passed=0)], driver.now)
     assert again.told == []
     assert again.joined == [(JOB, "step", 1)]
+
+
+def test_a_late_retry_of_a_first_send_after_a_restart_gets_its_generations_outcome(
+    driver: Driver,
+) -> None:
+    """w1 arrived (generation 0 opened), the service crashed before recording the arrival, and
+    w0 failed, breaking generation 0 for w1. A retry of w1's first send, still in flight, then
+    reaches the restarted service: it must get generation 0's outcome, not open generation 1
+    and count there for an arrival w1 never made (releasing it, as w1 is alone now)."""
+    ok(driver.arrive("w1", "step", 0))
+    restarted = replayed([e for e in driver.log if not isinstance(e, BarrierArrived)])
+    assert domain.recover(restarted, driver.now) == []
+    driver.now += SECOND
+    for worker in ("w0", "w2"):
+        driver.gone(worker)
+        departure = [e for e in driver.log if isinstance(e, WorkerFailed)][-1]
+        domain.evolve(restarted, departure)
+        for event in domain.member_gone(restarted, JOB, worker, "failed", driver.now):
+            domain.evolve(restarted, event)
+    assert domain.outcome(restarted, JOB, "step", 0).status == "broken"
+    late = domain.decide_arrivals(restarted, [request("w1", 0)], driver.now)
+    assert late.joined == [(JOB, "step", 0)]
+    assert not any(isinstance(e, BarrierReleased | BarrierOpened) for e in late.told)
+    # Its next arrival, having returned from generation 0, opens generation 1.
+    nxt = domain.decide_arrivals(restarted, [request("w1", 1, concluded=0)], driver.now)
+    assert nxt.joined == [(JOB, "step", 1)]
 
 
 def test_a_claim_to_have_passed_proves_nothing_the_service_saw_open_itself(
