@@ -872,7 +872,7 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
         f"\nAims: p50 and p99 no slower than the TCPStore barrier at every size, for the last "
         "arrival and for everyone at once;\n"
         f"p99 at most {AIM_P99_MS:g} ms at {AIM_P99_SIZE} participants for the last arrival (the "
-        f"original advertised {ORIGINAL_P99_MS:g} ms); real workers within "
+        f"original advertised {ORIGINAL_P99_MS:g} ms); real workers, spread over processes, within "
         f"{AIM_WORKERS_RATIO:g}x of the in-process participants."
     )
     met = True
