@@ -434,7 +434,8 @@ class ProcessWorkerGroup:
     """`n` real `strata.aio.Worker`s spread over `procs` processes, as a job spreads them.
 
     Each child process (`--worker-child`) starts its share of the workers, then obeys the lines
-    the parent writes to its stdin: `others` (every worker but the straggler arrives), `last`
+    the parent writes to its stdin: `others` (every worker but the straggler arrives; the child
+    writes `answered` once the service has answered each of those arrivals), `last`
     (the straggler arrives), `all T` (every worker arrives at `time.monotonic_ns()` T), `stop`.
     Once all its workers of a repetition have returned it writes one JSON line with each one's
     (call, return) times. Times are `time.monotonic_ns()`, CLOCK_MONOTONIC on Linux: one clock
@@ -522,15 +523,14 @@ class ProcessWorkerGroup:
             timings = await self._timings()
             first_call = min(called for called, _ in timings)
             return latencies_ms([returned for _, returned in timings], first_call)
-        # The service has taken an arrival once its barrier.arrived event is out.
-        arrived = await self.bus.nc.subscribe(subjects.event_subject(self.job, "barrier.arrived"))
-        try:
-            for child in self.children:
-                await self._tell(child, "others")
-            for _ in range(self.n - 1):
-                await arrived.next_msg(timeout=REP_TIMEOUT_S)
-        finally:
-            await arrived.unsubscribe()
+        for child in self.children:
+            await self._tell(child, "others")
+        for child in self.children:
+            assert child.stdout is not None
+            async with asyncio.timeout(REP_TIMEOUT_S):
+                line = await child.stdout.readline()
+            if line.strip() != b"answered":
+                raise SystemExit(f"a worker process failed: {line!r}")
         await asyncio.sleep(settle_s(self.n))
         await self._tell(self.children[-1], "last")
         timings = await self._timings()
@@ -561,6 +561,20 @@ async def worker_child(url: str, job: str, first: int, count: int, holds_last: b
             reply = {"error": repr(exc)}
         print(json.dumps(reply), flush=True)
 
+    async def answered(waiting: list[strata.aio.Worker]) -> None:
+        """Until the service has answered every one of `waiting`'s arrivals.
+
+        `Worker.barrier` says nothing until it returns, so this looks at its waiters: one is
+        registered once the arrival's answer says "waiting". (The service's `barrier.arrived`
+        records come only after a second without arrivals, when the waiting workers re-send
+        their arrivals too, so waiting for them would put those re-sends next to the release.)
+        """
+        deadline = time.monotonic() + REP_TIMEOUT_S
+        while not all(w._barriers is not None and w._barriers._waiters for w in waiting):
+            if time.monotonic() > deadline:
+                raise SystemExit("the workers' arrivals were not answered")
+            await asyncio.sleep(0.001)
+
     tasks: list[asyncio.Task[tuple[int, int]]] = []
     answers: set[asyncio.Task[None]] = set()
     others = workers[:-1] if holds_last else workers
@@ -573,6 +587,8 @@ async def worker_child(url: str, job: str, first: int, count: int, holds_last: b
             tasks = [asyncio.create_task(participate(w)) for w in workers]
         elif verb == "others":
             tasks = [asyncio.create_task(participate(w)) for w in others]
+            await answered(others)
+            print("answered", flush=True)
             if holds_last:
                 continue
         elif verb == "last":
