@@ -3,7 +3,9 @@
 Release latency is the time from the last participant's arrival call to the moment each participant
 returns. Both barriers (and, for reference, the least a durable barrier on NATS can do) run against
 servers in processes of their own, at the same sizes and with repetitions interleaved; each figure
-is the median of its rounds.
+is the median of its rounds. Real `strata.aio.Worker`s, spread over child processes as a job
+spreads them, are timed next to the in-process participants (`python -m bench.barrier
+--worker-child` is one such process).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import datetime
 import gc
 import importlib.metadata
+import json
 import os
 import platform
 import queue
@@ -48,7 +51,12 @@ FINAL = ("barrier.released", "barrier.broken", "barrier.timed_out")
 AIM_P99_MS = 5.0
 AIM_P99_SIZE = 100
 AIM_WORKERS_RATIO = 2.0
-"""Real `strata.aio.Worker`s (a connection each) against the in-process participants."""
+"""Real `strata.aio.Worker`s (a connection each, spread over processes) against the in-process
+participants."""
+WORKER_PROCS = 10
+GO_AHEAD_NS = 10_000_000
+ROOT = Path(__file__).resolve().parents[1]
+"""How far ahead of the go the worker processes are told the moment to arrive at once."""
 ORIGINAL_P99_MS = 48.0
 BARRIER = "step"
 BARRIER_TIMEOUT_S = 120.0
@@ -422,6 +430,176 @@ class WorkerGroup:
         return latencies_ms([returned for _, returned in timings], timings[-1][0])
 
 
+class ProcessWorkerGroup:
+    """`n` real `strata.aio.Worker`s spread over `procs` processes, as a job spreads them.
+
+    Each child process (`--worker-child`) starts its share of the workers, then obeys the lines
+    the parent writes to its stdin: `others` (every worker but the straggler arrives; the child
+    writes `answered` once the service has answered each of those arrivals), `last`
+    (the straggler arrives), `all T` (every worker arrives at `time.monotonic_ns()` T), `stop`.
+    Once all its workers of a repetition have returned it writes one JSON line with each one's
+    (call, return) times. Times are `time.monotonic_ns()`, CLOCK_MONOTONIC on Linux: one clock
+    for every process on the host, so the parent compares them directly.
+    """
+
+    def __init__(self, bus: Bus, url: str, n: int, procs: int) -> None:
+        self.bus = bus
+        self.url = url
+        self.n = n
+        self.job = f"bench-procs-{n}-{uuid.uuid4().hex[:8]}"
+        procs = max(1, min(procs, n))
+        self.shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        self.children: list[asyncio.subprocess.Process] = []
+
+    async def open(self) -> None:
+        first = 0
+        for count in self.shares:
+            child = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "bench.barrier",
+                "--worker-child",
+                "--nats-url",
+                self.url,
+                "--job",
+                self.job,
+                "--first",
+                str(first),
+                "--count",
+                str(count),
+                "--last" if first + count == self.n else "--not-last",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                cwd=ROOT,
+                preexec_fn=procutil.child_preexec,
+            )
+            self.children.append(child)
+            first += count
+        for child in self.children:
+            assert child.stdout is not None
+            async with asyncio.timeout(READY_TIMEOUT_S * 2):
+                line = await child.stdout.readline()
+            if line.strip() != b"ready":
+                raise SystemExit(f"a worker process did not start: {line!r}")
+
+    async def close(self) -> None:
+        for child in self.children:
+            with contextlib.suppress(ConnectionError):
+                await self._tell(child, "stop")
+        for child in self.children:
+            try:
+                async with asyncio.timeout(30):
+                    await child.wait()
+            except TimeoutError:
+                child.kill()
+                await child.wait()
+        await self.bus.js.purge_stream(
+            subjects.EVENTS_STREAM, subject=subjects.job_events(self.job)
+        )
+
+    @staticmethod
+    async def _tell(child: asyncio.subprocess.Process, line: str) -> None:
+        assert child.stdin is not None
+        child.stdin.write(line.encode() + b"\n")
+        await child.stdin.drain()
+
+    async def _timings(self) -> list[tuple[int, int]]:
+        """Every worker's (call, return) times, in worker order: the straggler's last."""
+        timings: list[tuple[int, int]] = []
+        for child in self.children:
+            assert child.stdout is not None
+            answer = json.loads(await child.stdout.readline() or b'{"error": "it exited"}')
+            if "error" in answer:
+                raise SystemExit(f"a worker process failed: {answer['error']}")
+            timings.extend((called, returned) for called, returned in answer["timings"])
+        return timings
+
+    async def rep(self, straggler: bool) -> list[float]:
+        if not straggler:
+            # A common moment a little ahead, so that no process starts before the last is told.
+            go = time.monotonic_ns() + GO_AHEAD_NS
+            for child in self.children:
+                await self._tell(child, f"all {go}")
+            timings = await self._timings()
+            first_call = min(called for called, _ in timings)
+            return latencies_ms([returned for _, returned in timings], first_call)
+        for child in self.children:
+            await self._tell(child, "others")
+        for child in self.children:
+            assert child.stdout is not None
+            async with asyncio.timeout(REP_TIMEOUT_S):
+                line = await child.stdout.readline()
+            if line.strip() != b"answered":
+                raise SystemExit(f"a worker process failed: {line!r}")
+        await asyncio.sleep(settle_s(self.n))
+        await self._tell(self.children[-1], "last")
+        timings = await self._timings()
+        return latencies_ms([returned for _, returned in timings], timings[-1][0])
+
+
+async def worker_child(url: str, job: str, first: int, count: int, holds_last: bool) -> None:
+    """One process of a `ProcessWorkerGroup` (see there for what it reads and writes)."""
+    loop = asyncio.get_running_loop()
+    commands = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(commands), sys.stdin)
+    workers = [
+        strata.aio.Worker(job=job, nats_url=url, worker_id=f"w{first + i:05d}")
+        for i in range(count)
+    ]
+    await asyncio.gather(*(w.start() for w in workers))
+    print("ready", flush=True)
+
+    async def participate(worker: strata.aio.Worker) -> tuple[int, int]:
+        called = time.monotonic_ns()
+        await worker.barrier(BARRIER, BARRIER_TIMEOUT_S)
+        return called, time.monotonic_ns()
+
+    async def answer(tasks: list[asyncio.Task[tuple[int, int]]]) -> None:
+        try:
+            reply: dict[str, Any] = {"timings": await asyncio.gather(*tasks)}
+        except Exception as exc:
+            reply = {"error": repr(exc)}
+        print(json.dumps(reply), flush=True)
+
+    async def answered(waiting: list[strata.aio.Worker]) -> None:
+        """Until the service has answered every one of `waiting`'s arrivals.
+
+        `Worker.barrier` says nothing until it returns, so this looks at its waiters: one is
+        registered once the arrival's answer says "waiting". (The service's `barrier.arrived`
+        records come only after a second without arrivals, when the waiting workers re-send
+        their arrivals too, so waiting for them would put those re-sends next to the release.)
+        """
+        deadline = time.monotonic() + REP_TIMEOUT_S
+        while not all(w._barriers is not None and w._barriers._waiters for w in waiting):
+            if time.monotonic() > deadline:
+                raise SystemExit("the workers' arrivals were not answered")
+            await asyncio.sleep(0.001)
+
+    tasks: list[asyncio.Task[tuple[int, int]]] = []
+    answers: set[asyncio.Task[None]] = set()
+    others = workers[:-1] if holds_last else workers
+    while line := await commands.readline():
+        verb, *rest = line.decode().split()
+        if verb == "stop":
+            break
+        if verb == "all":
+            await asyncio.sleep(max(0, int(rest[0]) - time.monotonic_ns()) / 1e9)
+            tasks = [asyncio.create_task(participate(w)) for w in workers]
+        elif verb == "others":
+            tasks = [asyncio.create_task(participate(w)) for w in others]
+            await answered(others)
+            print("answered", flush=True)
+            if holds_last:
+                continue
+        elif verb == "last":
+            tasks.append(asyncio.create_task(participate(workers[-1])))
+        answering = asyncio.create_task(answer(tasks))
+        answers.add(answering)
+        answering.add_done_callback(answers.discard)
+    await asyncio.gather(*answers)
+    await asyncio.gather(*(w.stop() for w in workers))
+
+
 # -- TCPStore participants ------------------------------------------------------------------------
 
 
@@ -537,6 +715,8 @@ SCENARIOS = ("straggler", "burst")
 class Size:
     n: int
     reps: int
+    worker_procs: int = 0
+    """Processes the real workers are spread over (0: none timed at this size)."""
     series: dict[tuple[str, str], Series] = field(default_factory=dict)
 
     def get(self, system: str, scenario: str = "straggler") -> Series:
@@ -588,13 +768,20 @@ async def measure(args: argparse.Namespace, url: str, tcp_port: int) -> tuple[li
                 "floor": floor_group,
             }
             if n <= args.workers_up_to:
-                worker_group = WorkerGroup(bus, url, n)
-                closers.append(worker_group.close)
-                await worker_group.open()
-                groups["workers"] = worker_group
+                process_group = ProcessWorkerGroup(bus, url, n, args.worker_procs)
+                closers.append(process_group.close)
+                await process_group.open()
+                groups["processes"] = process_group
+                if args.one_process_workers:
+                    worker_group = WorkerGroup(bus, url, n)
+                    closers.append(worker_group.close)
+                    await worker_group.open()
+                    groups["workers"] = worker_group
             for system in groups:
                 for scenario in SCENARIOS:
                     size.series[(system, scenario)] = Series(f"{system} {scenario}")
+            if "processes" in groups:
+                size.worker_procs = len(process_group.shares)
             # Warm-up: the first generations open connections, caches and code paths.
             for group in groups.values():
                 for straggler in (True, False):
@@ -677,6 +864,14 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
         "request per arrival,\nthe release on a core subject (nothing decided, stored or checked)"
     )
     info_rows(sizes, "floor")
+    with_processes = [s for s in sizes if ("processes", "straggler") in s.series]
+    if with_processes:
+        print(
+            "\nreal strata.aio.Worker.barrier, a NATS connection per worker, the workers spread "
+            "over processes,\nms as above, next to the in-process participants"
+        )
+        real_workers(with_processes)
+        print("(ratio = real workers / in-process participants)")
     with_workers = [s for s in sizes if ("workers", "straggler") in s.series]
     if with_workers:
         print(
@@ -693,7 +888,7 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
         f"\nAims: p50 and p99 no slower than the TCPStore barrier at every size, for the last "
         "arrival and for everyone at once;\n"
         f"p99 at most {AIM_P99_MS:g} ms at {AIM_P99_SIZE} participants for the last arrival (the "
-        f"original advertised {ORIGINAL_P99_MS:g} ms); real workers within "
+        f"original advertised {ORIGINAL_P99_MS:g} ms); real workers, spread over processes, within "
         f"{AIM_WORKERS_RATIO:g}x of the in-process participants."
     )
     met = True
@@ -713,9 +908,9 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
                 )
             label = "last arrival" if scenario == "straggler" else "at once"
             print(f"{size.n:>5,} participants, {label}: " + "; ".join(verdicts))
-    for size in with_workers:
+    for size in with_processes:
         for scenario in SCENARIOS:
-            ours, real = size.get("strata", scenario), size.get("workers", scenario)
+            ours, real = size.get("strata", scenario), size.get("processes", scenario)
             verdicts = []
             for q in (50, 99):
                 ratio = real.figure(q) / ours.figure(q)
@@ -728,6 +923,30 @@ def report(sizes: list[Size], args: argparse.Namespace, header: str) -> bool:
             label = "last arrival" if scenario == "straggler" else "at once"
             print(f"{size.n:>5,} real workers, {label}: " + "; ".join(verdicts))
     return met
+
+
+def real_workers(sizes: list[Size]) -> None:
+    columns = ["participants", "processes", "case", "workers p50", "workers p99"]
+    columns += ["in-process p50", "in-process p99", "ratio p50", "ratio p99"]
+    rows = []
+    for size in sizes:
+        for scenario in SCENARIOS:
+            real, ours = size.get("processes", scenario), size.get("strata", scenario)
+            r50, r99, o50, o99 = real.figure(50), real.figure(99), ours.figure(50), ours.figure(99)
+            rows.append(
+                [
+                    f"{size.n:,}",
+                    str(size.worker_procs),
+                    "last arrival" if scenario == "straggler" else "at once",
+                    ms(r50),
+                    ms(r99),
+                    ms(o50),
+                    ms(o99),
+                    f"{r50 / o50:.2f}",
+                    f"{r99 / o99:.2f}",
+                ]
+            )
+    print_table(columns, rows)
 
 
 def info_rows(sizes: list[Size], system: str) -> None:
@@ -760,19 +979,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workers-up-to",
         type=int,
         default=100,
-        help="also time real strata.aio.Workers (own connection each) up to this size (info)",
+        help="also time real strata.aio.Workers (own connection each) up to this size",
     )
+    parser.add_argument(
+        "--worker-procs",
+        type=int,
+        default=WORKER_PROCS,
+        help=f"processes the real workers are spread over (default {WORKER_PROCS}; "
+        "one per worker at sizes up to that)",
+    )
+    parser.add_argument(
+        "--one-process-workers",
+        action="store_true",
+        help="also time the real workers all in the benchmark's process (info)",
+    )
+    parser.add_argument("--worker-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--last", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--not-last", dest="last", action="store_false", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help="use this server instead of starting one")
     parser.add_argument("--check", action="store_true", help="exit 1 if an aim is missed")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.scale <= 0 or any(n < 2 for n in args.sizes):
-        parser.error("--rounds must be at least 1, --scale positive, every size at least 2")
+    if min(args.rounds, args.worker_procs) < 1 or args.scale <= 0 or any(n < 2 for n in args.sizes):
+        parser.error(
+            "--rounds and --worker-procs must be at least 1, --scale positive, "
+            "every size at least 2"
+        )
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(level="warning")
+    if args.worker_child:
+        asyncio.run(worker_child(args.nats_url, args.job, args.first, args.count, args.last))
+        return 0
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="strata-bench-") as tmp:
         server = None if args.nats_url else NatsServer(store_dir=Path(tmp) / "nats")
