@@ -137,7 +137,7 @@ class Barrier(Projection[BarrierState]):
                     await self._store_or_stop(event, payload)
                 ack = None
             sent.append((event, payload, ack))
-        self._in_background(self._confirm(sent, record=record))
+        self._in_background(self._settle_acks(sent, record=record))
 
     async def _store_or_stop(self, event: Event, payload: bytes) -> None:
         try:
@@ -162,7 +162,7 @@ class Barrier(Projection[BarrierState]):
             return False, self._stopped_deciding
         return super().ready()
 
-    async def _confirm(self, sent: list[Sent], *, record: bool) -> None:
+    async def _settle_acks(self, sent: list[Sent], *, record: bool) -> None:
         futures = [ack for _, _, ack in sent if ack is not None]
         if futures:
             await asyncio.wait(futures, timeout=ACK_WAIT_S)
