@@ -31,6 +31,7 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events import subjects
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, or with -m
 from bench.barrier import ServiceProcess
 
 ECHO = "bench.membership.echo"
