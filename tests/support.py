@@ -18,7 +18,7 @@ import strata.aio
 from strata import procutil
 from strata.bus import Bus, EventFeed
 from strata.config import Env
-from strata.events import AnyEvent, subjects
+from strata.events import AnyEvent, WorkerRegistered, subjects
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0
@@ -164,6 +164,27 @@ async def start_workers(
     for first in range(0, len(new), group):
         await asyncio.gather(*(worker.start() for worker in new[first : first + group]))
     return new
+
+
+async def record_registrations(bus: Bus, job: str, workers: list[str]) -> None:
+    """Store the registry's `worker.registered` for each of `workers` (rank = position), as a
+    registry would: for services under test with no registry, whose workers never heartbeat."""
+    await bus.publish_many(
+        [
+            WorkerRegistered(
+                job=job,
+                source="registry",
+                worker_id=worker,
+                instance=f"p-{worker}",
+                rank=rank,
+                world_size=rank + 1,
+                membership_epoch=rank + 1,
+                heartbeat_interval=1.0,
+                heartbeat_timeout=5.0,
+            )
+            for rank, worker in enumerate(workers)
+        ]
+    )
 
 
 async def job_events(bus: Bus, job: str) -> list[AnyEvent]:

@@ -25,7 +25,6 @@ import torch
 from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
-from strata.events import WorkerRegistered
 from strata.events.requests import (
     AckShardRequest,
     AckShardResult,
@@ -45,6 +44,7 @@ from tests.support import (
     async_wait_until,
     job_events,
     new_job,
+    record_registrations,
 )
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -718,22 +718,7 @@ async def test_every_rank_saving_at_once_opens_the_step_once_and_commits_it_once
     job = new_job("burst")
     workers = [f"w{i:03d}" for i in range(BURST)]
     try:
-        await bus.publish_many(
-            [
-                WorkerRegistered(
-                    job=job,
-                    source="registry",
-                    worker_id=worker,
-                    instance=f"p-{worker}",
-                    rank=rank,
-                    world_size=rank + 1,
-                    membership_epoch=rank + 1,
-                    heartbeat_interval=1.0,
-                    heartbeat_timeout=5.0,
-                )
-                for rank, worker in enumerate(workers)
-            ]
-        )
+        await record_registrations(bus, job, workers)
         infos = await asyncio.gather(
             *(
                 bus.rpc.call(

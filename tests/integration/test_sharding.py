@@ -29,7 +29,6 @@ from strata.errors import EpochOutOfRange
 from strata.events import (
     ShardPlanChanged,
     ShardProgress,
-    WorkerRegistered,
     decode_event,
     subjects,
 )
@@ -498,22 +497,7 @@ async def test_a_burst_of_workers_asking_at_once_is_planned_once_and_covers_ever
     try:
         job = support.new_job("burst")
         workers = [f"w{i:03d}" for i in range(BURST)]
-        await bus.publish_many(
-            [
-                WorkerRegistered(
-                    job=job,
-                    source="registry",
-                    worker_id=worker,
-                    instance=f"p-{worker}",
-                    rank=rank,
-                    world_size=rank + 1,
-                    membership_epoch=rank + 1,
-                    heartbeat_interval=1.0,
-                    heartbeat_timeout=5.0,
-                )
-                for rank, worker in enumerate(workers)
-            ]
-        )
+        await support.record_registrations(bus, job, workers)
         dataset = RegisterDatasetRequest(
             job=job, dataset_id="ds", total_samples=BURST * 3 * 10, shard_size=10, seed=3
         )
