@@ -6,6 +6,7 @@ keys with the headers of a message on them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -16,6 +17,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 import torch.distributed as dist
+from nats.js.errors import KeyDeletedError
 from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
 from strata.bus.streams import ensure_streams
@@ -111,10 +113,16 @@ def victim(
 
 async def victim_keys(services: nats.NATS) -> dict[str, bytes]:
     """Every key of the victim's job in the bucket and its value, as the services read them."""
-    kv = await services.jetstream().key_value(BUCKET)
+    # The stream's own list of subjects, not `kv.keys()`: that one watches the bucket through a
+    # consumer and may answer NoKeysError when its first look finds nothing pending yet.
+    js = services.jetstream()
+    kv = await js.key_value(BUCKET)
+    prefix = subjects.kv_subject(BUCKET, "")
+    info = await js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}{VICTIM}.>")
     found: dict[str, bytes] = {}
-    for key in await kv.keys():
-        if key.startswith(f"{VICTIM}."):
+    for subject in sorted((info.state.subjects or {}).keys()):
+        key = subject.removeprefix(prefix)
+        with contextlib.suppress(KeyDeletedError):
             found[key] = (await kv.get(key)).value or b""
     return found
 
@@ -292,6 +300,7 @@ async def test_the_jobs_shared_credential_runs_its_rendezvous_and_no_other(
         own.close()
     victim.backend.set_state(b"victim-state")
     before = await victim_keys(services)
+    assert b"victim-state" in before.values()
     settings = load_settings(nats_user=shared.user, nats_password=shared.password)
     with pytest.raises(BusError, match=f"may not read the rendezvous keys of job '{VICTIM}'"):
         await RendezvousBucket.open(
