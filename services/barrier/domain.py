@@ -326,15 +326,15 @@ def _admit(
             # generation's outcome, not a seat in the next one.
             arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)
             return Decision(result=hinted.generation), arrival
-    elif previous is None:
-        missed = _missed(job, named, request, state.recovered_ns)
-        if missed is not None:
-            # A first send (a retry of it, late) that a restarted service never stored, for a
-            # generation that concluded expecting this worker before it knew: that
-            # generation's outcome, not a seat in the next one, where it would stand for an
-            # arrival it never made.
-            arrival = _arrived(request, missed.generation, len(missed.arrived) + 1, now_ns)
-            return Decision(result=missed.generation), arrival
+    else:
+        bound = _bound(job, named, request, previous)
+        if bound is not None:
+            # The generation this arrival was for concluded without it (broken or timed out
+            # while it was on its way, or its first send retried late): that generation's
+            # outcome, not a seat in the next one, where it would stand for an arrival never
+            # made. The same answer whether or not the service restarted in between.
+            arrival = _arrived(request, bound.generation, len(bound.arrived) + 1, now_ns)
+            return Decision(result=bound.generation), arrival
     events: list[Event] = []
     current = named.current
     if current is None or current.status != "waiting":
@@ -382,22 +382,30 @@ def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int)
     )
 
 
-def _missed(
-    job: JobBarriers, named: NamedBarrier, request: ArriveRequest, recovered_ns: int
+def _bound(
+    job: JobBarriers,
+    named: NamedBarrier,
+    request: ArriveRequest,
+    previous: tuple[int, int] | None,
 ) -> Generation | None:
-    """After a restart, for an arrival of a worker whose arrivals here the service lost, with no
-    generation named: the generation it belongs to if that one concluded. It is the first after
-    the last this process returned from (`concluded`), opened before the restart and since the
-    process registered, that expected the worker: the service cannot tell whether the worker
-    arrived there, and counting the arrival in a new generation could release that one for an
-    arrival never made (a late retry of a first send). A waiting one on the way means none."""
-    if not recovered_ns:
-        return None
+    """For a new arrival that names no generation, the generation it belongs to if that one has
+    concluded: the first after the last this process returned from (`concluded`), the last its
+    arrivals joined here and the last its previous process joined, opened since the process
+    registered, that expected the worker. A waiting one on the way means none (the arrival
+    joins it).
+
+    Every arrival is bound this way, by a live service and by a restarted one alike, so the
+    generation an arrival joins never depends on whether the service kept its arrivals: a
+    restarted service that lost them reaches the same answer from `concluded` alone."""
     since = job.since_ns.get(request.worker_id, 0)
-    after = -1 if request.concluded is None else request.concluded
+    after = max(
+        -1 if request.concluded is None else request.concluded,
+        -1 if previous is None else previous[1],
+        named.restarted.get(request.worker_id, -1),
+    )
     for number in sorted(named.generations):
         gen = named.generations[number]
-        if number <= after or not since <= gen.opened_ns <= recovered_ns:
+        if number <= after or gen.opened_ns < since:
             continue
         if gen.status == "waiting":
             return None

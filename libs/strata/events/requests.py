@@ -353,9 +353,10 @@ class ArriveRequest(StrictModel):
     concluded: Annotated[int, Field(ge=0)] | None = Field(
         default=None,
         description="The last generation at this name this process returned from (released, "
-        "broken or timed out): a restarted barrier service answers a first send with the "
-        "outcome of a later generation that concluded expecting this worker, the one the "
-        "arrival was for, rather than counting it in a new one.",
+        "broken or timed out): an arrival is answered with the outcome of the first later "
+        "generation that concluded expecting this worker, the one the arrival was for, rather "
+        "than counted in a new one; a restarted barrier service that lost its arrivals reaches "
+        "the same answer.",
     )
 
 

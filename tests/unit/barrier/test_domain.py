@@ -253,9 +253,12 @@ def test_a_departed_participant_breaks_the_waiting_generation(driver: Driver, ho
     assert "'w1'" in event.reason
     outcome = ok(driver.arrive("w0", "step", 0))  # the waiter's retry learns it too
     assert (outcome.status, outcome.missing) == ("broken", ["w1", "w2"])
+    # w2's arrival was for the broken generation: it gets the break, not a seat in the next
+    late = ok(driver.arrive("w2", "step", 0))
+    assert (late.generation, late.status) == (0, "broken")
     # the next generation expects only the live members
     ok(driver.arrive("w0", "step", 1))
-    assert ok(driver.arrive("w2", "step", 0)).status == "released"
+    assert ok(driver.arrive("w2", "step", 1)).status == "released"
 
 
 def test_a_participant_that_arrived_and_then_failed_still_breaks_it(driver: Driver) -> None:
@@ -316,13 +319,18 @@ def test_timed_out_at_the_deadline_and_not_before(driver: Driver) -> None:
     assert "5s" in outcome.reason
 
 
-def test_an_arrival_after_the_deadline_opens_the_next_generation(driver: Driver) -> None:
+def test_an_arrival_after_the_deadline_gets_the_time_out_and_never_opens_the_next(
+    driver: Driver,
+) -> None:
     ok(driver.arrive("w0", "step", 0, timeout=1.0))
     ok(driver.arrive("w1", "step", 0, timeout=1.0))
     driver.now += 2 * SECOND  # the periodic check has not run yet
     late = ok(driver.arrive("w2", "step", 0, timeout=1.0))
-    assert (late.generation, late.status) == (1, "waiting")
-    assert driver.generation("step", 0).status == "timed_out"
+    assert (late.generation, late.status) == (0, "timed_out")
+    assert driver.current("step") is driver.generation("step", 0)
+    # The next arrival of anyone opens the next generation, expecting everyone again.
+    nxt = ok(driver.arrive("w2", "step", 1, timeout=1.0))
+    assert (nxt.generation, nxt.status) == (1, "waiting")
 
 
 def test_a_new_process_with_the_same_worker_id_counts_from_zero(driver: Driver) -> None:
@@ -340,7 +348,12 @@ def test_a_new_process_with_the_same_worker_id_counts_from_zero(driver: Driver) 
     driver.register("w2")
     assert ok(driver.arrive("w2", "step", 2)).generation == 2  # a retry of its last arrival
     assert isinstance(driver.arrive("w2", "step", 0), ConflictError)
-    assert ok(driver.arrive("w2", "step", 3)).generation == 4
+    # Its next arrival was for the generation its absence broke: it gets the break.
+    assert (ok(driver.arrive("w2", "step", 3)).generation, driver.current("step").status) == (
+        3,
+        "broken",
+    )
+    assert ok(driver.arrive("w2", "step", 4)).generation == 4
 
 
 def test_a_superseded_process_breaks_its_generation_and_never_counts_for_the_next(
@@ -364,7 +377,10 @@ def test_a_superseded_process_breaks_its_generation_and_never_counts_for_the_nex
     assert (fresh.generation, fresh.arrived) == (1, 1)
     assert isinstance(driver.arrive("w1", "step", 0, instance="proc-w1"), WorkerSuperseded)
     ok(driver.arrive("w0", "step", 1, instance="proc-w0"))
-    last = ok(driver.arrive("w2", "step", 0))  # an arrival naming no process is not checked
+    # w2's first arrival was for generation 0, which broke before it came: the break.
+    late = ok(driver.arrive("w2", "step", 0))  # an arrival naming no process is not checked
+    assert (late.generation, late.status) == (0, "broken")
+    last = ok(driver.arrive("w2", "step", 1))
     assert (last.generation, last.status, last.arrived) == (1, "released", 3)
     assert sorted(driver.generation("step", 1).arrived) == ["w0", "w1", "w2"]
 
@@ -424,9 +440,10 @@ def test_a_re_sent_arrival_the_service_never_stored_gets_its_generations_outcome
     assert batch.joined == [(JOB, "step", 0)]
     assert batch.told == []
     assert domain.outcome(restarted, JOB, "step", 0).status == "released"
-    # Without naming its generation it would have opened the next one.
+    # Without naming its generation it is bound to the same one: the first that expected w1.
     blind = domain.decide_arrivals(replayed(kept), [request("w1", 0)], driver.now)
-    assert blind.joined == [(JOB, "step", 1)]
+    assert blind.joined == [(JOB, "step", 0)]
+    assert blind.told == []
 
 
 def test_a_generation_rebuilt_from_re_sends_keeps_its_number_and_releases_once(
@@ -505,6 +522,35 @@ def test_a_late_retry_of_a_first_send_after_a_restart_gets_its_generations_outco
     assert nxt.joined == [(JOB, "step", 1)]
 
 
+def test_an_arrival_joins_the_same_generation_whether_or_not_the_service_restarts(
+    driver: Driver,
+) -> None:
+    """The crash model's counterexample: w0 and w1 arrive; the service takes w0's arrival
+    (generation 0 opens, expecting all three); w0 fails, breaking generation 0; then w1's
+    arrival reaches the service; the service crashes and restarts; a late retry of w1's first
+    send (naming no generation: it was sent before any answer) reaches the restarted service.
+    Both services must place w1's arrival in the same generation: before, the live one opened
+    generation 1 for it and the restarted one answered generation 0's break."""
+    driver.now += 2 * SECOND  # the service started before the barrier opened
+    domain.recover(driver.state, driver.now - SECOND)
+    first = domain.decide_arrivals(driver.state, [request("w0", 0)], driver.now)
+    driver.log.extend(first.told)
+    driver.gone("w0")
+    live = domain.decide_arrivals(driver.state, [request("w1", 0)], driver.now)
+    driver.log.extend(live.told)
+    assert live.joined == [(JOB, "step", 0)]
+    assert domain.outcome(driver.state, JOB, "step", 0).status == "broken"
+    assert not any(isinstance(e, BarrierOpened) for e in live.told)  # no generation 1
+    restarted = replayed(driver.log)
+    assert domain.recover(restarted, driver.now) == []
+    retried = domain.decide_arrivals(restarted, [request("w1", 0)], driver.now)
+    assert retried.joined == live.joined
+    # Having returned from generation 0, w1's next arrival opens generation 1 on both.
+    for state in (driver.state, restarted):
+        nxt = domain.decide_arrivals(state, [request("w1", 1, concluded=0)], driver.now)
+        assert nxt.joined == [(JOB, "step", 1)]
+
+
 def test_a_claim_to_have_passed_proves_nothing_the_service_saw_open_itself(
     driver: Driver,
 ) -> None:
@@ -569,6 +615,8 @@ class BarrierMachine(RuleBasedStateMachine):
         self.joined: dict[tuple[str, str, str, int], int] = {}
         """(instance, worker, name, arrival) -> the generation that arrival joined."""
         self.final: dict[tuple[str, int], str] = {}
+        self.since: dict[str, int] = {}
+        """Worker id -> when its current process registered."""
 
     # -- rules
 
@@ -578,6 +626,7 @@ class BarrierMachine(RuleBasedStateMachine):
         worker = data.draw(st.sampled_from(sorted(set(WORKERS) - self.live)))
         if new_process or worker not in self.instance:
             self.instance[worker] = f"proc-{next(self.processes)}"
+            self.since[worker] = self.driver.now
             for name in NAMES:
                 self.next_arrival[(worker, name)] = 0
         self.driver.register(worker, self.instance[worker])
@@ -600,6 +649,9 @@ class BarrierMachine(RuleBasedStateMachine):
             number = before.generation
         else:
             number = before.generation + 1
+        bound = self._bound(worker, name)
+        if bound is not None:
+            number = bound
         previous = self._waiting_arrival(worker, name)
         result = self.driver.arrive(worker, name, arrival, timeout=timeout, expected=count)
         if previous is not None:
@@ -612,9 +664,13 @@ class BarrierMachine(RuleBasedStateMachine):
         assert outcome.generation == number
         gen = self.driver.generation(name, outcome.generation)
         assert worker in gen.arrived
+        assert outcome.status == gen.status
+        if bound is not None:
+            # an arrival for a generation that concluded without it: that outcome, never a seat
+            assert gen.status in ("broken", "timed_out")
+            return
         # released exactly when complete, never before
         assert (gen.status == "released") == gen.complete()
-        assert outcome.status == gen.status
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), name=st.sampled_from(NAMES))
@@ -746,6 +802,27 @@ class BarrierMachine(RuleBasedStateMachine):
         if self._due(gen):
             return None  # concluded first, then the arrival opens the next generation
         return self.next_arrival[(worker, name)] - 1
+
+    def _bound(self, worker: str, name: str) -> int | None:
+        """The generation a new arrival of `worker` was for, if it concluded without it: the
+        first after every generation the worker's arrivals joined, opened since its process
+        registered, that expected it (or, counted by arrivals, that it arrived at)."""
+        after = max(
+            (number for (_, w, n, _), number in self.joined.items() if (w, n) == (worker, name)),
+            default=-1,
+        )
+        job = self.driver.state.jobs.get(JOB)
+        named = job.barriers.get(name) if job is not None else None
+        for number in sorted(named.generations if named is not None else ()):
+            gen = named.generations[number] if named is not None else None
+            assert gen is not None
+            if number <= after or gen.opened_ns < self.since[worker]:
+                continue
+            if gen.status == "waiting" and not self._due(gen):
+                return None
+            if worker in (gen.arrived if gen.by_count else gen.expected):
+                return number
+        return None
 
     def _due(self, gen: Generation) -> bool:
         return gen.completed_in_time() or gen.deadline_ns <= self.driver.now
