@@ -249,7 +249,8 @@ async def test_calling_a_missing_service_fails_fast_and_retry_waits_for_it(peers
     started = time.monotonic()
     with pytest.raises(strata.ServiceUnavailable) as unavailable:
         await peers.client.call(service, "ping")
-    assert time.monotonic() - started < 0.5
+    # At once (no responders), not after the 5 s call timeout; the margin holds on a loaded machine.
+    assert time.monotonic() - started < 2.5
     assert unavailable.value.code == "unavailable"
     assert service in unavailable.value.message
 
