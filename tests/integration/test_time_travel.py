@@ -17,8 +17,8 @@ from strata.services.gateway.app import GatewayState, create_app
 from strata.services.gateway.live import LiveModel
 from strata.services.readmodel import JobState, SnapshotStore, render_dashboard
 
-from bench.gateway import hour_history
 from tests import support
+from tests.histories import hour_history
 
 pytestmark = pytest.mark.nats
 

@@ -116,3 +116,13 @@ def test_the_services_never_import_the_command_line() -> None:
         str(found) for path in modules for found in imports(path) if _is(found.module, "strata.cli")
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_tests_never_import_the_benchmarks() -> None:
+    """Shared test helpers live in tests/ (benchmarks may import them), never in bench/."""
+    modules = list((ROOT / "tests").rglob("*.py"))
+    assert len(modules) > 50
+    wrong = [
+        str(found) for path in modules for found in imports(path) if _is(found.module, "bench")
+    ]
+    assert not wrong, "move what these use into tests/:\n" + "\n".join(wrong)

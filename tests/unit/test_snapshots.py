@@ -24,7 +24,7 @@ from strata.services.readmodel import (
     thaw,
 )
 
-from bench.gateway import hour_history
+from tests.histories import hour_history
 from tests.unit.test_replay import GOLDEN, JOB, T0, histories
 
 SEED = 20261124
