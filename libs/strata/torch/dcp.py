@@ -536,10 +536,10 @@ async def _read_all(
     manager: CheckpointManager,
     reads: list[tuple[ManifestShard, Run]],
     verified: Mapping[int, bytes],
-) -> list[bytes]:
+) -> list[bytes | memoryview]:
     room = asyncio.Semaphore(_READS_IN_FLIGHT)
 
-    async def one(shard: ManifestShard, run: Run) -> bytes:
+    async def one(shard: ManifestShard, run: Run) -> bytes | memoryview:
         whole = verified.get(shard.rank)
         if whole is not None:
             return _cut_run(whole, shard, run)
@@ -582,14 +582,15 @@ def _runs(located: list[tuple[ReadItem, ItemLocation]]) -> Iterator[Run]:
         yield run
 
 
-def _split(run: Run, data: bytes) -> Iterator[tuple[ReadItem, ItemLocation, int]]:
+def _split(run: Run, data: bytes | memoryview) -> Iterator[tuple[ReadItem, ItemLocation, int]]:
     base = run[0][1].offset
     for item, location in run:
         yield item, location, location.offset - base
 
 
-def _cut_run(whole: bytes, shard: ManifestShard, run: Run) -> bytes:
-    """A run's bytes from a shard already verified whole against the manifest."""
+def _cut_run(whole: bytes, shard: ManifestShard, run: Run) -> memoryview:
+    """A run's bytes (a view, not a copy) from a shard already verified whole against the
+    manifest."""
     first = run[0][1].offset
     end = max(location.offset + location.length for _, location in run)
     if end > len(whole):
@@ -598,7 +599,7 @@ def _cut_run(whole: bytes, shard: ManifestShard, run: Run) -> bytes:
             f"{len(whole)} bytes",
             code="dcp_format",
         )
-    return whole[first:end] if first or end != len(whole) else whole
+    return memoryview(whole)[first:end]
 
 
 async def _read_run(manager: CheckpointManager, shard: ManifestShard, run: Run) -> bytes:
@@ -620,7 +621,11 @@ async def _read_run(manager: CheckpointManager, shard: ManifestShard, run: Run) 
 
 
 def _apply(
-    planner: LoadPlanner, item: ReadItem, location: ItemLocation, data: bytes, start: int
+    planner: LoadPlanner,
+    item: ReadItem,
+    location: ItemLocation,
+    data: bytes | memoryview,
+    start: int,
 ) -> None:
     raw = memoryview(data)[start : start + location.length]
     if item.type == LoadItemType.BYTE_IO:
