@@ -303,6 +303,25 @@ class LocalStorage(StorageBackend):
         finally:
             os.close(fd)
 
+    async def read_range_into(self, key: str, offset: int, into: memoryview) -> int:
+        valid_key(key)
+        check_range(offset, into.nbytes)
+        return await self._io("reading", key, self._read_file_into, key, offset, into)
+
+    def _read_file_into(self, key: str, offset: int, into: memoryview) -> int:
+        parent, fd, _ = self._open_file(key, os.O_RDONLY)
+        os.close(parent)
+        try:
+            done = 0
+            while done < into.nbytes:
+                got = os.preadv(fd, [into[done:]], offset + done)
+                if not got:
+                    break
+                done += got
+            return done
+        finally:
+            os.close(fd)
+
     async def exists(self, key: str) -> bool:
         valid_key(key)
         return await self._io("checking", key, lambda: self._file_size(key) is not None)
