@@ -167,3 +167,15 @@ class Agent:
 def wait_all(agents: list[Agent], timeout: float) -> list[int | None]:
     deadline = time.monotonic() + timeout
     return [agent.wait(max(0.1, deadline - time.monotonic())) for agent in agents]
+
+
+def rendezvous_state(round_: int) -> bytes:
+    """torch's pickle of a fresh rendezvous state at `round_`: what a backend stores and hands
+    back (the backend refuses anything that is not a rendezvous state)."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    state = _RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)

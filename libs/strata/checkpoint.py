@@ -28,6 +28,7 @@ from strata._checks import check_int
 from strata.errors import (
     BusError,
     ConflictError,
+    Forbidden,
     MissingShard,
     NotFound,
     StrataError,
@@ -513,10 +514,21 @@ class AsyncCheckpointManager:
         """
         manifest = await self._manifest(step)
         shard = self._shard(manifest, self._worker.rank if rank is None else rank)
+        job = self._worker.job
+        # A manifest read from storage (the service down) is bytes a worker could write: it
+        # may name only this job's own objects.
+        if manifest.job != job or not shard.key.startswith(f"{job}/"):
+            raise Forbidden(
+                f"the checkpoint of step {manifest.step} read for job {job!r} names "
+                f"{shard.key!r} of job {manifest.job!r}, outside this job's own prefix; not read",
+                key=shard.key,
+            )
+        # Verified against the checksum in the manifest before a byte is handed back.
         return await self._storage.read(shard.key, shard.checksum)
 
     async def load_state(self, step: int | None = None, rank: int | None = None) -> Any:
-        """`load()` read back with `torch.load` (weights only)."""
+        """`load()` read back with `torch.load` (weights only): tensors and plain containers,
+        never code, whoever wrote the bytes."""
         import torch
 
         data = await self.load(step, rank)

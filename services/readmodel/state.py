@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, Final, NamedTuple
 
-from strata.errors import DeadlineExceeded, TooLarge
+from strata.errors import DeadlineExceeded
 from strata.events import (
     EVENT_MODELS,
     AnyEvent,
@@ -32,7 +32,7 @@ from strata.events import (
     WorkerHeartbeat,
     provenance,
 )
-from strata.history import Record, ReplayLimits, summarize
+from strata.history import Record, ReplayBudget, ReplayLimits, summarize
 from strata.services.barrier import domain as barrier_domain
 from strata.services.checkpoint import domain as checkpoint_domain
 from strata.services.readmodel.views import (
@@ -480,28 +480,23 @@ async def fold_history(
 ) -> JobState:
     """Fold `history` into `state` within `limits`, closing it in every case.
 
-    Raises `TooLarge` on the first record past `limits.max_records` and `DeadlineExceeded` once
-    `limits.timeout_s` have passed; `narrow` ends both messages, saying how to ask for less.
+    Raises `TooLarge` on the first record past a bound of `limits` (records, planned shards)
+    and `DeadlineExceeded` once `limits.timeout_s` have passed; `narrow` ends both messages,
+    saying how to ask for less.
     """
-    folded = 0
+    budget = ReplayBudget(limits, f"job {state.job!r} to that point", narrow)
     try:
         # The collector paused as in `rebuild`; a replay is bounded in time, so it is not for long.
         async with contextlib.aclosing(history), asyncio.timeout(limits.timeout_s):
             with collector_paused():
                 async for record in history:
-                    if folded == limits.max_records:
-                        raise TooLarge(
-                            f"replaying job {state.job!r} to that point folds more than "
-                            f"{limits.max_records:,} events and heartbeats, the most one replay "
-                            f"may fold; {narrow}",
-                            limit=limits.max_records,
-                        )
+                    # Also between records: one record can take long to fold (a big re-plan).
+                    budget.charge(record)
                     state.apply(record)
-                    folded += 1
     except TimeoutError:
         raise DeadlineExceeded(
             f"replaying job {state.job!r} took more than {limits.timeout_s:g}s "
-            f"({folded:,} events and heartbeats folded by then); {narrow}",
-            folded=folded,
+            f"({budget.records:,} events and heartbeats folded by then); {narrow}",
+            folded=budget.records,
         ) from None
     return state

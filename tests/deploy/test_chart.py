@@ -526,6 +526,17 @@ def test_s3_storage_needs_no_volume_and_gets_its_settings(render: Render, scenar
         }
 
 
+def test_workers_can_get_credentials_of_their_own_job_prefix(render: Render) -> None:
+    # The checkpoint service keeps the store's credentials; the workers get the job's own.
+    rendered = render(*SCENARIOS["s3-secret"], "workers.storageSecret=job-prefix-credentials")
+    expected = {"checkpoint": "aws-credentials", "worker": "job-prefix-credentials"}
+    for kind, name in (("Deployment", "checkpoint"), ("Job", "worker")):
+        (container,) = _containers(rendered.get(kind, _name(name)))
+        env = _env(container)
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert env[key]["secretKeyRef"] == {"name": expected[name], "key": key}
+
+
 # -- NATS -----------------------------------------------------------------------------------------
 
 
@@ -1112,7 +1123,6 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             for client in clients.values():
                 await client.close()
             await services.close()
-
 
 
 @pytest.mark.nats

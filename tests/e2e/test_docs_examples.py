@@ -88,6 +88,7 @@ UNRUN = [
     ("docs/sharding.md", ".venv/bin/python bench/sharding.py", "benchmark: minutes of full load"),
     ("docs/storage.md", ".venv/bin/python bench/storage.py", "benchmark: minutes of full load"),
     ("docs/storage.md", ".venv/bin/python bench/checkpoint.py", "benchmark: minutes of full load"),
+    ("docs/storage.md", ".venv/bin/python bench/verify_load.py", "benchmark: minutes of full load"),
     ("docs/gateway.md", ".venv/bin/python bench/gateway.py", "benchmark: minutes of full load"),
 ]
 CODE_LANGS = ("python", "py", "bash", "sh", "shell", "console")

@@ -38,6 +38,7 @@ from strata.torch.rendezvous import JetStreamRendezvousBackend, _inbox_prefix
 from strata.torch.store import KVStore, RendezvousBucket
 
 from tests import natsprobe
+from tests.rendezvous import rendezvous_state
 
 pytestmark = pytest.mark.nats
 
@@ -128,11 +129,11 @@ async def victim_keys(services: nats.NATS) -> dict[str, bytes]:
 
 
 def test_a_worker_credential_runs_its_jobs_rendezvous(victim: Agent) -> None:
-    first = victim.backend.set_state(b"state-0")
+    first = victim.backend.set_state(rendezvous_state(0))
     assert first is not None
     assert first[2] is True
-    assert victim.backend.set_state(b"state-1", first[1])[2] is True  # type: ignore[index]
-    assert victim.backend.get_state()[0] == b"state-1"  # type: ignore[index]
+    assert victim.backend.set_state(rendezvous_state(1), first[1])[2] is True  # type: ignore[index]
+    assert victim.backend.get_state()[0] == rendezvous_state(1)  # type: ignore[index]
     store = victim.store
     store.set("master", b"10.0.0.1")
     assert store.get("master") == b"10.0.0.1"
@@ -151,7 +152,7 @@ def test_a_worker_credential_runs_its_jobs_rendezvous(victim: Agent) -> None:
 async def test_another_jobs_credential_cannot_read_write_watch_or_list_its_keys(
     secured: NatsServer, credentials: list[Credential], services: nats.NATS, victim: Agent
 ) -> None:
-    victim.backend.set_state(b"victim-state")
+    victim.backend.set_state(rendezvous_state(7))
     victim.store.set("master", b"10.0.0.1")
     before = await victim_keys(services)
     assert len(before) == 2
@@ -220,7 +221,7 @@ async def test_another_jobs_credential_cannot_read_write_watch_or_list_its_keys(
     info = await services.jetstream().stream_info(STREAM)
     assert info.state.consumer_count == consumers
     assert await victim_keys(services) == before
-    assert victim.backend.get_state()[0] == b"victim-state"  # type: ignore[index]
+    assert victim.backend.get_state()[0] == rendezvous_state(7)  # type: ignore[index]
 
 
 async def test_headers_on_its_own_keys_reach_no_other_key(
@@ -293,12 +294,12 @@ async def test_the_jobs_shared_credential_runs_its_rendezvous_and_no_other(
     shared = next(c for c in credentials if c.user == job_user(ATTACKER))
     own = Agent(secured, shared, ATTACKER)
     try:
-        assert own.backend.set_state(b"attacker-state") is not None
+        assert own.backend.set_state(rendezvous_state(9)) is not None
         own.store.set("master", b"10.0.0.2")
         assert own.store.get("master") == b"10.0.0.2"
     finally:
         own.close()
-    victim.backend.set_state(b"victim-state")
+    victim.backend.set_state(rendezvous_state(7))
     before = await victim_keys(services)
     assert b"victim-state" in before.values()
     settings = load_settings(nats_user=shared.user, nats_password=shared.password)

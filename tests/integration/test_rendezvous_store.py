@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from tests.rendezvous import declared_entry_point, entry_point_path, torchrun_env
+from tests.rendezvous import declared_entry_point, entry_point_path, rendezvous_state, torchrun_env
 from tests.support import new_job
 
 pytestmark = pytest.mark.nats
@@ -69,30 +69,34 @@ def test_state_is_created_once_then_written_only_with_the_current_token(
     assert backend.name == "strata"
     assert backend.get_state() is None
 
-    state, token, written = backend.set_state(b"first")  # type: ignore[misc]
-    assert (state, written) == (b"first", True)
+    state, token, written = backend.set_state(rendezvous_state(1))  # type: ignore[misc]
+    assert (state, written) == (rendezvous_state(1), True)
     # A second "create" loses to the first and is told what is there.
-    assert backend.set_state(b"other") == (b"first", token, False)
+    assert backend.set_state(rendezvous_state(2)) == (rendezvous_state(1), token, False)
 
-    newer = backend.set_state(b"second", token)
+    newer = backend.set_state(rendezvous_state(3), token)
     assert newer is not None
-    assert newer[0] == b"second"
+    assert newer[0] == rendezvous_state(3)
     assert newer[2] is True
     # The old token is stale now: the write is refused and the current state returned.
-    assert backend.set_state(b"stale", token) == (b"second", newer[1], False)
-    assert backend.set_state(b"foreign", b"not-a-revision") == (b"second", newer[1], False)
-    assert backend.get_state() == (b"second", newer[1])
+    assert backend.set_state(rendezvous_state(4), token) == (rendezvous_state(3), newer[1], False)
+    assert backend.set_state(rendezvous_state(5), b"not-a-revision") == (
+        rendezvous_state(3),
+        newer[1],
+        False,
+    )
+    assert backend.get_state() == (rendezvous_state(3), newer[1])
 
 
 def test_racing_writers_with_one_token_exactly_one_wins(
     bucket: RendezvousBucket, runner: LoopRunner
 ) -> None:
     backend = JetStreamRendezvousBackend(bucket, runner, new_job("rdzv"))
-    _, token, _ = backend.set_state(b"start")  # type: ignore[misc]
+    _, token, _ = backend.set_state(rendezvous_state(0))  # type: ignore[misc]
     results: list[bool] = []
 
     def write(i: int) -> None:
-        outcome = backend.set_state(f"writer {i}".encode(), token)
+        outcome = backend.set_state(rendezvous_state(10 + i), token)
         assert outcome is not None
         results.append(outcome[2])
 

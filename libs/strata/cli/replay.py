@@ -112,6 +112,18 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="S",
         help="--state from NATS: give up after S seconds (default: $STRATA_REPLAY_TIMEOUT, 30)",
     )
+    replay.add_argument(
+        "--max-planned-shards",
+        type=int,
+        metavar="N",
+        help="--state: plan at most N shards in all, registrations and re-plans (default 8000000)",
+    )
+    replay.add_argument(
+        "--max-memory-mb",
+        type=float,
+        metavar="MB",
+        help="--file: grow by at most MB MiB of memory (default 1024)",
+    )
 
     export = verbs.add_parser(
         "export",
@@ -333,17 +345,28 @@ def _print_state(state: JobState) -> None:
 
 def _jobs_in(path: Path) -> list[str]:
     """The jobs an export file holds: a quick look (plain JSON), before the validated read."""
+    import pydantic_core
+
+    from strata.history import read_lines
+
     jobs: set[str] = set()
-    with path.open("rb") as lines:
-        for line in lines:
-            # A malformed line is reported, with its number, by the validated read that follows.
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                jobs.add(json.loads(line)["event"]["job"])
+    for _, line in read_lines(path):
+        # A malformed line is reported, with its number, by the validated read that follows.
+        # pydantic's parser bounds the nesting (json.loads would recurse until it crashed).
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            job = pydantic_core.from_json(line)["event"]["job"]
+            if isinstance(job, str):
+                jobs.add(job)
     return sorted(jobs)
 
 
 def _file_job(path: Path, wanted: str | None) -> str:
+    from strata.history import read_records
+
     jobs = _jobs_in(path)
+    if not jobs:
+        for _ in read_records(path):  # names the first line that is not an event
+            pass
     if wanted is not None:
         if wanted not in jobs:
             raise NotFound(f"{path} has no events of job {wanted!r} (it has: {', '.join(jobs)})")
@@ -355,13 +378,27 @@ def _file_job(path: Path, wanted: str | None) -> str:
     return jobs[0]
 
 
-def _replay_limits(args: argparse.Namespace) -> ReplayLimits:
+def _replay_limits(args: argparse.Namespace, *, own_process: bool = False) -> ReplayLimits:
     from strata.history import ReplayLimits
 
     settings = load_settings(
         nats_url=args.nats_url, replay_max_events=args.max_events, replay_timeout=args.timeout
     )
-    return ReplayLimits(settings.replay_max_events, settings.replay_timeout)
+    defaults = ReplayLimits()
+    return ReplayLimits(
+        settings.replay_max_events,
+        settings.replay_timeout,
+        args.max_planned_shards or defaults.max_planned_shards,
+        # Only a process of its own can tell that its memory grew because of the replay.
+        int((args.max_memory_mb or FILE_REPLAY_MEMORY_MB) * 2**20) if own_process else None,
+    )
+
+
+FILE_REPLAY_MEMORY_MB: Final = 1024
+_NARROW_FILE: Final = (
+    "stop earlier (--until-seq, --until) or raise --max-events / --timeout / "
+    "--max-planned-shards / --max-memory-mb"
+)
 
 
 async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
@@ -397,6 +434,7 @@ async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
                 ", leave heartbeats out (no --heartbeats)" if args.heartbeats else ""
             )
             narrow += " or raise --max-events / --timeout"
+            narrow += " / --max-planned-shards"
             state = await fold_history(history, JobState(args.job), _replay_limits(args), narrow)
             _print_state(state)
             return state.events
@@ -409,7 +447,7 @@ async def _replay_nats(args: argparse.Namespace, bounds: _Bounds) -> int:
 
 def replay(args: argparse.Namespace, console: Console) -> int:
     # The fold pulls in the services' domains (and numpy): only for the verbs that need it.
-    from strata.history import read_records
+    from strata.history import ReplayBudget, read_records
     from strata.services.readmodel import rebuild
 
     _check_job(args.job)
@@ -425,13 +463,18 @@ def replay(args: argparse.Namespace, console: Console) -> int:
     if args.file is not None:
         if not args.file.is_file():
             raise NotFound(f"no such export file: {args.file}")
+        # The same bounds as a replay from NATS: a file is written by whoever handed it over.
+        limits = _replay_limits(args, own_process=True)
         if args.state:
             job = _file_job(args.file, args.job)
-            _print_state(rebuild(bounds.select(read_records(args.file)), job, bounds.until_seq))
+            budget = ReplayBudget(limits, f"job {job!r} from {args.file}", _NARROW_FILE)
+            records = budget.bounded(bounds.select(read_records(args.file)))
+            _print_state(rebuild(records, job, bounds.until_seq))
             return 0
         several = args.job is None and len(_jobs_in(args.file)) > 1
         timeline = _Timeline(args, show_job=several)
-        for record in bounds.select(read_records(args.file)):
+        budget = ReplayBudget(limits, str(args.file), _NARROW_FILE)
+        for record in budget.bounded(bounds.select(read_records(args.file))):
             if args.job is None or record.event.job == args.job:
                 timeline.add(record)
         shown = timeline.shown

@@ -3,6 +3,7 @@ and reading from JetStream. What the history folds into (the read model the gate
 `strata replay` show) lives with the services, in `strata.services.readmodel`.
 """
 
+from strata.history.budget import ReplayBudget
 from strata.history.reading import (
     REPLAY_CONSUMER,
     ReplayLimits,
@@ -11,17 +12,26 @@ from strata.history.reading import (
     stream_records,
     type_filter,
 )
-from strata.history.records import Record, Stream, dumps, read_records, record_from_json
+from strata.history.records import (
+    Record,
+    Stream,
+    dumps,
+    read_lines,
+    read_records,
+    record_from_json,
+)
 from strata.history.timeline import summarize
 
 __all__ = [
     "REPLAY_CONSUMER",
     "Record",
+    "ReplayBudget",
     "ReplayLimits",
     "Stream",
     "dumps",
     "follow_records",
     "job_history",
+    "read_lines",
     "read_records",
     "record_from_json",
     "stream_records",

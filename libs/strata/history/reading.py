@@ -489,3 +489,9 @@ class ReplayLimits:
     max_records: int = 250_000
     """Events, plus heartbeats when they are asked for."""
     timeout_s: float = 30.0
+    max_planned_shards: int = 8_000_000
+    """Shards planned over by the dataset registrations and re-plans folded: each costs work and
+    memory in proportion to its dataset's shards, so a few small events can ask for a lot."""
+    max_memory_bytes: int | None = None
+    """Growth of the process's peak memory the replay may cause (None: not checked; a process of
+    its own, like `strata replay --file`, checks it, a shared server cannot tell whose it is)."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import pydantic
 
-from strata.errors import CodecError
+from strata.errors import CodecError, TooLarge
 from strata.events import AnyEvent
 from strata.events.codec import validation_error
 
@@ -61,12 +61,34 @@ def record_from_json(line: str | bytes, where: str = "line") -> Record:
     return Record(parsed.seq, parsed.stored_ns, parsed.event, parsed.stream)
 
 
-def read_records(path: Path) -> Iterator[Record]:
-    """Every record of an export file, in file order; blank lines are skipped."""
+MAX_LINE_BYTES: Final = 32 * 1024 * 1024
+"""Longer than any event's JSON (the largest, a progress report of a million shards, is ~8 MB)."""
+
+
+def read_lines(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(number, line) of every non-blank line of `path`; `TooLarge` for a line longer than
+    `max_line_bytes`, which is never read whole."""
     with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
+        number = 0
+        while line := lines.readline(max_line_bytes + 1):
+            number += 1
+            if len(line) > max_line_bytes:
+                raise TooLarge(
+                    f"line {number} of {path} is longer than {max_line_bytes:,} bytes, longer "
+                    "than any event; the file is not an export of Strata's",
+                    limit=max_line_bytes,
+                )
             if line.strip():
-                yield record_from_json(line, f"line {number} of {path}")
+                yield number, line
+
+
+def read_records(path: Path) -> Iterator[Record]:
+    """Every record of an export file, in file order; blank lines are skipped.
+
+    Each line is validated against the event models by pydantic's parser, which bounds how
+    deeply JSON may nest, so a hostile file gives a one-line error, never a RecursionError."""
+    for number, line in read_lines(path):
+        yield record_from_json(line, f"line {number} of {path}")
 
 
 def dumps(document: Any) -> str:

@@ -89,6 +89,16 @@ class StorageBackend(ABC):
         check_range(offset, length)
         return (await self.read(key))[offset : offset + length]
 
+    async def read_range_into(self, key: str, offset: int, into: memoryview) -> int:
+        """Fill `into` with the object's bytes from `offset`, unverified; how many there were.
+
+        For a caller that reads a large object in parts into one buffer of its own (and verifies
+        the whole): the local backend reads straight into it, with no copy in between.
+        """
+        data = await self.read_range(key, offset, into.nbytes)
+        into[: len(data)] = data
+        return len(data)
+
     @abstractmethod
     async def exists(self, key: str) -> bool: ...
 

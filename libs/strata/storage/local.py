@@ -5,6 +5,11 @@ chunk's disk write-back at once while a second thread hashes the buffer; the fil
 renamed over the key and the directory fsynced, so readers see the old object or the whole new
 one. The checksum is also kept in a `user.strata.checksum` extended attribute where the filesystem
 has them and is verified on every read; all file work runs in threads, off the event loop.
+
+Every worker may write the tree, so no path below the root is followed through a symbolic link:
+each directory is opened relative to its parent with `O_NOFOLLOW`, files likewise, and deletes
+and listings walk open directories. A key that meets a link (`<root>/attacker -> <root>/victim`)
+is refused with `Forbidden` instead of acting on whatever the link points at.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from strata.errors import NotFound, StorageError, ValidationError
+from strata.errors import Forbidden, NotFound, StorageError, ValidationError
 from strata.storage._checksum import check_checksum, checksum_of, verify
 from strata.storage._keys import valid_key
 from strata.storage.base import StorageBackend, WriteResult, check_range
@@ -119,16 +124,61 @@ class LocalStorage(StorageBackend):
         return f"LocalStorage({str(self.root)!r})"
 
     def path(self, key: str) -> Path:
-        """The file for `key`; `ValidationError` if the key is not allowed or escapes the root."""
+        """The file for `key`; `ValidationError` if the key is not allowed, `Forbidden` if any
+        part of it below the root is a symbolic link."""
         path = self.root.joinpath(*valid_key(key).split("/"))
-        # The key rules already keep paths inside the root; this also catches a symlink inside
-        # the tree that points out of it.
-        if not path.resolve().is_relative_to(self.root):
-            raise ValidationError(
-                f"storage key {key!r} resolves outside {self.root} (through a symlink?)",
-                field="key",
-            )
+        current = self.root
+        for name in key.split("/"):
+            current = current / name
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                if stat.S_ISLNK(current.lstat().st_mode):
+                    raise _linked(key, current)
         return path
+
+    def _open_dir(self, names: list[str], key: str, *, create: bool = False) -> int:
+        """A descriptor of the directory `root/names...`, each part opened without following a
+        link (`create`: missing parts are made, durably). The caller closes it."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in names:
+                if create:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                        os.fsync(fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, fd):
+                        raise _linked(key, name) from None
+                    raise
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_file(self, key: str, flags: int) -> tuple[int, int, str]:
+        """(parent directory fd, file fd, name) of `key`, neither followed through a link."""
+        *parents, name = key.split("/")
+        try:
+            parent = self._open_dir(parents, key)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(f"no object {key!r} in {self.root_uri}", key=key) from None
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except FileNotFoundError:
+            os.close(parent)
+            raise NotFound(f"no object {key!r} in {self.root_uri}", key=key) from None
+        except OSError as exc:
+            linked = exc.errno == errno.ELOOP and _is_link(name, parent)
+            os.close(parent)
+            if linked:
+                raise _linked(key, name) from None
+            raise
+        return parent, fd, name
 
     async def _io(self, action: str, key: str, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` in a thread; OS errors become `StorageError` (code `storage_error`)."""
@@ -155,13 +205,26 @@ class LocalStorage(StorageBackend):
         return WriteResult(uri=self.uri(key), bytes=view.nbytes, checksum=checksum)
 
     def _write_file(self, key: str, view: memoryview, cancel: threading.Event) -> str:
-        path = self.path(key)
-        directory = path.parent
-        _make_dirs(directory)
-        temp = directory / f".{path.name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
+        _make_dirs(self.root)
+        *parents, name = key.split("/")
+        directory = self._open_dir(parents, key, create=True)
+        try:
+            return self._write_in(directory, name, view, cancel)
+        finally:
+            os.close(directory)
+
+    def _write_in(
+        self, directory: int, name: str, view: memoryview, cancel: threading.Event
+    ) -> str:
+        temp = f".{name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
         hashing: Future[str] | None = None
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(
+                temp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=directory,
+            )
             try:
                 if view.nbytes >= _PARALLEL_HASH_MIN:
                     hashing = Future()
@@ -178,16 +241,17 @@ class LocalStorage(StorageBackend):
                 _set_checksum_xattr(fd, checksum)
             finally:
                 os.close(fd)
-            os.replace(temp, path)
+            # A rename replaces a link of that name, never what it points at.
+            os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
         except BaseException:
             if hashing is not None:
                 # The buffer belongs to the caller again once write() returns.
                 with contextlib.suppress(BaseException):
                     hashing.result()
             with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
+                os.unlink(temp, dir_fd=directory)
             raise
-        _fsync_dir(directory)
+        os.fsync(directory)
         return checksum
 
     def _write_all(self, fd: int, view: memoryview, cancel: threading.Event) -> None:
@@ -210,11 +274,9 @@ class LocalStorage(StorageBackend):
         return data
 
     def _read_file(self, key: str) -> tuple[bytes, str | None]:
-        try:
-            file = self.path(key).open("rb", buffering=0)
-        except FileNotFoundError:
-            raise NotFound(f"no object {key!r} in {self.root_uri}", key=key) from None
-        with file:
+        parent, fd, _ = self._open_file(key, os.O_RDONLY)
+        os.close(parent)
+        with open(fd, "rb", buffering=0) as file:
             # From the open file, not the path: a concurrent overwrite renames a new file in.
             stored = _read_checksum_xattr(file.fileno())
             data = file.read()
@@ -226,10 +288,8 @@ class LocalStorage(StorageBackend):
         return await self._io("reading", key, self._read_file_range, key, offset, length)
 
     def _read_file_range(self, key: str, offset: int, length: int) -> bytes:
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFound(f"no object {key!r} in {self.root_uri}", key=key) from None
+        parent, fd, _ = self._open_file(key, os.O_RDONLY)
+        os.close(parent)
         try:
             parts: list[bytes] = []
             while length > 0:
@@ -243,24 +303,64 @@ class LocalStorage(StorageBackend):
         finally:
             os.close(fd)
 
+    async def read_range_into(self, key: str, offset: int, into: memoryview) -> int:
+        valid_key(key)
+        check_range(offset, into.nbytes)
+        return await self._io("reading", key, self._read_file_into, key, offset, into)
+
+    def _read_file_into(self, key: str, offset: int, into: memoryview) -> int:
+        parent, fd, _ = self._open_file(key, os.O_RDONLY)
+        os.close(parent)
+        try:
+            done = 0
+            while done < into.nbytes:
+                got = os.preadv(fd, [into[done:]], offset + done)
+                if not got:
+                    break
+                done += got
+            return done
+        finally:
+            os.close(fd)
+
     async def exists(self, key: str) -> bool:
         valid_key(key)
-        return await self._io("checking", key, lambda: self.path(key).is_file())
+        return await self._io("checking", key, lambda: self._file_size(key) is not None)
 
     async def size(self, key: str) -> int | None:
         valid_key(key)
         return await self._io("checking", key, self._file_size, key)
 
     def _file_size(self, key: str) -> int | None:
+        """The size of the regular file `key`; None when there is none, or only a link."""
+        *parents, name = key.split("/")
         try:
-            found = self.path(key).stat()
+            parent = self._open_dir(parents, key)
+        except (FileNotFoundError, NotADirectoryError, Forbidden):
+            return None
+        try:
+            found = os.stat(name, dir_fd=parent, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        finally:
+            os.close(parent)
         return found.st_size if stat.S_ISREG(found.st_mode) else None
 
     async def delete(self, key: str) -> None:
         valid_key(key)
-        await self._io("deleting", key, lambda: self.path(key).unlink(missing_ok=True))
+        await self._io("deleting", key, self._delete_file, key)
+
+    def _delete_file(self, key: str) -> None:
+        *parents, name = key.split("/")
+        try:
+            parent = self._open_dir(parents, key)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            os.unlink(name, dir_fd=parent)  # a link is removed itself, never its target
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(parent)
 
     async def delete_prefix(self, prefix: str) -> int:
         # An empty prefix is refused (by the key rules): one bad argument must not wipe the root.
@@ -268,36 +368,87 @@ class LocalStorage(StorageBackend):
         return await self._io("deleting under", prefix, self._delete_tree, prefix)
 
     def _delete_tree(self, prefix: str) -> int:
-        directory = self.path(prefix)
-        if not directory.is_dir():
+        *parents, name = prefix.split("/")
+        try:
+            parent = self._open_dir(parents, prefix)
+        except (FileNotFoundError, NotADirectoryError):
             return 0
-        count = len(_keys_under(self.root, directory))
-        shutil.rmtree(directory)
-        with contextlib.suppress(FileNotFoundError):
-            _fsync_dir(directory.parent)
+        try:
+            try:
+                directory = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            except (FileNotFoundError, NotADirectoryError):
+                if _is_link(name, parent):
+                    raise _linked(prefix, name) from None
+                return 0
+            except OSError as exc:
+                if exc.errno == errno.ELOOP and _is_link(name, parent):
+                    raise _linked(prefix, name) from None
+                raise
+            try:
+                count = len(_keys_in(directory, prefix))
+            finally:
+                os.close(directory)
+            # rmtree with a dir_fd walks open directories and never follows a link, so a
+            # link swapped in while it runs cannot send it elsewhere.
+            shutil.rmtree(name, dir_fd=parent)
+            os.fsync(parent)
+        finally:
+            os.close(parent)
         return count
+
+    def _list(self, prefix: str) -> list[str]:
+        try:
+            directory = self._open_dir(prefix.split("/") if prefix else [], prefix)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        try:
+            return _keys_in(directory, prefix)
+        finally:
+            os.close(directory)
 
     async def list(self, prefix: str) -> list[str]:
         """Keys under `prefix/`, sorted; the empty prefix lists the whole root."""
         if prefix:
             valid_key(prefix)
-        return await self._io(
-            "listing",
-            prefix,
-            lambda: _keys_under(self.root, self.path(prefix) if prefix else self.root),
-        )
+        return await self._io("listing", prefix, self._list, prefix)
 
 
-def _keys_under(root: Path, directory: Path) -> list[str]:
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _linked(key: str, where: Path | str) -> Forbidden:
+    return Forbidden(
+        f"storage key {key!r} passes through a symbolic link ({where}); a checkpoint tree is "
+        "never followed through links, so nothing was read, written or deleted there",
+        key=key,
+    )
+
+
+def _keys_in(directory: int, prefix: str) -> list[str]:
+    """Keys of the regular files under the open `directory` (which holds `prefix`), sorted.
+
+    Walks open directories without following links: a linked directory or file is no key.
+    """
     keys: list[str] = []
-    for current, dirs, files in os.walk(directory):
-        # Symlinked directories are not followed: they could lead out of the root.
-        dirs[:] = [name for name in dirs if not (Path(current) / name).is_symlink()]
+    for current, _, files, current_fd in os.fwalk(".", dir_fd=directory, follow_symlinks=False):
+        base = "/".join(part for part in (prefix, current.removeprefix(".").strip("/")) if part)
         for name in files:
-            relative = (Path(current) / name).relative_to(root).as_posix()
+            try:
+                mode = os.stat(name, dir_fd=current_fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                continue
             # Temp files start with '.', which no valid key segment does.
             with contextlib.suppress(ValidationError):
-                keys.append(valid_key(relative))
+                keys.append(valid_key(f"{base}/{name}" if base else name))
     return sorted(keys)
 
 

@@ -7,11 +7,17 @@ disk or S3). The coordinator's shard also carries DCP's metadata and is acked la
 commits only once every rank's data and the metadata are stored: `latest()` never sees half a DCP
 checkpoint, and retention, replay and the dashboard treat it like any other checkpoint.
 
-A shard is the items' raw bytes, each at a 64-byte aligned offset and checksummed on its own (a
-load reads only the byte ranges it needs, and verifies each), then the pickled metadata (the
-coordinator's shard only), then a fixed footer saying where the metadata is. Tensors are stored
-as their raw bytes in their own dtype and shape, so a load into another world size (resharding)
-reads exactly the parts of the saved chunks it needs.
+A shard is the items' raw bytes, each at a 64-byte aligned offset and checksummed on its own, then
+the pickled metadata (the coordinator's shard only), then a fixed footer saying where the metadata
+is. Tensors are stored as their raw bytes in their own dtype and shape, so a load into another
+world size (resharding) reads exactly the parts of the saved chunks it needs.
+
+Verify before you parse: any worker can write the checkpoint store, so a load trusts only the
+manifest the checkpoint service committed. The shard holding the metadata is read whole and
+checked against the checksum the service recorded for it before a byte of it is parsed; the
+metadata it holds then vouches for every item's checksum in every shard. The metadata is
+unpickled with an allow-list of DCP's own types, and non-tensor items with
+`torch.load(weights_only=True)`, so even bytes that pass the checks cannot run code.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -48,9 +55,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from strata.errors import ChecksumMismatch, StrataError, ValidationError
+from strata.errors import ChecksumMismatch, Forbidden, StrataError, ValidationError
 from strata.events.requests import Manifest, ManifestShard
-from strata.storage import checksum_of
+from strata.storage import StorageBackend, checksum_of
 
 if TYPE_CHECKING:
     from strata.checkpoint import CheckpointManager, ShardSlot
@@ -66,6 +73,10 @@ _READ_RUN: Final = 64 * 1024 * 1024
 _READS_IN_FLIGHT: Final = 8
 _READ_WINDOW: Final = 256 * 1024 * 1024
 """Bytes read before they are copied into the state dict being loaded (bounds the memory)."""
+_VERIFY_PART: Final = 32 * 1024 * 1024
+"""The metadata's shard is read in parts of this size, `_READS_IN_FLIGHT` at a time."""
+_KEEP_VERIFIED: Final = 2 * 1024 * 1024 * 1024
+"""The metadata's shard, read whole to verify it, is kept for the item reads up to this size."""
 
 
 @dataclass(frozen=True)
@@ -437,6 +448,8 @@ class Reader(StorageReader):
         self.step = step
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
+        self._verified: dict[int, bytes | memoryview] = {}
+        """Shards (by rank) read whole and checked against the manifest's checksum."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -453,7 +466,7 @@ class Reader(StorageReader):
     def _read_window(self, window: list[tuple[ManifestShard, Run]], planner: LoadPlanner) -> None:
         manager = self.manager
         for (_, run), data in zip(
-            window, manager._runner.run(_read_all(manager, window)), strict=True
+            window, manager._runner.run(_read_all(manager, window, self._verified)), strict=True
         ):
             for item, location, start in _split(run, data):
                 _apply(planner, item, location, data, start)
@@ -469,12 +482,16 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             manager = self.manager
-            self._metadata = manager._runner.run(_read_metadata(manager, self.manifest))
+            self._metadata, self._verified = manager._runner.run(
+                _read_metadata(manager, self.manifest)
+            )
         return self._metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if metadata is not self._metadata:
+            self._verified = {}  # not the metadata this reader verified: no shortcut
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -518,11 +535,16 @@ def _run_bytes(run: Run) -> int:
 
 
 async def _read_all(
-    manager: CheckpointManager, reads: list[tuple[ManifestShard, Run]]
-) -> list[bytes]:
+    manager: CheckpointManager,
+    reads: list[tuple[ManifestShard, Run]],
+    verified: Mapping[int, bytes | memoryview],
+) -> list[bytes | memoryview]:
     room = asyncio.Semaphore(_READS_IN_FLIGHT)
 
-    async def one(shard: ManifestShard, run: Run) -> bytes:
+    async def one(shard: ManifestShard, run: Run) -> bytes | memoryview:
+        whole = verified.get(shard.rank)
+        if whole is not None:
+            return _cut_run(whole, shard, run)
         async with room:
             return await _read_run(manager, shard, run)
 
@@ -562,10 +584,24 @@ def _runs(located: list[tuple[ReadItem, ItemLocation]]) -> Iterator[Run]:
         yield run
 
 
-def _split(run: Run, data: bytes) -> Iterator[tuple[ReadItem, ItemLocation, int]]:
+def _split(run: Run, data: bytes | memoryview) -> Iterator[tuple[ReadItem, ItemLocation, int]]:
     base = run[0][1].offset
     for item, location in run:
         yield item, location, location.offset - base
+
+
+def _cut_run(whole: bytes | memoryview, shard: ManifestShard, run: Run) -> memoryview:
+    """A run's bytes (a view, not a copy) from a shard already verified whole against the
+    manifest."""
+    first = run[0][1].offset
+    end = max(location.offset + location.length for _, location in run)
+    if end > len(whole):
+        raise StrataError(
+            f"DCP metadata places an item at {first}..{end} of {shard.key!r}, which holds "
+            f"{len(whole)} bytes",
+            code="dcp_format",
+        )
+    return memoryview(whole)[first:end]
 
 
 async def _read_run(manager: CheckpointManager, shard: ManifestShard, run: Run) -> bytes:
@@ -587,11 +623,15 @@ async def _read_run(manager: CheckpointManager, shard: ManifestShard, run: Run) 
 
 
 def _apply(
-    planner: LoadPlanner, item: ReadItem, location: ItemLocation, data: bytes, start: int
+    planner: LoadPlanner,
+    item: ReadItem,
+    location: ItemLocation,
+    data: bytes | memoryview,
+    start: int,
 ) -> None:
     raw = memoryview(data)[start : start + location.length]
     if item.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(item, io.BytesIO(raw.tobytes()))
+        planner.load_bytes(item, _weights_only(item, raw))
         return
     if location.dtype is None:
         raise StrataError(f"DCP item {item.storage_index.fqn!r} is not a tensor", code="dcp_format")
@@ -614,14 +654,20 @@ def _apply(
     planner.commit_tensor(item, target)
 
 
-async def _read_metadata(manager: CheckpointManager, manifest: Manifest) -> Metadata:
-    """DCP's metadata, from the first shard (by rank) that carries it."""
+async def _read_metadata(
+    manager: CheckpointManager, manifest: Manifest
+) -> tuple[Metadata, dict[int, bytes | memoryview]]:
+    """DCP's metadata, from the first shard (by rank) that carries it, and that shard's bytes.
+
+    The shard is read whole and checked against the checksum the checkpoint service recorded
+    for it at commit before its footer or metadata is looked at: the digest in the footer is
+    written by the same hands as the bytes it covers, so it proves nothing.
+    """
     storage = manager.aio.storage
     for shard in sorted(manifest.shards, key=lambda shard: shard.rank):
-        footer = b""
-        if shard.bytes >= _FOOTER.size:
-            footer = await storage.read_range(shard.key, shard.bytes - _FOOTER.size, _FOOTER.size)
-        magic, offset, length, digest = _FOOTER.unpack(footer or bytes(_FOOTER.size))
+        data = await _read_verified(storage, manifest, shard)
+        footer = data[-_FOOTER.size :] if len(data) >= _FOOTER.size else bytes(_FOOTER.size)
+        magic, offset, length, digest = _FOOTER.unpack(footer)
         if magic != _MAGIC:
             raise StrataError(
                 f"checkpoint of step {manifest.step} is not a DCP checkpoint (rank {shard.rank}'s "
@@ -630,8 +676,13 @@ async def _read_metadata(manager: CheckpointManager, manifest: Manifest) -> Meta
             )
         if not length:
             continue
-        encoded = await storage.read_range(shard.key, offset, length)
-        expected = "xxh128:" + digest.decode()
+        if offset + length > len(data) - _FOOTER.size:
+            raise StrataError(
+                f"DCP footer of {shard.key!r} places the metadata outside the shard",
+                code="dcp_format",
+            )
+        encoded = memoryview(data)[offset : offset + length]
+        expected = "xxh128:" + digest.decode("ascii", "replace")
         if checksum_of(encoded) != expected:
             raise ChecksumMismatch(
                 f"DCP metadata in {shard.key!r} does not match its checksum; not loaded",
@@ -639,11 +690,145 @@ async def _read_metadata(manager: CheckpointManager, manifest: Manifest) -> Meta
                 expected=expected,
                 actual=checksum_of(encoded),
             )
-        metadata = await asyncio.to_thread(pickle.loads, encoded)
-        if not isinstance(metadata, Metadata):
-            raise StrataError(f"DCP metadata in {shard.key!r} is not DCP's", code="dcp_format")
-        return metadata
+        metadata = await asyncio.to_thread(load_metadata, encoded, shard.key)
+        kept: dict[int, bytes | memoryview] = {}
+        if len(data) <= _KEEP_VERIFIED:
+            kept[shard.rank] = data
+        return metadata, kept
     raise StrataError(
         f"checkpoint of step {manifest.step} holds no DCP metadata in any shard",
         code="dcp_format",
     )
+
+
+async def _read_verified(
+    storage: StorageBackend, manifest: Manifest, shard: ManifestShard
+) -> memoryview:
+    """`shard`'s bytes, checked against the size and checksum its committed manifest records.
+
+    Read in parts, several at a time, straight into one buffer (its pages are mapped by the
+    reading threads side by side, as the range reads of a load map theirs), then hashed whole.
+    """
+    if not shard.key.startswith(f"{manifest.job}/"):
+        raise Forbidden(
+            f"checkpoint of job {manifest.job!r} names shard {shard.key!r}, which lies outside "
+            "the job's own prefix; not read",
+            key=shard.key,
+        )
+    # One byte more than committed: a longer object is caught without reading all of it.
+    buffer = torch.empty(shard.bytes + 1, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    room = asyncio.Semaphore(_READS_IN_FLIGHT)
+
+    async def part(offset: int) -> int:
+        async with room:
+            end = min(offset + _VERIFY_PART, len(view))
+            return await storage.read_range_into(shard.key, offset, view[offset:end])
+
+    counts = await asyncio.gather(*(part(o) for o in range(0, len(view), _VERIFY_PART)))
+    size = sum(counts)
+    data = view[: shard.bytes]
+    actual = await asyncio.to_thread(checksum_of, data)
+    if size != shard.bytes or actual != shard.checksum:
+        what = "its checksum" if size == shard.bytes else f"its size ({shard.bytes} bytes)"
+        raise ChecksumMismatch(
+            f"rank {shard.rank}'s shard of step {manifest.step} ({shard.key!r}) does not match "
+            f"{what} recorded at commit ({shard.checksum}); the shard is damaged or was "
+            "replaced, so nothing in it is parsed",
+            key=shard.key,
+            expected=shard.checksum,
+            actual=actual,
+        )
+    return data
+
+
+_DCP_TYPES: Final = {
+    ("strata.torch.dcp", "ItemLocation"): ItemLocation,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
+}
+"""Everything DCP's metadata with Strata's item locations refers to (dtypes aside)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: any other global is refused, so bytes that
+    name `os.system` (or any callable outside DCP's plain data types) cannot run it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _DCP_TYPES.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise Forbidden(
+            f"DCP metadata refers to {module}.{name}, which is not one of DCP's metadata types; "
+            "not loaded (the checkpoint was not written by strata.torch.dcp.Writer, or was "
+            "tampered with)",
+            type=f"{module}.{name}",
+        )
+
+
+def load_metadata(encoded: bytes | memoryview, key: str = "") -> Metadata:
+    """DCP metadata from its pickle, through an allow-list of DCP's types."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(encoded)).load()
+    except Forbidden:
+        raise
+    except Exception as exc:  # a truncated or malformed pickle: whatever the unpickler raised
+        raise StrataError(
+            f"DCP metadata in {key!r} cannot be read: {type(exc).__name__}: {exc}",
+            code="dcp_format",
+        ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise StrataError(f"DCP metadata in {key!r} is not DCP's", code="dcp_format")
+    for location in metadata.storage_data.values():
+        if not isinstance(location, ItemLocation) or not _sane(location):
+            raise StrataError(
+                f"DCP metadata in {key!r} holds an item location that is not Strata's: "
+                f"{location!r}",
+                code="dcp_format",
+            )
+    return metadata
+
+
+def _sane(location: ItemLocation) -> bool:
+    numbers = (location.rank, location.offset, location.length, *location.shape)
+    return (
+        all(type(n) is int and n >= 0 for n in numbers)
+        and isinstance(location.checksum, str)
+        and (location.dtype is None or isinstance(location.dtype, torch.dtype))
+    )
+
+
+def _weights_only(item: ReadItem, raw: memoryview) -> io.BytesIO:
+    """A non-tensor item, loaded with `torch.load(weights_only=True)` and saved again.
+
+    DCP's planners read these with `weights_only=False`; what they are handed is a fresh pickle
+    of an object the weights-only loader built, which refers to nothing it refused.
+    """
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise Forbidden(
+            f"DCP item {item.storage_index.fqn!r} is not a plain value torch.load(weights_only="
+            f"True) accepts, so it is not loaded: {reason}",
+            fqn=item.storage_index.fqn,
+        ) from None
+    resaved = io.BytesIO()
+    torch.save(value, resaved)
+    resaved.seek(0)
+    return resaved

@@ -25,10 +25,11 @@ of its own until torch asks for a handler: nats, pydantic and the SDK come with
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 from collections.abc import Callable, Coroutine
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from datetime import UTC, datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 # The entry point and the factory come before torch's imports: importing this module first (not
 # through torch) imports torch's rendezvous package, which loads every `torchrun.handlers` entry
@@ -56,6 +57,7 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler,
@@ -73,12 +75,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_NAME",
+    "ForbiddenRendezvousState",
     "JetStreamRendezvousBackend",
     "create_backend",
     "create_rdzv_handler",
     "handler",
     "nats_servers",
     "reusable",
+    "validated_state",
 ]
 
 BACKEND_NAME = "strata"
@@ -143,14 +147,102 @@ def _check_run_id(run_id: str) -> str:
     return run_id
 
 
-def _decode(value: bytes) -> _RendezvousState | None:
-    # The state is torch's own pickle, written by the job's agents (a worker credential may
-    # write its own job's key only); torch unpickles it likewise.
+from strata.errors import Forbidden  # noqa: E402
+
+
+class ForbiddenRendezvousState(Forbidden, RendezvousStateError):
+    """The job's rendezvous state key holds something other than torch's rendezvous state.
+
+    A `forbidden` StrataError, and the `RendezvousStateError` torch raises for a corrupt state.
+    """
+
+
+_MODULE = _RendezvousState.__module__
+_STATE_TYPES: dict[tuple[str, str], type] = {
+    (_MODULE, "_RendezvousState"): _RendezvousState,
+    (_MODULE, "_NodeDesc"): _NodeDesc,
+    ("datetime", "datetime"): datetime,
+    ("datetime", "timedelta"): timedelta,
+    ("datetime", "timezone"): timezone,
+}
+"""Every type torch's pickle of a `_RendezvousState` names: nothing else is ever looked up."""
+_STATE_FIELDS = frozenset(vars(_RendezvousState()))
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _STATE_TYPES.get((module, name))
+        if found is None:
+            raise ForbiddenRendezvousState(
+                f"the rendezvous state refers to {module}.{name}, which is not one of torch's "
+                "rendezvous state types; it is not loaded (another writer of the job's state "
+                "key wrote it)",
+                type=f"{module}.{name}",
+            )
+        return found
+
+
+def checked_state(value: bytes) -> _RendezvousState:
+    """The rendezvous state in `value`, unpickled with an allow-list of torch's state types and
+    checked field by field, or `ForbiddenRendezvousState`.
+
+    Any worker credential of a job may write the job's state key, and torch unpickles whatever
+    the backend hands it: so the backend hands it only a state it rebuilt from these types.
+    """
     try:
-        state = pickle.loads(value)
-    except Exception:
+        state = _StateUnpickler(io.BytesIO(value)).load()
+    except ForbiddenRendezvousState:
+        raise
+    except Exception as exc:
+        raise ForbiddenRendezvousState(
+            f"the rendezvous state cannot be read as torch's: {type(exc).__name__}: {exc}"
+        ) from None
+    if not _well_formed(state):
+        raise ForbiddenRendezvousState(
+            "the rendezvous state is not a well-formed torch rendezvous state; it is not used"
+        )
+    return state
+
+
+def _well_formed(state: object) -> TypeGuard[_RendezvousState]:
+    if type(state) is not _RendezvousState or set(vars(state)) != _STATE_FIELDS:
+        return False
+
+    def node(value: object) -> bool:
+        return (
+            type(value) is _NodeDesc
+            and set(vars(value)) == {"addr", "pid", "local_id"}
+            and type(value.addr) is str
+            and type(value.pid) is int
+            and type(value.local_id) is int
+        )
+
+    return (
+        type(state.round) is int
+        and type(state.complete) is bool
+        and type(state.closed) is bool
+        and (state.deadline is None or type(state.deadline) is datetime)
+        and type(state.participants) is dict
+        and all(node(k) and type(v) is int for k, v in state.participants.items())
+        and type(state.wait_list) is set
+        and all(node(k) for k in state.wait_list)
+        and type(state.redundancy_list) is set
+        and all(node(k) for k in state.redundancy_list)
+        and type(state.last_heartbeats) is dict
+        and all(node(k) and type(v) is datetime for k, v in state.last_heartbeats.items())
+    )
+
+
+def validated_state(value: bytes) -> bytes:
+    """`value` unpickled through `checked_state` and pickled again: the bytes torch unpickles."""
+    return pickle.dumps(checked_state(value))
+
+
+def _decode(value: bytes) -> _RendezvousState | None:
+    try:
+        return checked_state(value)
+    except RendezvousStateError:
         return None
-    return state if isinstance(state, _RendezvousState) else None
 
 
 def reusable(value: bytes, now: datetime, expiry: timedelta) -> bytes | None:
@@ -231,6 +323,7 @@ class JetStreamRendezvousBackend(RendezvousBackend):
         if current is None:
             return None
         value, revision = current
+        value = validated_state(value)
         fresh = reusable(value, datetime.now(UTC), self._expiry)
         return (fresh if fresh is not None else value), revision
 

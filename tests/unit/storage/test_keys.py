@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strata.errors import ValidationError
+from strata.errors import Forbidden, ValidationError
 from strata.storage import LocalStorage, check_key, manifest_key, shard_key, step_prefix
 from strata.storage._keys import valid_key
 
@@ -102,7 +102,7 @@ def test_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
     outside.mkdir()
     os.symlink(outside, root / "job")
     storage = LocalStorage(root)
-    with pytest.raises(ValidationError, match="outside"):
+    with pytest.raises(Forbidden, match="symbolic link"):
         storage.path("job/step-000000000001/rank-00000.bin")
 
 

@@ -178,23 +178,27 @@ SDK does not take it for one worker's (per-worker user names are <worker>@<job>)
 
 {{/*
 Where checkpoints go: only for the pods that read or write them (checkpoint service, workers), so
-the storage credentials reach no other pod.
+the storage credentials reach no other pod. Called with (list $ secret): the checkpoint service
+gets storage.s3.existingSecret, the workers workers.storageSecret when set (credentials for their
+job's own prefix only, docs/storage.md), else the same.
 */}}
 {{- define "strata.storageEnv" -}}
+{{- $root := index . 0 -}}
+{{- $secret := index . 1 -}}
 - name: STORAGE_BACKEND
-  value: {{ .Values.storage.backend | quote }}
-{{- if eq .Values.storage.backend "s3" }}
+  value: {{ $root.Values.storage.backend | quote }}
+{{- if eq $root.Values.storage.backend "s3" }}
 - name: CHECKPOINT_BUCKET
-  value: {{ .Values.storage.s3.bucket | quote }}
-{{- with .Values.storage.s3.region }}
+  value: {{ $root.Values.storage.s3.bucket | quote }}
+{{- with $root.Values.storage.s3.region }}
 - name: AWS_REGION
   value: {{ . | quote }}
 {{- end }}
-{{- with .Values.storage.s3.endpoint }}
+{{- with $root.Values.storage.s3.endpoint }}
 - name: STRATA_S3_ENDPOINT_URL
   value: {{ . | quote }}
 {{- end }}
-{{- with .Values.storage.s3.existingSecret }}
+{{- with $secret }}
 - name: AWS_ACCESS_KEY_ID
   valueFrom:
     secretKeyRef:
