@@ -96,7 +96,9 @@ class RendezvousBucket:
 
     async def close(self) -> None:
         if not self.nc.is_closed:
-            await self.nc.close()
+            # With the server gone, flushing what is left fails: nothing more to do then.
+            with contextlib.suppress(OSError, nats.errors.Error):
+                await self.nc.close()
 
     async def read(self, key: str) -> tuple[bytes, int] | None:
         """The value and revision of `key`, or None when it is not there (or deleted)."""
@@ -336,6 +338,7 @@ class KVStore(Store):  # torch.distributed.Store, which mypy cannot see through 
         self._bucket = bucket
         self._runner = runner
         self._job = job
+        self._clones: list[KVStore] = []
         self.set_timeout(timeout)
 
     def _key(self, key: str) -> str:
@@ -389,9 +392,15 @@ class KVStore(Store):  # torch.distributed.Store, which mypy cannot see through 
 
     def clone(self) -> KVStore:
         """Another handle on the same keys, for use from another thread (as torch's
-        `split_group` and DeviceMesh do); it shares this one's NATS connection."""
+        `split_group` and DeviceMesh do); it shares this one's NATS connection.
+
+        This store keeps its clones: one made through a `PrefixStore` is held by C++ only,
+        which does not keep the Python object that answers its calls alive.
+        """
         timeout: timedelta = self.timeout  # type: ignore[attr-defined]
-        return KVStore(self._bucket, self._runner, self._job, timeout)
+        clone = KVStore(self._bucket, self._runner, self._job, timeout)
+        self._clones.append(clone)
+        return clone
 
     def set(self, key: str, value: str | bytes) -> None:
         self._call(self._bucket.put(self._key(key), _text(value)), f"set of {key!r}")
