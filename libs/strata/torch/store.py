@@ -187,12 +187,19 @@ class RendezvousBucket:
     async def wait_for(self, keys: list[str], timeout: float) -> dict[str, bytes]:
         """The values of `keys` once all exist; `TimeoutError` after `timeout` seconds.
 
-        It listens to the keys' subjects before reading them, so a put between the read and the
-        wait is not missed; it reads again now and then all the same, for a put missed while the
+        It reads them once; for keys still missing it listens to their subjects before reading
+        them again, so a put between that read and the wait is not missed; it reads again now and then all the same, for a put missed while the
         connection was re-established.
         """
         deadline = time.monotonic() + timeout
-        found: dict[str, bytes] = {}
+        # Most waits find their keys set already: one read each, and no subscription.
+        found = {
+            key: current[0]
+            for key, current in zip(keys, await self.read_many(keys), strict=True)
+            if current is not None
+        }
+        if len(found) == len(keys):
+            return found
         arrived = asyncio.Event()
         subs = [
             await self.nc.subscribe(
