@@ -11,6 +11,7 @@ live client: a call must end within its timeout (plus a second) with torch's err
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -23,10 +24,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import nats
 import pytest
 import torch.distributed as dist
 from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
+from strata.bus.streams import ensure_stream, rendezvous_stream
 from strata.config import Env, load_settings
 from strata.errors import ConfigError
 from strata.torch.rendezvous import JetStreamRendezvousBackend, create_backend
@@ -815,3 +818,55 @@ def test_two_nodes_meet_through_the_dynamic_rendezvous_handler(
         for close in closers:
             close()
         del host_store
+
+
+# -- multi_set is all or nothing (Strata's own: TCPStore has no way to refuse one key) -----------
+
+
+def bucket_on(server: NatsServer, **spec: object) -> Subject:
+    """A store on `server` whose rendezvous bucket was made with `spec`'s changes."""
+    made = rendezvous_stream()
+    changed = dataclasses.replace(made, **spec)  # type: ignore[arg-type]
+
+    async def provision() -> None:
+        nc = await nats.connect(server.url)
+        try:
+            await ensure_stream(nc.jetstream(), changed)
+        finally:
+            await nc.close()
+
+    runner = LoopRunner("test-provision")
+    try:
+        runner.run(provision())
+    finally:
+        runner.close()
+    return strata_subject(server.url)
+
+
+def test_multi_set_writes_every_key_or_none(own_nats_server: NatsServer) -> None:
+    # The bucket refuses values over 1 KiB: the batch with one such value stores nothing.
+    subject = bucket_on(own_nats_server, max_msg_size=1024)
+    try:
+        store = subject.store
+        store.multi_set(["a", "b"], ["1", "2"])
+        assert store.multi_get(["a", "b"]) == [b"1", b"2"]
+        with pytest.raises(dist.DistNetworkError):
+            store.multi_set(["a", "b", "c"], ["new", b"x" * 2048, "3"])
+        assert store.multi_get(["a", "b"]) == [b"1", b"2"]
+        assert not store.check(["c"])
+    finally:
+        subject.close()
+
+
+def test_multi_set_on_a_bucket_made_without_batches_writes_each_key(
+    own_nats_server: NatsServer,
+) -> None:
+    subject = bucket_on(own_nats_server, allow_atomic=False)
+    try:
+        store = subject.store
+        store.multi_set(["a", "b", "a"], ["1", "2", "3"])
+        assert store.multi_get(["a", "b"]) == [b"3", b"2"]
+        store.multi_set(["c", "d"], ["4", "5"])
+        assert store.multi_get(["c", "d"]) == [b"4", b"5"]
+    finally:
+        subject.close()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -42,6 +44,12 @@ RECHECK_S = 1.0
 """While waiting for a key, how often it is read again in case its put was missed (a reconnect
 between the subscription and the put)."""
 CAS_ATTEMPTS = 1000
+MAX_BATCH = 1000
+"""The most keys JetStream writes in one atomic batch (its default limit)."""
+ATOMIC_DISABLED = 10174
+"""JetStream's error code for an atomic batch sent to a stream that does not allow them."""
+BATCH_ID, BATCH_SEQUENCE, BATCH_COMMIT = "Nats-Batch-Id", "Nats-Batch-Sequence", "Nats-Batch-Commit"
+BATCH_TIMEOUT_S = 5.0
 WAIT_GRACE_S = 0.5
 """How long past its own deadline a wait may take to report what it found, before it is cut off."""
 PROBE_TIMEOUT_S = 2.0
@@ -57,6 +65,8 @@ class RendezvousBucket:
     def __init__(self, nc: NATS, kv: KeyValue) -> None:
         self.nc = nc
         self.kv = kv
+        self._atomic: bool | None = None
+        """Whether the bucket takes atomic batches (None: not tried yet)."""
         self._known: dict[str, tuple[bytes, int]] = {}
         """The value and revision of each key as this connection last wrote or read it: a
         read-modify-write first tries its write on it, which costs one round trip where it is
@@ -125,9 +135,37 @@ class RendezvousBucket:
         return revision
 
     async def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        """`put` of each (key, value), all at once; a key named twice gets its last value."""
+        """`put` of each (key, value), all as one: JetStream's atomic batch stores every key or
+        none. A bucket made before it allowed batches (its stream is brought up to date when
+        Strata's services start) gets them one by one, at once. A key named twice gets its last
+        value."""
         latest = dict(items)
+        if 1 < len(latest) <= MAX_BATCH and self._atomic is not False:
+            try:
+                await retry_transient(lambda: self._put_batch(latest), "writing keys at once")
+                return
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != ATOMIC_DISABLED:
+                    raise
+                self._atomic = False
         await asyncio.gather(*(self.put(key, value) for key, value in latest.items()))
+
+    async def _put_batch(self, items: dict[str, bytes]) -> None:
+        batch = uuid.uuid4().hex
+        pending = list(items.items())
+        for key in items:
+            self._known.pop(key, None)
+        for number, (key, value) in enumerate(pending, start=1):
+            headers = {BATCH_ID: batch, BATCH_SEQUENCE: str(number)}
+            subject = subjects.kv_subject(subjects.RENDEZVOUS_BUCKET, key)
+            if number < len(pending):
+                await self.nc.publish(subject, value, headers=headers)
+                continue
+            headers[BATCH_COMMIT] = "1"
+            reply = await self.nc.request(subject, value, timeout=BATCH_TIMEOUT_S, headers=headers)
+            answer = json.loads(reply.data or b"{}")
+            if "error" in answer:
+                raise nats.js.errors.APIError.from_error(answer["error"])
 
     async def modify(
         self, key: str, change: Callable[[bytes | None], bytes | None]
@@ -188,8 +226,8 @@ class RendezvousBucket:
         """The values of `keys` once all exist; `TimeoutError` after `timeout` seconds.
 
         It reads them once; for keys still missing it listens to their subjects before reading
-        them again, so a put between that read and the wait is not missed; it reads again now and then all the same, for a put missed while the
-        connection was re-established.
+        them again, so a put between that read and the wait is not missed; it reads again now
+        and then all the same, for a put missed while the connection was re-established.
         """
         deadline = time.monotonic() + timeout
         # Most waits find their keys set already: one read each, and no subscription.
@@ -329,7 +367,7 @@ class KVStore(Store):  # torch.distributed.Store, which mypy cannot see through 
     through the key's revision, `get`, `multi_get` and `wait` block until the keys are set, and
     every call ends within the store's timeout (which `set_timeout` changes, also through a
     `PrefixStore` wrapped around this one). The extended API (`append`, `multi_get`, `multi_set`)
-    is native; `multi_set` writes its keys at once, each atomically, not all as one. torch's
+    is native; `multi_set` writes all its keys or none (a JetStream atomic batch). torch's
     queues and `list_keys` are not offered: torch does not pass them on to a store written in
     Python.
     """
