@@ -127,6 +127,8 @@ class RendezvousBucket:
 
     async def read_many(self, keys: list[str]) -> list[tuple[bytes, int] | None]:
         """`read` of each of `keys`, all at once."""
+        if len(keys) == 1:  # no task for a single read: most reads are of one key
+            return [await self.read(keys[0])]
         return list(await asyncio.gather(*(self.read(key) for key in keys)))
 
     async def put(self, key: str, value: bytes) -> int:
