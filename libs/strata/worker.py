@@ -314,7 +314,7 @@ class Worker:
 _implicit: Worker | None = None
 _implicit_lock = threading.Lock()
 _started: weakref.WeakValueDictionary[tuple[str, str], Worker] = weakref.WeakValueDictionary()
-"""Every started worker of the process with a worker id of its own, by (job, worker id)."""
+"""Every worker this process started, by (job, worker id)."""
 
 
 def default_worker() -> Worker:

@@ -349,7 +349,7 @@ def create_backend(params: RendezvousParameters) -> tuple[JetStreamRendezvousBac
         servers, settings, run_id, inbox_prefix=inbox, deadline=read_timeout
     )
     try:
-        bucket = runner.run(opening, timeout=read_timeout + 1)
+        bucket = runner.run(opening, timeout=read_timeout)
     except (TimeoutError, BusError, nats.errors.Error, OSError) as exc:
         runner.close()
         raise RendezvousConnectionError(
