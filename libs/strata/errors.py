@@ -6,7 +6,9 @@ turns a reply back into the matching subclass with `error_from_code`.
 
     StrataError
     ├── ConfigError            bad settings or arguments               config_invalid
-    │   └── MissingExtra       an optional part is not installed       missing_extra
+    │   ├── MissingExtra       an optional part is not installed       missing_extra
+    │   └── InvalidArgument    a bad argument where a ValueError is    invalid_argument
+    │                          promised (torch's rendezvous options)
     ├── CodecError             bytes that are not a valid message      malformed
     ├── ValidationError        a field that breaks the contract        invalid_field
     │   └── InvalidRequest     an RPC request that breaks it           invalid_request
@@ -64,6 +66,13 @@ class MissingExtra(ConfigError):
     """Something needs an extra of the distribution (`pip install 'strata-ctl[server]'`)."""
 
     code = "missing_extra"
+
+
+class InvalidArgument(ConfigError, ValueError):
+    """A bad argument of an API whose callers expect `ValueError` for it, as torch's do of a
+    rendezvous backend's options."""
+
+    code = "invalid_argument"
 
 
 class CodecError(StrataError):
@@ -184,6 +193,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
     for cls in (
         ConfigError,
         MissingExtra,
+        InvalidArgument,
         CodecError,
         ValidationError,
         InvalidRequest,

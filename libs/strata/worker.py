@@ -25,11 +25,10 @@ from strata._loop import LoopRunner
 from strata.aio import MEMBERS_RETRY_S, SAVES_TIMEOUT_S, OnRejoin
 from strata.aio import Worker as AsyncWorker
 from strata.bus import Bus
-from strata.config import Env, Settings
+from strata.config import Settings
 from strata.errors import StrataError, ValidationError
 from strata.events import LiveState
 from strata.events.requests import MembersResult, Registration
-from strata.security import worker_identity
 
 __all__ = ["Worker", "default_worker"]
 
@@ -115,6 +114,7 @@ class Worker:
         if self._exit_hook is None:
             self._exit_hook = functools.partial(_stop_at_exit, weakref.ref(self), os.getpid())
             atexit.register(self._exit_hook)
+        _started[(self.job, self.id)] = self
         return self
 
     def stop(self, timeout: float | None = None) -> None:
@@ -238,12 +238,14 @@ class Worker:
     @property
     def rank(self) -> int:
         """The rank the registry gave this worker: the one asked for with `rank=` (or
-        `STRATA_RANK`), else the lowest free one when it registered."""
+        `STRATA_RANK`, or the launcher's: `strata.launch`), else the lowest free one when it
+        registered."""
         return self._aio.rank
 
     @property
     def requested_rank(self) -> int | None:
-        """The rank asked for (`rank=` or STRATA_RANK), or None for the lowest free one."""
+        """The rank asked for (`rank=`, STRATA_RANK or the launcher's), or None for the lowest
+        free one."""
         return self._aio.requested_rank
 
     @property
@@ -311,35 +313,26 @@ class Worker:
 
 _implicit: Worker | None = None
 _implicit_lock = threading.Lock()
-
-
-def _launcher_identity() -> tuple[int | None, str | None]:
-    """Under torchrun (or any launcher that sets RANK and WORLD_SIZE), when STRATA_RANK is not
-    set: torch's rank as the rank, and `rank-N` as the worker id, so a process the launcher
-    restarts supersedes its dead predecessor instead of waiting for its heartbeat timeout. With
-    a worker credential (`STRATA_NATS_USER=<worker>@<job>`) the credential names the worker."""
-    if os.environ.get(Env.RANK) or not os.environ.get("WORLD_SIZE"):
-        return None, None
-    raw = os.environ.get("RANK", "")
-    if not raw.isdigit():
-        return None, None
-    if worker_identity(os.environ.get(Env.NATS_USER)) is not None:
-        return int(raw), None
-    return int(raw), f"rank-{int(raw)}"
+_started: weakref.WeakValueDictionary[tuple[str, str], Worker] = weakref.WeakValueDictionary()
+"""Every worker this process started, by (job, worker id)."""
 
 
 def default_worker() -> Worker:
     """This process's implicit worker: what `CheckpointManager(path=...)` and
     `DatasetRegistry()` use when no worker is passed, like torch's default process group.
 
-    Built from the environment (STRATA_JOB, STRATA_NATS_URL, STRATA_RANK, credentials; under
-    torchrun, torch's RANK) and started on first use; it leaves the job when the process exits.
+    Built from the environment (STRATA_JOB, STRATA_NATS_URL, STRATA_RANK, credentials; under a
+    launcher, its rank: `strata.launch`) and started on first use; it leaves the job when the
+    process exits. Where the program already started a `Worker` of the same job and worker id
+    (under torchrun, both are `rank-<RANK>`), that one is the implicit worker: two would take
+    the id from each other.
     """
     global _implicit
     with _implicit_lock:
         if _implicit is None or not _implicit.started:
-            rank, worker_id = _launcher_identity()
-            _implicit = Worker(worker_id=worker_id, rank=rank).start()
+            made = Worker()
+            same = _started.get((made.job, made.id))
+            _implicit = same if same is not None and same.started else made.start()
         return _implicit
 
 

@@ -430,3 +430,63 @@ def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
                 # rank is torch's.
                 assert match[4] in (("worker-0", "worker-1") if run == 0 else (f"rank-{rank}",))
                 assert int(match[5]) == rank
+
+
+REVERSE_ORDER = '''
+"""A rank builds its own strata.Worker(job=<rendezvous id>) only once every higher rank has
+registered, so the registry sees them in reverse rank order."""
+import os, sys, time
+from pathlib import Path
+import strata
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+here = Path(sys.argv[1])
+deadline = time.monotonic() + 120
+while rank + 1 < world and not (here / f"registered-{rank + 1}").exists():
+    assert time.monotonic() < deadline, f"rank {rank + 1} never registered"
+    time.sleep(0.05)
+with strata.Worker(job=os.environ["TORCHELASTIC_RUN_ID"]) as worker:
+    (here / f"registered-{rank}").touch()
+    print(f"torch rank {rank}: strata rank {worker.rank} as {worker.id}", flush=True)
+    while not all((here / f"registered-{r}").exists() for r in range(world)):
+        assert time.monotonic() < deadline, "not every rank registered"
+        time.sleep(0.05)
+'''
+STRATA_RANK = re.compile(r"torch rank (\d+): strata rank (\d+) as (\S+)")
+
+
+def test_an_explicit_worker_under_torchrun_takes_torchs_rank(
+    stack: str, tmp_path: Path, extra_path: str | None
+) -> None:
+    """Two agents of two processes each, every process building its own `strata.Worker` as the
+    docs show, the higher ranks first: each takes torch's rank, not the lowest free one."""
+    script = tmp_path / "reverse_order.py"
+    script.write_text(REVERSE_ORDER)
+    job = new_job("rdzv")
+    env = torchrun_env(extra_path)
+    for name in (Env.JOB, Env.NATS_URL, Env.RANK):
+        env.pop(name, None)  # the agent passes on the endpoint and the id
+    agents = [
+        Agent(
+            script,
+            backend="strata",
+            endpoint=host_port(stack),
+            run_id=job,
+            nnodes="2",
+            nproc=2,
+            log=tmp_path / f"agent-{n}.log",
+            env=env,
+            max_restarts=0,
+            args=(str(tmp_path),),
+        )
+        for n in range(2)
+    ]
+    try:
+        codes = wait_all(agents, 240)
+    finally:
+        for agent in agents:
+            agent.kill()
+    output = "\n".join(agent.output() for agent in agents)
+    assert codes == [0, 0], output[-6000:]
+    ranks = {int(m[1]): (int(m[2]), m[3]) for m in STRATA_RANK.finditer(output)}
+    assert ranks == {r: (r, f"rank-{r}") for r in range(4)}, output[-6000:]

@@ -139,6 +139,26 @@ def test_the_seeds_calls_without_a_worker_use_the_implicit_one(stack: str, tmp_p
     assert result.stdout.split() == ["rank-0", "0", "5000", "b'model", "state", "bytes'"]
 
 
+def test_under_a_launcher_the_programs_worker_is_the_implicit_one(
+    stack: str, tmp_path: Path
+) -> None:
+    """A worker the program built under torchrun has torch's rank and id; the implicit worker
+    is that one, not a second registration taking the id from it."""
+    result = run_script(
+        """
+        import os
+        import strata
+        with strata.Worker(job=os.environ["STRATA_JOB"]) as worker:
+            print(worker.id, worker.rank, strata.default_worker() is worker, worker.superseded)
+        """,
+        stack,
+        tmp_path,
+        {"RANK": "1", "WORLD_SIZE": "2"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["rank-1", "1", "True", "False"]
+
+
 def test_a_path_passed_where_the_worker_goes_is_a_clear_error(stack: str, tmp_path: Path) -> None:
     result = run_script(
         """

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import strata.aio
-from strata import worker as sync_worker
 from strata.config import Env, load_settings
 from strata.errors import ConfigError
 from strata.events import subjects
+from strata.launch import LaunchedAs, launched_as
 from strata.security import (
     WORKER_DENY,
     job_credential,
@@ -110,6 +110,6 @@ def test_under_torchrun_the_credential_names_the_implicit_worker(
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.delenv(Env.NATS_USER, raising=False)
-    assert sync_worker._launcher_identity() == (3, "rank-3")
+    assert launched_as() == LaunchedAs(3, "rank-3")
     monkeypatch.setenv(Env.NATS_USER, "w-7@llm")
-    assert sync_worker._launcher_identity() == (3, None)
+    assert launched_as() == LaunchedAs(3, None)

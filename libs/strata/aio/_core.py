@@ -29,6 +29,7 @@ from strata.events import LIVE_STATES, LiveState, MetricSampled
 from strata.events.codec import validation_error
 from strata.events.models import MAX_RANK
 from strata.events.requests import LeaveRequest, LeaveResult, RegisterRequest, Registration
+from strata.launch import launched_as
 from strata.logs import configure_library_logging
 from strata.security import job_of_shared_user, worker_identity
 
@@ -151,6 +152,12 @@ class _WorkerCore:
             # the lines to stdlib logging instead, whose set-up is the program's.
             configure_library_logging(self._settings.log_format)
         job, worker_id = _credential_identity(self._settings, job, worker_id)
+        if rank is None and self._settings.rank is None:
+            # The launcher's rank (strata.launch has the one rule), and its worker id.
+            launched = launched_as()
+            if launched is not None:
+                rank = launched.rank
+                worker_id = worker_id or launched.worker_id
         self._job = check_id(
             "job",
             job if job is not None else self._settings.job,
@@ -251,12 +258,14 @@ class _WorkerCore:
     @property
     def rank(self) -> int:
         """The rank the registry gave this worker: the one asked for with `rank=` (or
-        `STRATA_RANK`), else the lowest free one when it registered."""
+        `STRATA_RANK`, or the launcher's: `strata.launch`), else the lowest free one when it
+        registered."""
         return self._registered("rank").rank
 
     @property
     def requested_rank(self) -> int | None:
-        """The rank asked for (`rank=` or `STRATA_RANK`), or None for the lowest free one."""
+        """The rank asked for (`rank=`, `STRATA_RANK` or the launcher's), or None for the lowest
+        free one."""
         return self._register_request.rank
 
     @property

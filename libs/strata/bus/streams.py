@@ -61,6 +61,7 @@ class StreamSpec:
     allow_rollup_hdrs: bool = False
     deny_delete: bool = False
     deny_purge: bool = False
+    allow_atomic: bool = False
 
     def config(self) -> StreamConfig:
         return StreamConfig(
@@ -80,6 +81,7 @@ class StreamSpec:
             allow_rollup_hdrs=self.allow_rollup_hdrs,
             deny_delete=self.deny_delete,
             deny_purge=self.deny_purge,
+            allow_atomic=self.allow_atomic or None,
         )
 
 
@@ -115,7 +117,9 @@ def rendezvous_stream(replicas: int = 1) -> StreamSpec:
     A worker credential may write its job's keys and read them by subject only (direct gets),
     and what it sends in a message's headers no permission can check, so the stream itself
     refuses what would reach beyond one key: no rollup headers (a `Nats-Rollup: all` would purge
-    every job's keys), and no purge or delete of messages by the API.
+    every job's keys), and no purge or delete of messages by the API. Atomic batches are allowed
+    (a store's `multi_set` writes all its keys or none): each message of a batch is checked
+    against the publisher's permissions like any other.
     """
     return StreamSpec(
         name=subjects.RENDEZVOUS_STREAM,
@@ -127,8 +131,15 @@ def rendezvous_stream(replicas: int = 1) -> StreamSpec:
         allow_direct=True,
         deny_delete=True,
         deny_purge=True,
+        allow_atomic=True,
         description="torchrun rendezvous state and torch.distributed store keys, per job.",
     )
+
+
+ATOMIC_BATCHES_SINCE = (2, 12)
+"""The nats-server release that brought atomic batch publishes."""
+_FLAGS = ("allow_direct", "allow_rollup_hdrs", "deny_delete", "deny_purge", "allow_atomic")
+"""Settings the server reads back as absent when off."""
 
 
 def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
@@ -146,6 +157,7 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
         "allow_rollup_hdrs",
         "deny_delete",
         "deny_purge",
+        "allow_atomic",
     )
     changed = []
     for name in fields:
@@ -157,16 +169,25 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
         elif name in ("max_bytes", "max_msgs_per_subject"):
             # The server reports "no limit" as -1; an unset field reads back as None.
             have, want = have if have is not None else -1, want if want is not None else -1
-        elif name in ("allow_direct", "allow_rollup_hdrs", "deny_delete", "deny_purge"):
+        elif name in _FLAGS:
             have, want = bool(have), bool(want)
         if have != want:
             changed.append(name)
     return changed
 
 
+def _has_atomic_batches(js: JetStreamContext) -> bool:
+    version = js._nc.connected_server_version
+    return (version.major, version.minor) >= ATOMIC_BATCHES_SINCE
+
+
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Outcome:
     """Create the stream, or bring an existing one in line with `spec`."""
     wanted = spec.config()
+    if wanted.allow_atomic and not _has_atomic_batches(js):
+        # A server before 2.12 knows no atomic batches and would read the setting back as
+        # absent at every start; writes in a batch are then stored one by one.
+        wanted.allow_atomic = None
     try:
         info = await js.stream_info(spec.name)
     except NotFoundError:

@@ -102,8 +102,9 @@ T = TypeVar("T")
 
 def nats_servers(endpoint: str, settings: Settings) -> list[str]:
     """The NATS servers an `--rdzv-endpoint` names: `HOST[:PORT]` (port 4222 by default) or NATS
-    URLs, several separated by commas; none (torchrun's default) means `STRATA_NATS_URL`."""
-    from strata.errors import ConfigError
+    URLs, several separated by commas; none (torchrun's default) means `STRATA_NATS_URL`. A
+    malformed one is an `InvalidArgument`, a `ValueError` as torch's c10d backend raises."""
+    from strata.errors import InvalidArgument
 
     if not endpoint.strip():
         return settings.nats_servers
@@ -113,7 +114,7 @@ def nats_servers(endpoint: str, settings: Settings) -> list[str]:
             continue
         if "://" in part:
             if not part.startswith(_SCHEMES):
-                raise ConfigError(
+                raise InvalidArgument(
                     f"rendezvous endpoint {part!r} is not a NATS address; give HOST:PORT or "
                     "nats://HOST:PORT"
                 )
@@ -123,24 +124,24 @@ def nats_servers(endpoint: str, settings: Settings) -> list[str]:
         if not colon or host.endswith(":"):  # no port, or a bare IPv6 address
             host, port = part, str(DEFAULT_PORT)
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
+            raise InvalidArgument(
                 f"rendezvous endpoint {part!r} is not HOST:PORT (e.g. 10.0.0.5:4222) "
                 "or a nats:// URL"
             )
         servers.append(f"nats://{host}:{port}")
     if not servers:
-        raise ConfigError(f"rendezvous endpoint {endpoint!r} names no NATS server")
+        raise InvalidArgument(f"rendezvous endpoint {endpoint!r} names no NATS server")
     return servers
 
 
 def _check_run_id(run_id: str) -> str:
     import re
 
-    from strata.errors import ConfigError
+    from strata.errors import InvalidArgument
     from strata.events.models import ID_PATTERN
 
     if not re.match(ID_PATTERN, run_id):
-        raise ConfigError(
+        raise InvalidArgument(
             f"--rdzv-id {run_id!r} is not a valid Strata job id: letters, digits, '_', '.', '-', "
             "starting with a letter or digit, at most 128 characters"
         )
@@ -274,8 +275,9 @@ class JetStreamRendezvousBackend(RendezvousBackend):
     refuses it when another agent wrote since, as etcd's compare-and-swap does for torch's etcd
     backend. A finished run's state reads as a new rendezvous at the same revision (`reusable`),
     so of two agents starting a new run, one writes over it and the other is refused and reads
-    what the first wrote. JetStream leader changes are retried for up to a minute; past that, or
-    with NATS unreachable, torch sees a `RendezvousConnectionError`.
+    what the first wrote. A call NATS does not answer within `timeout` (the rendezvous's
+    `read_timeout`: a leader election that takes longer, NATS unreachable) is a
+    `RendezvousConnectionError` to torch, as with its c10d and etcd backends.
     """
 
     def __init__(
@@ -286,6 +288,7 @@ class JetStreamRendezvousBackend(RendezvousBackend):
         keep_alive_expiry: timedelta = timedelta(
             seconds=KEEP_ALIVE_INTERVAL_S * KEEP_ALIVE_MAX_ATTEMPT
         ),
+        timeout: timedelta = timedelta(seconds=DEFAULT_READ_TIMEOUT_S),
     ) -> None:
         from strata.events import subjects
 
@@ -293,6 +296,7 @@ class JetStreamRendezvousBackend(RendezvousBackend):
         self._runner = runner
         self._key = subjects.rendezvous_state_key(_check_run_id(run_id))
         self._expiry = keep_alive_expiry
+        self._timeout = timeout.total_seconds()
 
     @property
     def name(self) -> str:
@@ -312,8 +316,14 @@ class JetStreamRendezvousBackend(RendezvousBackend):
         from strata.errors import BusError
 
         try:
-            return self._runner.run(coro)
-        except (BusError, nats.errors.Error, TimeoutError, OSError) as exc:
+            return self._runner.run(coro, timeout=self._timeout)
+        except TimeoutError:
+            raise RendezvousConnectionError(
+                "the Strata rendezvous backend got no answer from JetStream within its "
+                f"read_timeout of {self._timeout:.0f}s; is the NATS cluster reachable and has "
+                "JetStream a leader?"
+            ) from None
+        except (BusError, nats.errors.Error, OSError) as exc:
             raise RendezvousConnectionError(
                 f"the Strata rendezvous backend could not reach JetStream: {exc}"
             ) from exc
@@ -401,13 +411,18 @@ def _inbox_prefix(run_id: str, user: str | None) -> str:
 def create_backend(params: RendezvousParameters) -> tuple[JetStreamRendezvousBackend, KVStore]:
     """The backend and store of one agent, on one NATS connection of its own.
 
-    `--rdzv-conf read_timeout=S` sets the store's timeout (60 seconds by default, as for c10d).
+    `--rdzv-conf read_timeout=S` (60 seconds by default, as for c10d) bounds every call: the
+    first connection, each state read or write, each store call. As torch's c10d backend does,
+    a bad option raises `ValueError` (`InvalidArgument`) and NATS not reached within
+    `read_timeout` raises `RendezvousConnectionError`.
     """
     import os
 
+    import nats.errors
+
     from strata._loop import LoopRunner
     from strata.config import Env, load_settings
-    from strata.errors import ConfigError
+    from strata.errors import BusError, InvalidArgument
     from strata.torch.store import KVStore, RendezvousBucket
 
     settings = load_settings()
@@ -415,13 +430,25 @@ def create_backend(params: RendezvousParameters) -> tuple[JetStreamRendezvousBac
     run_id = _check_run_id(params.run_id)
     read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S)
     if read_timeout is None or read_timeout <= 0:
-        raise ConfigError(f"read_timeout must be a positive number of seconds, not {read_timeout}")
+        raise InvalidArgument(
+            f"read_timeout must be a positive number of seconds, not {read_timeout} "
+            "(--rdzv-conf read_timeout=60)"
+        )
     interval = params.get_as_int("keep_alive_interval", KEEP_ALIVE_INTERVAL_S) or 0
     attempts = params.get_as_int("keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT) or 0
     inbox = _inbox_prefix(run_id, settings.nats_user)
     runner = LoopRunner(name=f"strata-rendezvous-{run_id}")
+    opening = RendezvousBucket.open(
+        servers, settings, run_id, inbox_prefix=inbox, deadline=read_timeout
+    )
     try:
-        bucket = runner.run(RendezvousBucket.open(servers, settings, run_id, inbox_prefix=inbox))
+        bucket = runner.run(opening, timeout=read_timeout)
+    except (TimeoutError, BusError, nats.errors.Error, OSError) as exc:
+        runner.close()
+        raise RendezvousConnectionError(
+            f"the Strata rendezvous backend could not reach NATS at {', '.join(servers)} within "
+            f"its read_timeout of {read_timeout}s: {exc}"
+        ) from None
     except BaseException:
         runner.close()
         raise
@@ -431,6 +458,10 @@ def create_backend(params: RendezvousParameters) -> tuple[JetStreamRendezvousBac
     os.environ.setdefault(Env.NATS_URL, ",".join(servers))
     os.environ.setdefault(Env.JOB, run_id)
     backend = JetStreamRendezvousBackend(
-        bucket, runner, run_id, keep_alive_expiry=timedelta(seconds=interval * attempts)
+        bucket,
+        runner,
+        run_id,
+        keep_alive_expiry=timedelta(seconds=interval * attempts),
+        timeout=timedelta(seconds=read_timeout),
     )
     return backend, store
