@@ -3,8 +3,11 @@
 Liveness, deadlines and intervals are measured on `monotonic_ns`, which no NTP step or manual
 clock change moves; wall time (`wall`, `wall_ns`) only says when something happened. Fault tests
 step a running process's wall clock through one seam: when `STRATA_CLOCK_OFFSET_FILE` names a
-file, its content (seconds, a float) is added to the wall clock, read again whenever the file
-changes. Unset (every deployment), `wall_ns` is `time.time_ns` itself and costs nothing more.
+file, its content (seconds, a float) is added to the process's wall clock, read again whenever
+the file changes. Then `time.time` and `time.time_ns` themselves are replaced (importing `strata`
+installs them), so every reader of the wall clock in the process sees the step, as with an NTP
+step; the monotonic clock is left alone. Unset (every deployment), nothing is replaced and
+`wall_ns` is `time.time_ns` itself.
 """
 
 from __future__ import annotations
@@ -45,13 +48,22 @@ class _SteppedWall:
             self._stamp = stamp
         return self._offset_ns
 
-    def __call__(self) -> int:
-        return time.time_ns() + self.offset_ns()
-
 
 def _wall_source() -> Callable[[], int]:
     path = os.environ.get(OFFSET_FILE_ENV)
-    return _SteppedWall(path) if path else time.time_ns
+    if not path:
+        return time.time_ns
+    stepped = _SteppedWall(path)
+    real_time_ns = time.time_ns
+
+    def time_ns() -> int:
+        return real_time_ns() + stepped.offset_ns()
+
+    def time_s() -> float:
+        return time_ns() / 1e9
+
+    time.time_ns, time.time = time_ns, time_s
+    return time_ns
 
 
 wall_ns: Final[Callable[[], int]] = _wall_source()
