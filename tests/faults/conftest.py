@@ -100,7 +100,24 @@ def heartbeaters(job: str, nats_url: str, count: int) -> Iterator[list[Heartbeat
 
 
 def pause(pid: int) -> None:
+    """SIGSTOP, returning once every thread of the process is stopped (a Go program's threads
+    stop one by one: one may still answer for a moment after the signal is sent)."""
     os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not _stopped(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"process {pid} not stopped 10 s after SIGSTOP")
+        time.sleep(0.005)
+
+
+def _stopped(pid: int) -> bool:
+    threads = Path(f"/proc/{pid}/task")
+    for thread in threads.iterdir():
+        with contextlib.suppress(OSError):
+            # The state is the field after the command's closing parenthesis.
+            if (thread / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                return False
+    return True
 
 
 def resume(pid: int) -> None:
