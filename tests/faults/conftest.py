@@ -30,24 +30,26 @@ DETECTION_BOUND = 6.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def registry(nats_url: str, logs: Path, env: dict[str, str] | None = None) -> ServiceProcess:
+def registry(
+    nats_url: str,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    *,
+    interval: float = INTERVAL,
+    timeout: float = TIMEOUT,
+) -> ServiceProcess:
     return ServiceProcess(
-        "registry",
-        nats_url,
-        logs,
-        heartbeat_interval=INTERVAL,
-        heartbeat_timeout=TIMEOUT,
-        env=env,
+        "registry", nats_url, logs, heartbeat_interval=interval, heartbeat_timeout=timeout, env=env
     )
 
 
 class Heartbeater:
     """`tests.faults.heartbeater` in a child process: a worker that registers and heartbeats."""
 
-    def __init__(self, job: str, nats_url: str, worker_id: str, imports: tuple[str, ...] = ()):
+    def __init__(self, job: str, nats_url: str, worker_id: str, work: tuple[str, ...] = ()):
         self.worker_id = worker_id
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults.heartbeater", job, nats_url, worker_id, *imports],
+            [sys.executable, "-m", "tests.faults.heartbeater", job, nats_url, worker_id, *work],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
