@@ -172,7 +172,7 @@ def registry_silences() -> str:
 def registry_hearing(partition: int) -> str:
     """Where registry partition `partition` writes the markers that prove it hears (a key of the
     snapshot bucket, so proving needs a JetStream quorum and keeps one value, never a history)."""
-    return f"$KV.{SNAPSHOT_BUCKET}.registry-hearing-{int(partition)}"
+    return kv_subject(SNAPSHOT_BUCKET, f"registry-hearing-{int(partition)}")
 
 
 def registry_progress() -> str:
