@@ -189,6 +189,15 @@ class Registry(Projection[RegistryState]):
             member.last_seen_ns = self._liveness_ns()
         return state
 
+    def _on_reject(self, subject: str, error: StrataError) -> None:
+        super()._on_reject(subject, error)
+        # A message refused on a job's worker subjects is still the last one stored there: a
+        # failure's conditional write must expect it, or it would be refused for ever.
+        with contextlib.suppress(ValueError):
+            job, event_type = subjects.parse_event_subject(subject)
+            if event_type.startswith("worker.") and self._feed is not None:
+                self._worker_seqs[job] = max(self._worker_seqs.get(job, 0), self._feed.position)
+
     def worker_statuses(self) -> dict[str, list[str]]:
         """Each job's workers' statuses now (`strata_workers`), once this registry is live: one
         still replaying its history would report a membership of the past."""
@@ -349,8 +358,7 @@ class Registry(Projection[RegistryState]):
                     await self._report_silences(found)
                     continue
                 async with self.lock:
-                    decision = domain.decide(self.state, judged, self.now_ns(), self.policy)
-                    recorded = await self._record_failures(decision.events)
+                    recorded = await self._record_failures(judged)
                 for event in recorded:
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             except (StrataError, TimeoutError) as exc:
@@ -423,45 +431,53 @@ class Registry(Projection[RegistryState]):
             del self._markers[marker]
         return started
 
-    async def _record_failures(self, events: list[Event]) -> list[Event]:
-        """Store the failures decided, each job's first one with a conditional write: it is
-        stored only if no event on the job's worker subjects was stored after the last one this
-        registry folded (the quorum's answer that nothing changed since the evidence), and only
-        if stored within `_bound_s` of the decision. A failure stored later, or refused, is
-        dropped with the rest of its job's: the next look decides again on fresh evidence.
-        Returns the failures stored."""
-        by_job: dict[str, list[Event]] = defaultdict(list)
-        for event in events:
-            by_job[event.job].append(event)
+    async def _record_failures(self, judged: domain.DetectFailures) -> list[Event]:
+        """Decide the failures `judged` finds and store them, each job's first one with a
+        conditional write: it is stored only if no event on the job's worker subjects was stored
+        after the last one this registry folded (the quorum's answer that nothing changed since
+        the evidence), and only if stored within `_bound_s` of the decision. A refused write
+        (a registration, a state change stored meanwhile) is decided again once those events are
+        folded; a write not stored in time drops the decision, and the next look decides again
+        on fresh evidence. Returns the failures stored."""
         decided = time.monotonic()
         bound = self._bound_s()
+        by_job: dict[str, list[Event]] = defaultdict(list)
+        for event in domain.decide(self.state, judged, self.now_ns(), self.policy).events:
+            by_job[event.job].append(event)
         recorded: list[Event] = []
         for job, failures in by_job.items():
-            first, rest = failures[0], failures[1:]
-            remaining = bound - (time.monotonic() - decided)
-            try:
-                if remaining <= 0:
-                    raise TimeoutError
-                async with asyncio.timeout(remaining):
-                    ack = await self.bus.publish(
-                        first,
-                        expected_last_subject_seq=self._worker_seqs.get(job, 0),
-                        expected_subject=subjects.area_events(job, "worker"),
-                    )
-            except TimeoutError:
-                log.warning("failures_dropped", job=job, workers=len(failures), bound_s=bound)
-                continue
-            except ConflictError:
-                log.info("failures_redecided", job=job, workers=len(failures))
-                continue
-            await self.wait_applied(ack.seq)
-            recorded.append(first)
-            if time.monotonic() - decided > bound:
-                # Stored, but on evidence too old for the others: they are decided again.
-                log.warning("failure_stored_late", job=job, bound_s=bound)
-                continue
-            await self.publish_all(rest)
-            recorded.extend(rest)
+            while failures:
+                remaining = bound - (time.monotonic() - decided)
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    async with asyncio.timeout(remaining):
+                        ack = await self.bus.publish(
+                            failures[0],
+                            expected_last_subject_seq=self._worker_seqs.get(job, 0),
+                            expected_subject=subjects.area_events(job, "worker"),
+                        )
+                except TimeoutError:
+                    log.warning("failures_dropped", job=job, workers=len(failures), bound_s=bound)
+                    break
+                except ConflictError:
+                    try:
+                        await self.sync(deadline_s=max(remaining, 0.001))
+                    except (StrataError, TimeoutError) as exc:
+                        log.warning("failures_dropped", job=job, error=str(exc))
+                        break
+                    again = domain.decide(self.state, judged, self.now_ns(), self.policy)
+                    failures = [event for event in again.events if event.job == job]
+                    continue
+                await self.wait_applied(ack.seq)
+                recorded.append(failures[0])
+                if time.monotonic() - decided > bound:
+                    # Stored, but on evidence too old for the others: they are decided again.
+                    log.warning("failure_stored_late", job=job, bound_s=bound)
+                    break
+                await self.publish_all(failures[1:])
+                recorded.extend(failures[1:])
+                break
         return recorded
 
     async def _report_silences(self, found: list[Event]) -> None:

@@ -1,5 +1,6 @@
-"""A registry whose heartbeat reader died notices it, reads again on a new connection, and fails
-nobody for the time it could not hear; and the conditional write its failures are stored with."""
+"""Evidence behind a failure: a registry whose heartbeat reader died reads again on a new
+connection and fails nobody for the time it could not hear; failures are stored with a
+conditional write, which a refused message on the job's worker subjects does not block."""
 
 from __future__ import annotations
 
@@ -87,3 +88,29 @@ async def test_a_write_expecting_a_stale_sequence_over_a_wildcard_is_refused(
             change(3), expected_last_subject_seq=first.seq, expected_subject=worker_events
         )
         assert second.seq > first.seq
+
+
+async def test_a_malformed_message_on_the_worker_subjects_does_not_block_failures(
+    own_nats_server: NatsServer, workers: list[strata.aio.Worker]
+) -> None:
+    url = own_nats_server.url
+    job = new_job("forged")
+    settings = Settings(nats_url=url, heartbeat_interval=0.5, heartbeat_timeout=TIMEOUT)
+    async with await Bus.connect(url, deadline=10) as bus:
+        await bus.ensure_streams()
+        registry = Registry()
+        await registry.start(bus, settings)
+        try:
+            for worker_id in ("w0", "w1"):
+                worker = strata.aio.Worker(job, url, worker_id=worker_id)
+                workers.append(worker)
+                await worker.start()
+            # Stored on the job's worker subjects (anyone may publish on an unsecured NATS),
+            # refused by every service: still the last message there, which a failure's
+            # conditional write must expect.
+            await bus.js.publish(subjects.event_subject(job, "worker.failed"), b"\x00garbage")
+            workers[1]._suspend_heartbeats(True)
+            await failed_within(bus, job, "w1", TIMEOUT + DETECTION_BOUND)
+            assert await failed_workers(bus, job) == ["w1"]
+        finally:
+            await registry.stop()
