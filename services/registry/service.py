@@ -269,6 +269,9 @@ class Registry(Projection[RegistryState]):
         for pattern in subjects.partition_heartbeats(self.partition, self.partitions):
             await nc.subscribe_direct(pattern, self._take_heartbeat)
         await nc.subscribe_direct(subjects.registry_hearing(self.partition), self._take_marker)
+        # The subscriptions are in place at the server before anyone is judged. (This client
+        # survives a late PONG: see `IntakeClient._process_pong`.)
+        await nc.flush()
         self._hb_nc, self._hb_reconnects = nc, nc.stats["reconnects"]
 
     async def before_stop(self) -> None:
@@ -374,7 +377,10 @@ class Registry(Projection[RegistryState]):
         nc = self._hb_nc
         if nc is None or not self._listening:
             return False
-        if not nc.reader_alive and not nc.is_closed:
+        if nc.is_closed or (nc.is_connected and not nc.reader_alive):
+            # Connected with a dead reader (see `IntakeClient.reader_alive`), or given up on by
+            # nats-py (or a reopening that failed): a new connection. While nats-py reconnects
+            # by itself, the reader is down and the client not connected: it is left to that.
             log.error("heartbeat_reader_dead", hint="reconnecting the heartbeat intake")
             with contextlib.suppress(Exception):
                 await nc.close()
