@@ -52,6 +52,8 @@ class Projection(Generic[S]):
         self.clock = clock
         self.state: S = self.initial_state()
         self.last_seq = 0
+        self.folding_seq = 0
+        """The stream sequence of the event `evolve` is folding (for services that track one)."""
         self.bus_: Bus | None = None
         self.lock = asyncio.Lock()
         self._applied = asyncio.Condition()
@@ -179,6 +181,7 @@ class Projection(Generic[S]):
 
     async def _follow(self, feed: EventFeed) -> None:
         async for delivered in feed:
+            self.folding_seq = delivered.seq
             try:
                 self.state = self.evolve(self.state, delivered.event)
             except Exception:  # one event the domain cannot take must not stop the projection

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from strata import clock as _clock  # noqa: F401  (installs the test clock seam when asked)
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,

@@ -14,6 +14,7 @@ the service and, when it is down, read the manifests in storage directly.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import io
 import sys
 import threading
@@ -173,6 +174,7 @@ class AsyncCheckpointManager:
         timeout: float = 300.0,
         max_pending_bytes: int = DEFAULT_MAX_PENDING,
         keep_staging: bool = True,
+        storage: StorageBackend | None = None,
     ) -> None:
         if not isinstance(keep_count, int) or keep_count < 1:
             raise ValidationError(f"keep_count must be at least 1, got {keep_count!r}")
@@ -180,7 +182,11 @@ class AsyncCheckpointManager:
             raise ValidationError("max_pending_bytes must be positive")
         self._worker = worker
         worker._track_saves(self)
-        self._storage: StorageBackend = open_storage(path, worker.settings)
+        # Opening S3 storage imports aioboto3 (seconds): a caller whose loop sends heartbeats
+        # opens it off the loop and passes it in (`CheckpointManager` does).
+        self._storage: StorageBackend = (
+            storage if storage is not None else open_storage(path, worker.settings)
+        )
         self.root_uri = self._storage.root_uri
         self.keep_count = keep_count
         self.timeout = timeout
@@ -529,8 +535,9 @@ class AsyncCheckpointManager:
     async def load_state(self, step: int | None = None, rank: int | None = None) -> Any:
         """`load()` read back with `torch.load` (weights only): tensors and plain containers,
         never code, whoever wrote the bytes."""
-        import torch
-
+        # Imported off the loop: the first import of torch takes seconds, and this loop sends
+        # the worker's heartbeats.
+        torch = await asyncio.to_thread(importlib.import_module, "torch")
         data = await self.load(step, rank)
         return await asyncio.to_thread(torch.load, io.BytesIO(data), weights_only=True)
 
@@ -608,8 +615,13 @@ class CheckpointManager:
 
         worker = resolve_worker(worker, "CheckpointManager", "path")
         self._runner = worker.runner
+        # Opened here, on the caller's thread: opening S3 storage imports aioboto3, which would
+        # hold the worker's loop, and so its heartbeats, for seconds.
+        storage = open_storage(path, worker.aio.settings)
         self._aio = self._runner.run(
-            _make_async(worker.aio, path, keep_count, timeout, max_pending_bytes, keep_staging)
+            _make_async(
+                worker.aio, path, keep_count, timeout, max_pending_bytes, keep_staging, storage
+            )
         )
 
     @property
@@ -686,6 +698,7 @@ async def _make_async(
     timeout: float,
     max_pending: int,
     keep_staging: bool,
+    storage: StorageBackend,
 ) -> AsyncCheckpointManager:
     # Built on the worker's loop: its asyncio primitives belong to that loop.
     return AsyncCheckpointManager(
@@ -695,4 +708,5 @@ async def _make_async(
         timeout=timeout,
         max_pending_bytes=max_pending,
         keep_staging=keep_staging,
+        storage=storage,
     )

@@ -3,8 +3,10 @@
 `evolve(state, event)` folds an event into the state (in place, returning it: a projector over
 thousands of workers must not copy per heartbeat). `decide(state, command, now_ns, policy)`
 returns the events a command causes, or the error refusing it (a `Decision`, the contract of
-every domain: `strata.services.domain`). Time is always passed in (wall-clock ns), so tests drive
-the clock instead of sleeping. No I/O here.
+every domain: `strata.services.domain`). Time is always passed in, so tests drive the clock
+instead of sleeping: wall-clock ns to stamp events, and for liveness the ns of a clock that only
+moves forward (the service passes `time.monotonic_ns`; a step of the wall clock must neither fail
+a live worker nor keep a dead one alive). No I/O here.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class Member:
     step: int = 0
     epoch: int = 0
     last_seen_ns: int = 0
-    """Wall-clock ns of the last sign of life: registration, then each heartbeat's arrival."""
+    """Liveness-clock ns of the last sign of life: registration, then each heartbeat's arrival.
+    Folded from a registration it is the event's wall-clock stamp; the live service overwrites
+    it with its monotonic clock (`begin_grace`, and each registration folded once live)."""
     last_heartbeat_ts: int | None = None
 
     @property
@@ -222,6 +226,9 @@ class DetectFailures:
 
     partition: int = 0
     partitions: int = 1
+    liveness_ns: int | None = None
+    """The liveness clock at which silence is measured (the clock `last_seen_ns` is on); None:
+    the `now_ns` the decision is stamped with."""
 
 
 Command = Register | Leave | DetectFailures
@@ -235,7 +242,16 @@ def decide(state: RegistryState, command: Command, now_ns: int, policy: Policy) 
         return Decision(decision.events, decision.error, takes_over(state, command.request))
     if isinstance(command, Leave):
         return _leave(state, command.request, now_ns)
-    return Decision(detect_failures(state, now_ns, policy, command.partition, command.partitions))
+    return Decision(
+        detect_failures(
+            state,
+            now_ns,
+            policy,
+            command.partition,
+            command.partitions,
+            liveness_ns=command.liveness_ns,
+        )
+    )
 
 
 def decide_all(
@@ -403,12 +419,24 @@ def _leave(state: RegistryState, request: LeaveRequest, now_ns: int) -> Decision
 
 
 def detect_failures(
-    state: RegistryState, now_ns: int, policy: Policy, partition: int = 0, partitions: int = 1
+    state: RegistryState,
+    now_ns: int,
+    policy: Policy,
+    partition: int = 0,
+    partitions: int = 1,
+    *,
+    liveness_ns: int | None = None,
 ) -> list[Event]:
     """The failures of the live workers silent for longer than the timeout, of those whose
     heartbeats partition `partition` of `partitions` takes in (`subjects.partition_of`): a
-    partition has heard nothing of the others, so their silence is no evidence to it."""
+    partition has heard nothing of the others, so their silence is no evidence to it.
+
+    Silence is measured at `liveness_ns` (the clock of `Member.last_seen_ns`; `now_ns` when
+    None); the failures are stamped `now_ns`."""
     failed: list[Event] = []
+    stamp_ns = now_ns
+    if liveness_ns is not None:
+        now_ns = liveness_ns
     timeout = policy.heartbeat_timeout
     timeout_ns = round(timeout * NS_PER_S)
     for job in state.jobs.values():
@@ -438,7 +466,7 @@ def detect_failures(
                     id=event_id("failed", job.job, member.worker_id, member.registered_epoch),
                     job=job.job,
                     source=SOURCE,
-                    ts=now_ns,
+                    ts=stamp_ns,
                     worker_id=member.worker_id,
                     rank=member.rank,
                     reason=f"no heartbeat for {silent:.1f}s (timeout {timeout:g}s)",
@@ -513,8 +541,12 @@ def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now_ns: int) ->
     return observe_beat(state, beat, now_ns)
 
 
-def observe_beat(state: RegistryState, beat: Beat, now_ns: int) -> HeartbeatOutcome:
-    """`observe_heartbeat` for a heartbeat already reduced to its `Beat`."""
+def observe_beat(
+    state: RegistryState, beat: Beat, now_ns: int, seen_ns: int | None = None
+) -> HeartbeatOutcome:
+    """`observe_heartbeat` for a heartbeat already reduced to its `Beat`: `now_ns` is the wall
+    clock (what the member's last heartbeat is stamped with), `seen_ns` the liveness clock
+    (`Member.last_seen_ns`; `now_ns` when None)."""
     job = state.jobs.get(beat.job)
     member = job.members.get(beat.worker_id) if job is not None else None
     if member is None:
@@ -534,8 +566,9 @@ def observe_beat(state: RegistryState, beat: Beat, now_ns: int) -> HeartbeatOutc
         return HeartbeatOutcome(
             reregister=f"worker {beat.worker_id!r} was marked {status}", rejected="not_live"
         )
-    if now_ns > member.last_seen_ns:
-        member.last_seen_ns = now_ns
+    seen = now_ns if seen_ns is None else seen_ns
+    if seen > member.last_seen_ns:
+        member.last_seen_ns = seen
     member.last_heartbeat_ts = now_ns
     member.step, member.epoch = beat.step, beat.epoch
     if beat.state == status:
@@ -598,10 +631,15 @@ def apply_progress(state: RegistryState, progress: Sequence[Progress]) -> int:
 
 
 def begin_grace(state: RegistryState, now_ns: int) -> None:
-    """After a (re)start, count every live member as seen now: a restart fails nobody."""
+    """After a (re)start, or once hearing is proven again, count every live member as seen at
+    `now_ns` (liveness clock): a restart, or a time the registry could not hear, fails nobody.
+
+    Set, not raised to: signs of life folded from events carry wall-clock stamps, which may lie
+    ahead of the liveness clock (a wall clock stepped forward) and would keep a dead worker alive.
+    """
     for job in state.jobs.values():
         for member in job.live_members():
-            member.last_seen_ns = max(member.last_seen_ns, now_ns)
+            member.last_seen_ns = now_ns
 
 
 # -- views ----------------------------------------------------------------------------------------

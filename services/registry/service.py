@@ -17,22 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 import time
 import weakref
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, Final, Literal
 
 import msgpack
 import nats.errors
 import structlog
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 from strata.bus import Bus, ConnectOptions, RpcServer, connect
+from strata.clock import monotonic_ns, wall, wall_ns
 from strata.config import Settings
-from strata.errors import StrataError
+from strata.errors import ConflictError, StrataError
 from strata.events import (
     WorkerFailed,
     WorkerHeartbeat,
@@ -90,6 +92,10 @@ PROGRESS_PER_MESSAGE = 5_000
 """Workers per progress report message (about 80 bytes each)."""
 NOTICES_PER_CHECK = 1_000
 """Notices a heartbeat partition checks against one catch-up with the stream (`_still_true`)."""
+HEARING_BOUND_SHARE = 0.5
+"""Of the heartbeat timeout: how long proving that the registry hears may take
+(`_heard_until`), and how long a failure decided on that proof may take to be stored
+(`_record_failures`). Past it, the evidence is stale: the decision is dropped and made again."""
 
 
 class _HeartbeatCounts(Collector):
@@ -124,8 +130,12 @@ REGISTRY.register(HEARTBEAT_COUNTS)
 class Registry(Projection[RegistryState]):
     name = "registry"
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = wall, liveness_ns: Callable[[], int] = monotonic_ns
+    ) -> None:
         super().__init__(clock)
+        # Silence is measured on a clock only moving forward; the wall clock stamps events.
+        self._liveness_ns = liveness_ns
         self.policy = Policy()
         self.rejected: Counter[str] = Counter()
         self.heartbeats = 0
@@ -135,10 +145,16 @@ class Registry(Projection[RegistryState]):
         self.partition, self.partitions = 0, 1
         # The heartbeat path reads the clock once per heartbeat: the wall clock in ns directly
         # when it is the wall clock (no float round trip), else the injected one.
-        self._beat_clock_ns: Callable[[], int] = time.time_ns if clock is time.time else self.now_ns
+        self._beat_clock_ns: Callable[[], int] = wall_ns if clock is wall else self.now_ns
         self._rpc: RpcServer | None = None
-        self._hb_nc: NATS | None = None
+        self._hb_nc: IntakeClient | None = None
+        self._hb_reconnects = 0
+        self._settings: Settings | None = None
         self._listening = False
+        self._markers: dict[bytes, asyncio.Future[None]] = {}
+        self._worker_seqs: dict[str, int] = {}
+        """Per job, the stream sequence of the last event on its worker subjects folded here:
+        what a failure's conditional write expects (`_record_failures`)."""
         self._senders: dict[bytes, tuple[str, str]] = {}
         self._outbox: asyncio.Queue[Event] = asyncio.Queue(maxsize=100_000)
         self._notices: asyncio.Queue[tuple[WorkerNotice, domain.Beat]] = asyncio.Queue(
@@ -161,12 +177,26 @@ class Registry(Projection[RegistryState]):
         if isinstance(event, WorkerRegistered | WorkerFailed | WorkerLeft):
             self._worlds_changed.add(event.job)
             self._world_wakeup.set()
+        if event.type.startswith("worker."):
+            self._worker_seqs[event.job] = max(
+                self._worker_seqs.get(event.job, 0), self.folding_seq
+            )
         if self.live and isinstance(event, WorkerRegistered):
             # Folded late (a slow stream, a reconnect): the registration is a sign of life now,
-            # not only when it was decided, or the worker would be failed on arrival.
+            # not only when it was decided, or the worker would be failed on arrival. On the
+            # liveness clock: the event's wall-clock stamp may be anywhere after a clock step.
             member = state.job(event.job).members[event.worker_id]
-            member.last_seen_ns = max(member.last_seen_ns, self.now_ns())
+            member.last_seen_ns = self._liveness_ns()
         return state
+
+    def _on_reject(self, subject: str, error: StrataError) -> None:
+        super()._on_reject(subject, error)
+        # A message refused on a job's worker subjects is still the last one stored there: a
+        # failure's conditional write must expect it, or it would be refused for ever.
+        with contextlib.suppress(ValueError):
+            job, event_type = subjects.parse_event_subject(subject)
+            if event_type.startswith("worker.") and self._feed is not None:
+                self._worker_seqs[job] = max(self._worker_seqs.get(job, 0), self._feed.position)
 
     def worker_statuses(self) -> dict[str, list[str]]:
         """Each job's workers' statuses now (`strata_workers`), once this registry is live: one
@@ -197,23 +227,9 @@ class Registry(Projection[RegistryState]):
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self.policy = Policy(settings.heartbeat_interval, settings.heartbeat_timeout)
         self.partition, self.partitions = settings.registry_partition, settings.registry_partitions
-        domain.begin_grace(self.state, self.now_ns())
-        # Heartbeats come on a connection of their own: a flood of them must not queue this
-        # registry's requests, replies and event feed behind it in one socket.
-        nc = await connect(
-            settings.nats_servers,
-            ConnectOptions(
-                name=f"strata-registry-heartbeats-{self.partition}",
-                user=settings.nats_user,
-                password=settings.nats_password,
-            ),
-            client=IntakeClient,
-        )
-        assert isinstance(nc, IntakeClient)
-        self._hb_nc = nc
-        for pattern in subjects.partition_heartbeats(self.partition, self.partitions):
-            await nc.subscribe_direct(pattern, self._take_heartbeat)
-        await nc.flush()
+        self._settings = settings
+        domain.begin_grace(self.state, self._liveness_ns())
+        await self._open_intake()
         self._listening = True
         log.info("heartbeat_intake", partition=self.partition, partitions=self.partitions)
         self.spawn(self._detect_failures(), "detector")
@@ -233,6 +249,30 @@ class Registry(Projection[RegistryState]):
         await self._rpc.start()
         self.spawn(self._commits.run(), "commits")
         self.spawn(self._announce_worlds(), "worlds")
+
+    async def _open_intake(self) -> None:
+        """Connect the heartbeat intake and subscribe its subjects (again after a dead reader)."""
+        settings = self._settings
+        assert settings is not None
+        # Heartbeats come on a connection of their own: a flood of them must not queue this
+        # registry's requests, replies and event feed behind it in one socket.
+        nc = await connect(
+            settings.nats_servers,
+            ConnectOptions(
+                name=f"strata-registry-heartbeats-{self.partition}",
+                user=settings.nats_user,
+                password=settings.nats_password,
+            ),
+            client=IntakeClient,
+        )
+        assert isinstance(nc, IntakeClient)
+        for pattern in subjects.partition_heartbeats(self.partition, self.partitions):
+            await nc.subscribe_direct(pattern, self._take_heartbeat)
+        await nc.subscribe_direct(subjects.registry_hearing(self.partition), self._take_marker)
+        # The subscriptions are in place at the server before anyone is judged. (This client
+        # survives a late PONG: see `IntakeClient._process_pong`.)
+        await nc.flush()
+        self._hb_nc, self._hb_reconnects = nc, nc.stats["reconnects"]
 
     async def before_stop(self) -> None:
         if self._rpc is not None:
@@ -293,64 +333,164 @@ class Registry(Projection[RegistryState]):
         while True:
             await asyncio.sleep(period)
             try:
-                if not self._can_hear():
+                if not await self._can_hear():
                     deaf = True
                     continue
                 if deaf:
                     # Nobody could be heard meanwhile, so silence then is no evidence of failure:
-                    # the same fresh grace period as after a restart.
-                    domain.begin_grace(self.state, self.now_ns())
+                    # once hearing is proven again, the same fresh grace period as after a
+                    # restart, counted from the proof.
+                    heard = await self._heard_until()
+                    if heard is None:
+                        continue
+                    domain.begin_grace(self.state, heard)
                     log.info("failure_detection_resumed", grace_s=self.policy.heartbeat_timeout)
                     deaf = False
+                    continue
                 # A first look on the state as it is: most ticks find nobody late and end here.
-                if not domain.decide(self.state, mine, self.now_ns(), self.policy).events:
+                first = replace(mine, liveness_ns=self._liveness_ns())
+                if not domain.decide(self.state, first, self.now_ns(), self.policy).events:
                     continue
                 heard_until = await self._heard_until()
                 if heard_until is None:
                     deaf = True
                     continue
+                judged = replace(mine, liveness_ns=heard_until)
                 if not self.leader:
-                    found = domain.decide(self.state, mine, heard_until, self.policy).events
+                    found = domain.decide(self.state, judged, self.now_ns(), self.policy).events
                     await self._report_silences(found)
                     continue
                 async with self.lock:
-                    decision = domain.decide(self.state, mine, heard_until, self.policy)
-                    # All at once, then one wait: a rack going down is one round trip.
-                    await self.publish_all(decision.events)
-                for event in decision.events:
+                    recorded = await self._record_failures(judged)
+                for event in recorded:
                     log.warning("worker_failed", **_fields(event, "job", "worker_id", "reason"))
             except (StrataError, TimeoutError) as exc:
                 log.error("failure_detection_failed", error=str(exc))
 
-    def _can_hear(self) -> bool:
-        return self._hb_nc is not None and self._hb_nc.is_connected and self._listening
+    def _bound_s(self) -> float:
+        return self.policy.heartbeat_timeout * HEARING_BOUND_SHARE
+
+    async def _can_hear(self) -> bool:
+        """Whether the heartbeat intake may be reading: connected, its read loop alive, and no
+        reconnect since the last look (heartbeats sent meanwhile were lost, so a reconnect is
+        a time of deafness too). A dead read loop is replaced by a new connection."""
+        nc = self._hb_nc
+        if nc is None or not self._listening:
+            return False
+        if nc.is_closed or (nc.is_connected and not nc.reader_alive):
+            # Connected with a dead reader (see `IntakeClient.reader_alive`), or given up on by
+            # nats-py (or a reopening that failed): a new connection. While nats-py reconnects
+            # by itself, the reader is down and the client not connected: it is left to that.
+            log.error("heartbeat_reader_dead", hint="reconnecting the heartbeat intake")
+            with contextlib.suppress(Exception):
+                await nc.close()
+            try:
+                await self._open_intake()
+            except (StrataError, nats.errors.Error, OSError, TimeoutError) as exc:
+                log.error("heartbeat_intake_not_reopened", error=str(exc))
+            return False
+        if not nc.is_connected or not nc.reader_alive:
+            return False
+        reconnects = nc.stats["reconnects"]
+        if reconnects != self._hb_reconnects:
+            self._hb_reconnects = reconnects
+            return False
+        return True
+
+    def _take_marker(self, subject: bytes, data: bytes) -> None:
+        arrived = self._markers.get(data)
+        if arrived is not None and not arrived.done():
+            arrived.set_result(None)
 
     async def _heard_until(self) -> int | None:
-        """A time before which every heartbeat sent to this registry has been applied, or None
-        when that cannot be known (NATS is out of reach).
+        """A liveness-clock time before which every heartbeat sent to this registry has been
+        applied, or None when that cannot be proven within `_bound_s`.
 
-        A registry that fell behind (its event loop starved of CPU, a burst of registrations)
-        still has heartbeats in its socket; judging silence before applying them would fail live
-        workers for the registry's own delay.
+        The proof is a marker the registry writes through its heartbeat connection to a
+        JetStream key (`subjects.registry_hearing`) and reads back through the same reader that
+        applies heartbeats. The server delivers what it routed to this connection in order, and
+        the intake applies each heartbeat as it reads it (`IntakeClient`), so once the marker is
+        back, every heartbeat that reached the server before it is applied; the write's
+        acknowledgement needs the stream's quorum, so a registry whose server is cut off from the
+        cluster's majority (where the workers may be heartbeating) proves nothing. A PING would
+        be answered by the registry's own server, cut off or not; and `flush(timeout)` is not
+        used here at all (see `IntakeClient._process_pong`).
         """
-        now_ns = self.now_ns()
         nc = self._hb_nc
-        if nc is None:
+        if nc is None or not nc.reader_alive:
             return None
+        started = self._liveness_ns()
+        marker = secrets.token_bytes(16)
+        arrived: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._markers[marker] = arrived
+        bound = self._bound_s()
         try:
-            # The server answers the PING after every message it routed to this client before,
-            # and the intake applies each heartbeat as it parses it (`IntakeClient`), so once the
-            # PONG is in, every heartbeat that reached the server before `now` is applied.
-            await nc.flush(timeout=math.ceil(self.policy.heartbeat_timeout))
-        except (nats.errors.Error, TimeoutError):
+            async with asyncio.timeout(bound):
+                await nc.jetstream().publish(
+                    subjects.registry_hearing(self.partition), marker, timeout=bound
+                )
+                await arrived
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("hearing_not_proven", bound_s=bound, error=type(exc).__name__)
             return None
-        return now_ns
+        finally:
+            del self._markers[marker]
+        return started
+
+    async def _record_failures(self, judged: domain.DetectFailures) -> list[Event]:
+        """Decide the failures `judged` finds and store them, each job's first one with a
+        conditional write: it is stored only if no event on the job's worker subjects was stored
+        after the last one this registry folded (the quorum's answer that nothing changed since
+        the evidence), and only if stored within `_bound_s` of the decision. A refused write
+        (a registration, a state change stored meanwhile) is decided again once those events are
+        folded; a write not stored in time drops the decision, and the next look decides again
+        on fresh evidence. Returns the failures stored."""
+        decided = time.monotonic()
+        bound = self._bound_s()
+        by_job: dict[str, list[Event]] = defaultdict(list)
+        for event in domain.decide(self.state, judged, self.now_ns(), self.policy).events:
+            by_job[event.job].append(event)
+        recorded: list[Event] = []
+        for job, failures in by_job.items():
+            while failures:
+                remaining = bound - (time.monotonic() - decided)
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    async with asyncio.timeout(remaining):
+                        ack = await self.bus.publish(
+                            failures[0],
+                            expected_last_subject_seq=self._worker_seqs.get(job, 0),
+                            expected_subject=subjects.area_events(job, "worker"),
+                        )
+                except TimeoutError:
+                    log.warning("failures_dropped", job=job, workers=len(failures), bound_s=bound)
+                    break
+                except ConflictError:
+                    try:
+                        await self.sync(deadline_s=max(remaining, 0.001))
+                    except (StrataError, TimeoutError) as exc:
+                        log.warning("failures_dropped", job=job, error=str(exc))
+                        break
+                    again = domain.decide(self.state, judged, self.now_ns(), self.policy)
+                    failures = [event for event in again.events if event.job == job]
+                    continue
+                await self.wait_applied(ack.seq)
+                recorded.append(failures[0])
+                if time.monotonic() - decided > bound:
+                    # Stored, but on evidence too old for the others: they are decided again.
+                    log.warning("failure_stored_late", job=job, bound_s=bound)
+                    break
+                await self.publish_all(failures[1:])
+                recorded.extend(failures[1:])
+                break
+        return recorded
 
     async def _report_silences(self, found: list[Event]) -> None:
         """Send the failures this partition found to the leader, which records them
         (`domain.confirm_failures`); one still live on the next look is sent again, at most once
         per heartbeat interval."""
-        now = self.clock()
+        now = time.monotonic()
         interval = self.policy.heartbeat_interval
         self._reported = {key: t for key, t in self._reported.items() if now - t < interval}
         fresh = [event for event in found if event.id not in self._reported]
@@ -435,7 +575,7 @@ class Registry(Projection[RegistryState]):
             beat = self._slow_beat(subject, data, beat)
             if beat is None:
                 return
-        outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns())
+        outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns(), self._liveness_ns())
         if outcome is domain.ALIVE:
             self.applied += 1
             return
@@ -498,7 +638,7 @@ class Registry(Projection[RegistryState]):
         job, worker_id = beat.job, beat.worker_id
         # Per process: a notice for a stale process must not stand in for one to the live one.
         key = (job, worker_id, beat.instance)
-        now = self.clock()
+        now = time.monotonic()
         if now - self._notified.get(key, 0.0) < self.policy.heartbeat_interval:
             return
         if len(self._notified) >= self._notified_limit:
@@ -546,7 +686,9 @@ class Registry(Projection[RegistryState]):
             return []  # the sender's next heartbeat asks again
         kept = []
         for notice, beat in pending:
-            outcome = domain.observe_beat(self.state, beat, self._beat_clock_ns())
+            outcome = domain.observe_beat(
+                self.state, beat, self._beat_clock_ns(), self._liveness_ns()
+            )
             for changed in outcome.events:
                 with contextlib.suppress(asyncio.QueueFull):
                     self._outbox.put_nowait(changed)
@@ -582,7 +724,7 @@ class Registry(Projection[RegistryState]):
         while its membership keeps changing (a start of thousands) the fan-out stays under
         1 / `WORLD_SPACING_PER_WORKER` messages a second whatever the job's size.
         """
-        last_repeat = self.clock()
+        last_repeat = time.monotonic()
         announced: dict[str, float] = {}
         while True:
             with contextlib.suppress(TimeoutError):
@@ -591,7 +733,7 @@ class Registry(Projection[RegistryState]):
             # Let the burst finish: registrations arrive together when a job starts.
             await asyncio.sleep(WORLD_COALESCE_S)
             self._world_wakeup.clear()
-            now = self.clock()
+            now = time.monotonic()
             if now - last_repeat >= WORLD_REPEAT_S:
                 last_repeat = now
                 self._worlds_changed |= {

@@ -114,13 +114,20 @@ class Bus:
         return await ensure_streams(self.js, replicas)
 
     async def publish(
-        self, event: Event, *, expected_last_subject_seq: int | None = None
+        self,
+        event: Event,
+        *,
+        expected_last_subject_seq: int | None = None,
+        expected_subject: str | None = None,
     ) -> PubAck:
-        """Publish one event and wait for JetStream's ack (retrying transient failures)."""
+        """Publish one event and wait for JetStream's ack (retrying transient failures); with
+        `expected_last_subject_seq`, only if the last message on its subject (or on
+        `expected_subject`) has that sequence, else `ConflictError`."""
         return await publish_event(
             self.js,
             event,
             expected_last_subject_seq=expected_last_subject_seq,
+            expected_subject=expected_subject,
             options=self.publish_options,
         )
 

@@ -30,6 +30,9 @@ from strata.events.models import Event
 
 MSG_ID = "Nats-Msg-Id"
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+"""The subject (wildcards allowed) the expected last sequence is checked on, when it is not the
+one published to (nats-server 2.11 and later)."""
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-sequence check
 
 
@@ -90,11 +93,15 @@ async def publish_bytes(
     msg_id: str,
     *,
     expected_last_subject_seq: int | None = None,
+    expected_subject: str | None = None,
     options: PublishOptions = DEFAULT_PUBLISH,
 ) -> PubAck:
-    """Publish with dedup id and retries; returns the ack (`duplicate` set if already stored)."""
+    """Publish with dedup id and retries; returns the ack (`duplicate` set if already stored).
+
+    With `expected_last_subject_seq`, stored only if the last message on `subject` (or on
+    `expected_subject`, which may hold wildcards) has that sequence (0: none)."""
     ack = await _publish_with_retries(
-        js, subject, payload, msg_id, expected_last_subject_seq, options
+        js, subject, payload, msg_id, expected_last_subject_seq, options, expected_subject
     )
     if options.journal is not None:
         options.journal.record(msg_id, ack)
@@ -108,10 +115,13 @@ async def _publish_with_retries(
     msg_id: str,
     expected_last_subject_seq: int | None,
     options: PublishOptions,
+    expected_subject: str | None = None,
 ) -> PubAck:
     headers = {MSG_ID: msg_id}
     if expected_last_subject_seq is not None:
         headers[EXPECTED_LAST_SUBJECT_SEQ] = str(expected_last_subject_seq)
+        if expected_subject is not None:
+            headers[EXPECTED_SUBJECT] = expected_subject
     # The first attempt carries no retry bookkeeping: it is the one that almost always succeeds.
     try:
         return await js.publish(subject, payload, timeout=options.attempt_timeout, headers=headers)
@@ -162,6 +172,7 @@ async def publish_event(
     event: Event,
     *,
     expected_last_subject_seq: int | None = None,
+    expected_subject: str | None = None,
     options: PublishOptions = DEFAULT_PUBLISH,
 ) -> PubAck:
     return await publish_bytes(
@@ -170,6 +181,7 @@ async def publish_event(
         encode_event(event),
         event.id,
         expected_last_subject_seq=expected_last_subject_seq,
+        expected_subject=expected_subject,
         options=options,
     )
 

@@ -169,6 +169,12 @@ def registry_silences() -> str:
     return f"{ROOT}.registry.silent"
 
 
+def registry_hearing(partition: int) -> str:
+    """Where registry partition `partition` writes the markers that prove it hears (a key of the
+    snapshot bucket, so proving needs a JetStream quorum and keeps one value, never a history)."""
+    return kv_subject(SNAPSHOT_BUCKET, f"registry-hearing-{int(partition)}")
+
+
 def registry_progress() -> str:
     """Where a registry partition sends the leader the last heartbeat, step and epoch of its
     workers, for the leader's `members` answers (core NATS; no worker credential may publish)."""

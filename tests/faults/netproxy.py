@@ -1,0 +1,115 @@
+"""A TCP proxy that can cut the traffic it carries, as a network partition does.
+
+`cut()` stops moving bytes both ways on every connection, open or new, without closing any:
+what was sent waits in the sockets' buffers, as it does behind a dropped link while TCP keeps
+retransmitting, and flows again after `heal()`. The proxy runs its own event loop in a thread, so
+it keeps its pace whatever the test's loop is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from types import TracebackType
+
+from strata import procutil
+
+
+class Proxy:
+    """Listens on `port` (chosen free) of 127.0.0.1 and forwards to `upstream_port`."""
+
+    def __init__(self, upstream_port: int, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.upstream_port = upstream_port
+        self.port = procutil.free_port(host)
+        self._loop = asyncio.new_event_loop()
+        self._open = asyncio.Event()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="netproxy", daemon=True)
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.connections = 0
+
+    def __enter__(self) -> Proxy:
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("the proxy did not start within 10 s")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def route_url(self) -> str:
+        """The proxy as a nats-server route."""
+        return f"nats-route://{self.host}:{self.port}"
+
+    def cut(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.clear)
+
+    def heal(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.set)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._open.set()
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, self.host, self.port)
+        )
+        self._started.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+            for writer in self._writers:
+                writer.close()
+            self._loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._writers.add(writer)
+        try:
+            await self._open.wait()
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        self._writers.add(up_writer)
+        await asyncio.gather(
+            self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
+        )
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await self._open.wait()
+                data = await reader.read(65536)
+                if not data:
+                    break
+                await self._open.wait()  # read just before a cut: held like the rest
+                writer.write(data)
+                await writer.drain()
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+
+class Proxies:
+    """Several proxies cut and healed together: every link of one side of a partition."""
+
+    def __init__(self, proxies: list[Proxy]) -> None:
+        self.proxies = proxies
+
+    def cut(self) -> None:
+        for proxy in self.proxies:
+            proxy.cut()
+
+    def heal(self) -> None:
+        for proxy in self.proxies:
+            proxy.heal()

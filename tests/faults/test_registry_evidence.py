@@ -1,0 +1,116 @@
+"""Evidence behind a failure: a registry whose heartbeat reader died reads again on a new
+connection and fails nobody for the time it could not hear; failures are stored with a
+conditional write, which a refused message on the job's worker subjects does not block."""
+
+from __future__ import annotations
+
+import pytest
+import strata.aio
+from strata.bus import Bus
+from strata.bus.server import NatsServer
+from strata.config import Settings
+from strata.errors import ConflictError
+from strata.events import WorkerStateChanged, subjects
+from strata.services.registry.service import Registry
+
+from tests.faults.conftest import DETECTION_BOUND, failed_within, failed_workers, no_failures_for
+from tests.support import async_wait_until, new_job
+
+pytestmark = [pytest.mark.nats, pytest.mark.slow]
+
+TIMEOUT = 2.0
+
+
+async def test_a_dead_heartbeat_reader_is_replaced_and_fails_nobody(
+    own_nats_server: NatsServer, workers: list[strata.aio.Worker]
+) -> None:
+    url = own_nats_server.url
+    job = new_job("dead-reader")
+    settings = Settings(nats_url=url, heartbeat_interval=0.5, heartbeat_timeout=TIMEOUT)
+    async with await Bus.connect(url, deadline=10) as bus:
+        await bus.ensure_streams()
+        registry = Registry()
+        await registry.start(bus, settings)
+        try:
+            for worker_id in ("w0", "w1"):
+                worker = strata.aio.Worker(job, url, worker_id=worker_id)
+                workers.append(worker)
+                await worker.start()
+            old = registry._hb_nc
+            assert old is not None
+            assert old.reader_alive
+            # The read loop ends (as nats-py's does on a late PONG): the client still says it
+            # is connected, and hears nothing.
+            assert old._reading_task is not None
+            old._reading_task.cancel()
+
+            async def replaced() -> bool:
+                now = registry._hb_nc
+                return now is not None and now is not old and now.reader_alive
+
+            await async_wait_until(replaced, 10, "a new heartbeat connection")
+            await no_failures_for(bus, job, 2 * TIMEOUT)
+            # And the new reader is the one that hears: a worker gone silent is failed.
+            workers[1]._suspend_heartbeats(True)
+            await failed_within(bus, job, "w1", TIMEOUT + DETECTION_BOUND)
+            assert await failed_workers(bus, job) == ["w1"]
+        finally:
+            await registry.stop()
+
+
+async def test_a_write_expecting_a_stale_sequence_over_a_wildcard_is_refused(
+    own_nats_server: NatsServer,
+) -> None:
+    job = new_job("expected")
+    async with await Bus.connect(own_nats_server.url, deadline=10) as bus:
+        await bus.ensure_streams()
+
+        def change(seq: int) -> WorkerStateChanged:
+            return WorkerStateChanged(
+                job=job,
+                source="registry",
+                worker_id="w0",
+                state="training",
+                previous="idle",
+                step=seq,
+                epoch=0,
+            )
+
+        worker_events = subjects.area_events(job, "worker")
+        first = await bus.publish(
+            change(1), expected_last_subject_seq=0, expected_subject=worker_events
+        )
+        with pytest.raises(ConflictError):
+            await bus.publish(
+                change(2), expected_last_subject_seq=0, expected_subject=worker_events
+            )
+        second = await bus.publish(
+            change(3), expected_last_subject_seq=first.seq, expected_subject=worker_events
+        )
+        assert second.seq > first.seq
+
+
+async def test_a_malformed_message_on_the_worker_subjects_does_not_block_failures(
+    own_nats_server: NatsServer, workers: list[strata.aio.Worker]
+) -> None:
+    url = own_nats_server.url
+    job = new_job("forged")
+    settings = Settings(nats_url=url, heartbeat_interval=0.5, heartbeat_timeout=TIMEOUT)
+    async with await Bus.connect(url, deadline=10) as bus:
+        await bus.ensure_streams()
+        registry = Registry()
+        await registry.start(bus, settings)
+        try:
+            for worker_id in ("w0", "w1"):
+                worker = strata.aio.Worker(job, url, worker_id=worker_id)
+                workers.append(worker)
+                await worker.start()
+            # Stored on the job's worker subjects (anyone may publish on an unsecured NATS),
+            # refused by every service: still the last message there, which a failure's
+            # conditional write must expect.
+            await bus.js.publish(subjects.event_subject(job, "worker.failed"), b"\x00garbage")
+            workers[1]._suspend_heartbeats(True)
+            await failed_within(bus, job, "w1", TIMEOUT + DETECTION_BOUND)
+            assert await failed_workers(bus, job) == ["w1"]
+        finally:
+            await registry.stop()
