@@ -370,6 +370,22 @@ class BarrierArrived(Event):
     arrived: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
 
 
+class BarrierWithdrawn(Event):
+    """A waiter gave up on its arrival (no outcome within its timeout and grace): it leaves the
+    generation it joined if that one still waits, and counts nowhere if it comes later."""
+
+    type: Literal["barrier.withdrawn"] = "barrier.withdrawn"
+    v: Literal[1] = 1
+    name: Id
+    worker_id: Id
+    arrival: Count = Field(description="The worker's own count of arrivals at the name.")
+    generation: Count | None = Field(
+        default=None,
+        description="The waiting generation it was taken out of; None when the arrival had not "
+        "been counted yet (it is refused if it comes).",
+    )
+
+
 class BarrierReleased(Event):
     """Everyone arrived; latencies let the gateway show barrier latency percentiles."""
 
@@ -564,6 +580,7 @@ AnyEvent: TypeAlias = Annotated[
     | BarrierReleased
     | BarrierBrokenEvent
     | BarrierTimedOut
+    | BarrierWithdrawn
     | CheckpointStarted
     | CheckpointShardStarted
     | CheckpointShardSaved
@@ -590,6 +607,7 @@ EVENT_MODELS: Final[tuple[type[Event], ...]] = (
     BarrierReleased,
     BarrierBrokenEvent,
     BarrierTimedOut,
+    BarrierWithdrawn,
     CheckpointStarted,
     CheckpointShardStarted,
     CheckpointShardSaved,

@@ -383,6 +383,47 @@ ARRIVE = endpoint(
 )
 
 
+class WithdrawRequest(StrictModel):
+    """A waiter gives up on its arrival (no outcome within its timeout and grace): take it out of
+    the generation it joined while that one still waits, and never count it if it comes later.
+    Idempotent; a no-op for a generation that concluded."""
+
+    job: Id
+    name: Id
+    worker_id: Id
+    arrival: Annotated[int, Field(ge=0, le=2**62)]
+    instance: Id | None = Field(
+        default=None, description="The withdrawing process (its registration's instance)."
+    )
+
+
+WithdrawStatus = Literal["withdrawn", "released", "broken", "timed_out", "superseded"]
+
+
+class WithdrawResult(StrictModel):
+    job: Id
+    name: Id
+    worker_id: Id
+    arrival: Annotated[int, Field(ge=0, le=2**62)]
+    generation: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="The generation the arrival had joined, if it was counted."
+    )
+    status: WithdrawStatus = Field(
+        description="withdrawn (it counts nowhere), the outcome of the generation it was part "
+        "of (which stands), or superseded (a newer arrival or process counts instead)."
+    )
+
+
+WITHDRAW = endpoint(
+    "barrier",
+    "withdraw",
+    WithdrawRequest,
+    WithdrawResult,
+    "Give up on an arrival (idempotent): it leaves a generation still waiting, or counts nowhere.",
+    scope="worker",
+)
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 CheckpointStatus = Literal["open", "committed", "aborted"]
