@@ -591,6 +591,32 @@ ACK_SHARD = endpoint(
     "A rank's shard is stored: the service records checkpoint.shard_saved (idempotent).",
     scope="worker",
 )
+
+
+class ShardFailedRequest(StrictModel):
+    """A rank's writer could not store its shard of `step` (a full disk, an S3 error): the step
+    can never complete, so the service aborts it at once instead of at its deadline. Sent by the
+    process that declared the rank (`begin`); a no-op once the step committed or aborted."""
+
+    job: Id
+    worker_id: Id
+    step: Step
+    epoch: Epoch
+    rank: Rank
+    reason: Text = Field(description="The storage error, as the writer saw it.")
+    instance: Id | None = Field(
+        default=None, description="The writing process (its begin's instance); checked if given."
+    )
+
+
+SHARD_FAILED = endpoint(
+    "checkpoint",
+    "fail",
+    ShardFailedRequest,
+    CheckpointInfo,
+    "A rank's shard could not be written: the step is aborted at once (idempotent).",
+    scope="worker",
+)
 CHECKPOINT_STATUS = endpoint(
     "checkpoint",
     "status",
