@@ -479,6 +479,14 @@ def withdraw(
     if gen is not None and gen.status != "waiting":
         # It was part of that generation's outcome: the outcome stands.
         return Decision(result=_withdrawal(request, gen.generation, gen.status))
+    if gen is None:
+        # Not counted yet (still on its way): it was for the waiting generation, or the next
+        # to open. The worker's next arrival joins that one if it still waits, or a later one;
+        # it is never answered with that generation's outcome, which it already gave up on.
+        current = named.current
+        number = 0 if current is None else current.generation + (current.status != "waiting")
+    else:
+        number = gen.generation
     withdrawn = BarrierWithdrawn(
         id=event_id("withdrawn", request.job, request.name, request.worker_id, request.arrival),
         job=request.job,
@@ -487,7 +495,7 @@ def withdraw(
         name=request.name,
         worker_id=request.worker_id,
         arrival=request.arrival,
-        generation=None if gen is None else gen.generation,
+        generation=number,
     )
     return Decision(
         [withdrawn],
@@ -515,6 +523,10 @@ def _withdraw(state: BarrierState, event: BarrierWithdrawn) -> None:
     if event.arrival <= named.withdrawn.get(event.worker_id, -1):
         return
     named.withdrawn[event.worker_id] = event.arrival
+    previous = named.by_worker.get(event.worker_id)
+    if event.generation is not None and (previous is None or previous[0] <= event.arrival):
+        # Where its next arrival is bound from (`_bound`): after the generation it gave up on.
+        named.by_worker[event.worker_id] = (event.arrival, event.generation)
     gen = named.generations.get(event.generation) if event.generation is not None else None
     if gen is None or gen.status != "waiting" or event.worker_id not in gen.arrived:
         return

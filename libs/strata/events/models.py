@@ -381,8 +381,9 @@ class BarrierWithdrawn(Event):
     arrival: Count = Field(description="The worker's own count of arrivals at the name.")
     generation: Count | None = Field(
         default=None,
-        description="The waiting generation it was taken out of; None when the arrival had not "
-        "been counted yet (it is refused if it comes).",
+        description="The generation it was for: the waiting one it is taken out of, or, when "
+        "it had not been counted yet (it is refused if it comes), the waiting one or the next "
+        "to open. The worker's next arrival is never answered with that one's outcome.",
     )
 
 

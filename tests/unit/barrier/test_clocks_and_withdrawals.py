@@ -186,7 +186,7 @@ def test_an_arrival_delivered_after_its_withdrawal_opens_and_completes_nothing()
     # w0's arrival is on its way to a paused service; w0 gives up and withdraws it first.
     [withdrawn] = svc.withdraw("w0", 0)
     assert isinstance(withdrawn, BarrierWithdrawn)
-    assert withdrawn.generation is None
+    assert withdrawn.generation == 0  # the generation it was for: the next to open
     late = svc.arrive("w0", 0)
     assert isinstance(late, ConflictError)
     assert "withdrawn" in late.message
@@ -194,6 +194,20 @@ def test_an_arrival_delivered_after_its_withdrawal_opens_and_completes_nothing()
     ok(svc.arrive("w1", 0))
     ok(svc.arrive("w2", 0))
     assert [e for e in svc.log if isinstance(e, BarrierReleased)] == []
+    # w0's next arrival joins the generation the others wait at: not refused, not its outcome.
+    released = ok(svc.arrive("w0", 1))
+    assert (released.generation, released.status, released.arrived) == (0, "released", 3)
+
+
+def test_after_a_withdrawal_the_next_arrival_is_not_answered_with_the_missed_outcome() -> None:
+    svc = service()
+    svc.withdraw("w0", 0)  # gave up before its arrival reached the service
+    ok(svc.arrive("w1", 0, timeout=2.0))
+    ok(svc.arrive("w2", 0, timeout=2.0))
+    [timed_out] = svc.tick(2.0)  # generation 0 times out without w0
+    assert isinstance(timed_out, BarrierTimedOut)
+    fresh = ok(svc.arrive("w0", 1))  # a new arrival: a seat in the next generation
+    assert (fresh.generation, fresh.status) == (1, "waiting")
 
 
 def test_withdrawing_from_a_concluded_generation_changes_nothing() -> None:
