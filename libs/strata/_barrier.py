@@ -98,7 +98,8 @@ class BarrierClient:
         self._outcomes: OrderedDict[Key, BarrierOutcome] = OrderedDict()
         self._waiters: dict[Key, asyncio.Future[BarrierOutcome]] = {}
         self._subs: list[Subscription] = []
-        self._withdrawals: set[asyncio.Task[None]] = set()
+        self._withdrawals: dict[str, asyncio.Task[None]] = {}
+        """Name -> the withdrawal of a given-up arrival there, while it is on its way."""
 
     async def _subscribe(self) -> None:
         if self._subs:
@@ -109,10 +110,11 @@ class BarrierClient:
             self._subs.append(await nc.subscribe(subject, cb=self._on_event))
 
     async def close(self) -> None:
-        for task in list(self._withdrawals):
+        for task in self._withdrawals.values():
             task.cancel()
         if self._withdrawals:
-            await asyncio.gather(*self._withdrawals, return_exceptions=True)
+            await asyncio.gather(*self._withdrawals.values(), return_exceptions=True)
+        self._withdrawals.clear()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -225,8 +227,14 @@ class BarrierClient:
                 )
 
         task = asyncio.create_task(send())
-        self._withdrawals.add(task)
-        task.add_done_callback(self._withdrawals.discard)
+        self._withdrawals[request.name] = task
+        task.add_done_callback(
+            lambda done: (
+                self._withdrawals.pop(request.name, None)
+                if self._withdrawals.get(request.name) is done
+                else None
+            )
+        )
 
     def _give_up(self, request: ArriveRequest, timeout: float, generation: int | None) -> NoReturn:
         self._withdraw(request)
@@ -253,6 +261,19 @@ class BarrierClient:
         if not 0 < timeout <= 86_400:
             raise ValidationError(f"barrier timeout {timeout!r} must be in (0, 86400] s")
         await self._subscribe()
+        deadline = time.monotonic() + timeout + GRACE_S
+        withdrawing = self._withdrawals.get(name)
+        if withdrawing is not None:
+            # The arrival given up on last time goes first: decided after this one, it would
+            # find this one counted in its place.
+            await asyncio.wait((withdrawing,), timeout=max(0.0, deadline - time.monotonic()))
+            if not withdrawing.done():
+                raise BarrierTimeout(
+                    f"barrier {name!r}: the arrival given up on earlier could not be withdrawn "
+                    f"within this wait's {timeout:g}s timeout + {GRACE_S:g}s (is the barrier "
+                    "service up?); nothing was sent",
+                    name=name,
+                )
         arrival = self._arrivals.get(name, -1) + 1
         self._arrivals[name] = arrival
         request = ArriveRequest(
@@ -266,7 +287,6 @@ class BarrierClient:
             passed=self._passed.get(name),
             concluded=self._concluded.get(name),
         )
-        deadline = time.monotonic() + timeout + GRACE_S
         answer = await self._arrive(request, deadline)
         if answer is None:
             self._give_up(request, timeout, None)

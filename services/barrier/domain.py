@@ -731,13 +731,14 @@ class Batch:
     record: list[Arrival] = field(default_factory=list)
     """The arrivals, a record for the dashboard and replay (`Arrival.event()`): no outcome rests
     on them."""
-    joined: list[Joined | StrataError] = field(default_factory=list)
-    """Per request, in order: where it was counted, or the error to answer with."""
+    joined: list[Joined | WithdrawResult | StrataError] = field(default_factory=list)
+    """Per request, in order: where it was counted, a withdrawal's answer, or the error to
+    answer with."""
 
 
 def decide_arrivals(
     state: BarrierState,
-    requests: Sequence[ArriveRequest],
+    requests: Sequence[ArriveRequest | WithdrawRequest],
     now_ns: int,
     wall_ns: int | None = None,
 ) -> Batch:
@@ -755,6 +756,15 @@ def decide_arrivals(
             evolve(state, event)
 
     for request in requests:
+        if isinstance(request, WithdrawRequest):
+            # In the same order as the arrivals: one sent after this withdrawal (by another
+            # worker, after the service resumed) never finds the withdrawn arrival counted.
+            withdrawn = withdraw(state, request, now_ns, wall_ns)
+            fold(withdrawn.events)
+            batch.told.extend(withdrawn.events)
+            assert withdrawn.result is not None
+            batch.joined.append(withdrawn.result)
+            continue
         for events in (
             _release_proven(state, request, now),
             _conclude(state, request.job, request.name, now),

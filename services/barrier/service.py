@@ -44,7 +44,13 @@ from strata.events import (
     subject_for,
 )
 from strata.events.models import Event
-from strata.events.requests import ARRIVE, WITHDRAW, ArriveRequest, WithdrawRequest
+from strata.events.requests import (
+    ARRIVE,
+    WITHDRAW,
+    ArriveRequest,
+    WithdrawRequest,
+    WithdrawResult,
+)
 from strata.metrics import observe_decided
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
@@ -62,6 +68,7 @@ RECORD_SLICE = 64
 Key = tuple[str, str, int]
 Sent = tuple[Event, bytes, "asyncio.Future[PubAck] | None"]
 Conclusion = BarrierReleased | BarrierBrokenEvent | BarrierTimedOut
+Request = ArriveRequest | WithdrawRequest
 
 
 class Barrier(Projection[BarrierState]):
@@ -70,7 +77,7 @@ class Barrier(Projection[BarrierState]):
     def __init__(self, wall: Callable[[], float] = clock.wall) -> None:
         super().__init__(wall)
         self._rpc: RpcServer | None = None
-        self._queue: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]] = []
+        self._queue: list[tuple[Request, asyncio.Future[dict[str, Any]]]] = []
         self._wakeup = asyncio.Event()
         self._unrecorded: list[domain.Arrival] = []
         """`barrier.arrived` events decided and not written yet, in decision order."""
@@ -257,17 +264,12 @@ class Barrier(Projection[BarrierState]):
         return await future
 
     async def _withdraw(self, request: WithdrawRequest) -> dict[str, Any]:
-        """Take back an arrival its sender gave up on; decided between batches, so an arrival
-        still queued behind it is refused when its batch is decided."""
-        if self._stopped_deciding:
-            raise ServiceUnavailable(self._stopped_message())
-        async with self.lock:
-            decision = domain.withdraw(self.state, request, *self.reading())
-            self.apply_before_storage(decision.events)
-            # Written before the answer, like every decision (see `_send`).
-            await self._send(decision.events)
-        assert decision.result is not None
-        return decision.result.model_dump(mode="python")
+        """Take back an arrival its sender gave up on: queued with the arrivals and decided in
+        the order it came, so an arrival sent after it never finds the withdrawn one counted."""
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        self._wakeup.set()
+        return await future
 
     async def _decide_batches(self) -> None:
         """One batch after another: decide every arrival waiting now, write the openings and
@@ -313,7 +315,7 @@ class Barrier(Projection[BarrierState]):
             self._wakeup.set()
 
     async def _decide_batch(
-        self, batch: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]]
+        self, batch: list[tuple[Request, asyncio.Future[dict[str, Any]]]]
     ) -> None:
         self.batches += 1
         self.arrivals += len(batch)
@@ -337,6 +339,9 @@ class Barrier(Projection[BarrierState]):
                 continue
             if isinstance(joined, StrataError):
                 future.set_exception(joined)
+                continue
+            if isinstance(joined, WithdrawResult):
+                future.set_result(joined.model_dump(mode="python"))
                 continue
             answer = outcomes.get(joined)
             if answer is None:
