@@ -193,7 +193,7 @@ FOLDS: Final[tuple[type[Event], ...]] = (
     BarrierWithdrawn,
 )
 """The event types `evolve` folds; it ignores every other. The read model routes by this."""
-REQUESTED: Final[tuple[type[Event], ...]] = (BarrierArrived, BarrierWithdrawn)
+REQUESTED: Final[tuple[type[Event], ...]] = (BarrierArrived,)
 """Of those, the ones this service records in answer to a worker's request (the dashboard's
 requests/s)."""
 
