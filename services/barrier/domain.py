@@ -742,12 +742,12 @@ def decide_arrivals(
     now_ns: int,
     wall_ns: int | None = None,
 ) -> Batch:
-    """Decide `requests` in order, each against the state the previous ones left, folding every
-    decision into `state` at once (`evolve` is idempotent: folding them again when the stream
-    returns them changes nothing). For each: the release it proves (`passed`), the conclusion
-    already due, the arrival, and the conclusion it completes. Answer each caller with
-    `outcome(state, *joined)` once `told` is stored: the whole batch is then decided, so an
-    arrival decided early hears of a release that a later one completed."""
+    """Decide `requests` in order (withdrawals first), each against the state the previous ones
+    left, folding every decision into `state` at once (`evolve` is idempotent: folding them
+    again when the stream returns them changes nothing). For each: the release it proves
+    (`passed`), the conclusion already due, the arrival, and the conclusion it completes.
+    Answer each caller with `outcome(state, *joined)` once `told` is stored: the whole batch is
+    then decided, so an arrival decided early hears of a release that a later one completed."""
     batch = Batch()
     now = _reading(state, now_ns, wall_ns)
 
@@ -755,15 +755,20 @@ def decide_arrivals(
         for event in events:
             evolve(state, event)
 
-    for request in requests:
+    # Withdrawals first: an arrival its sender gave up on and the withdrawal right behind it
+    # (both held up in a paused service) are read together; decided in order, the arrival could
+    # complete a generation with another worker's arrival before the withdrawal took it back.
+    answers: dict[int, WithdrawResult] = {}
+    for index, request in enumerate(requests):
         if isinstance(request, WithdrawRequest):
-            # In the same order as the arrivals: one sent after this withdrawal (by another
-            # worker, after the service resumed) never finds the withdrawn arrival counted.
             withdrawn = withdraw(state, request, now_ns, wall_ns)
             fold(withdrawn.events)
             batch.told.extend(withdrawn.events)
             assert withdrawn.result is not None
-            batch.joined.append(withdrawn.result)
+            answers[index] = withdrawn.result
+    for index, request in enumerate(requests):
+        if isinstance(request, WithdrawRequest):
+            batch.joined.append(answers[index])
             continue
         for events in (
             _release_proven(state, request, now),

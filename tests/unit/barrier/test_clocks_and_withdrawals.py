@@ -234,6 +234,27 @@ def test_a_withdrawn_arrival_recorded_after_its_withdrawal_is_not_counted_on_rep
     assert sorted(after.state.jobs[JOB].barriers["step"].generations[0].arrived) == ["w0"]
 
 
+def test_a_withdrawal_decided_with_its_late_arrival_goes_first() -> None:
+    """A paused service resumes with w0's arrival, w1's and w2's, and w0's withdrawal behind
+    them, all in one batch: w0 gave up, so nothing is released."""
+    svc = service()
+    batch = domain.decide_arrivals(
+        svc.state,
+        [
+            ArriveRequest(job=JOB, name="step", worker_id="w0", arrival=0, timeout_s=5.0),
+            ArriveRequest(job=JOB, name="step", worker_id="w1", arrival=0, timeout_s=5.0),
+            ArriveRequest(job=JOB, name="step", worker_id="w2", arrival=0, timeout_s=5.0),
+            WithdrawRequest(job=JOB, name="step", worker_id="w0", arrival=0),
+        ],
+        *svc.reading(),
+    )
+    assert not [e for e in batch.told if isinstance(e, BarrierReleased)]
+    refused, *_, answer = batch.joined
+    assert isinstance(refused, ConflictError)
+    assert getattr(answer, "status", None) == "withdrawn"
+    assert sorted(svc.state.jobs[JOB].barriers["step"].generations[0].arrived) == ["w1", "w2"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
