@@ -29,7 +29,8 @@ from nats.aio.subscription import Subscription
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,
-    BusError,
+    RpcTimeout,
+    ServiceUnavailable,
     StrataError,
     ValidationError,
 )
@@ -187,7 +188,7 @@ class BarrierClient:
                     timeout=max(MIN_ATTEMPT_S, min(ATTEMPT_S, remaining)),
                     idempotent=True,
                 )
-            except BusError:  # no reply, no responder, or the connection is down: ask again
+            except (RpcTimeout, ServiceUnavailable):  # no reply or no responder: ask again
                 pass
             await asyncio.sleep(min(MIN_ATTEMPT_S, max(0.0, deadline - time.monotonic())))
 
