@@ -6,8 +6,11 @@ restarts, the waiter re-sends its arrival every second: arrivals are idempotent,
 carries the current outcome, and a re-sent arrival names the generation it joined so that a
 restarted service, which keeps no arrivals, can rebuild the generation from the re-sends. Each
 arrival also says which generation at the name this process last passed (its proof of release).
-A local deadline (the barrier timeout plus a grace period) bounds every wait, whatever happens
-to the services.
+A local deadline (the barrier timeout plus `GRACE_S`, on the monotonic clock) bounds every wait,
+whatever happens to the service (paused, dead or unreachable): each request inside the wait is
+bounded by the time left, and a wait that runs out raises `BarrierTimeout`, never `RpcTimeout`.
+A waiter that gives up that way withdraws its arrival (in the background), so that the arrival,
+if it reaches the service later, opens and completes nothing.
 """
 
 from __future__ import annotations
@@ -17,13 +20,20 @@ import contextlib
 import re
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from strata.errors import BarrierBroken, BarrierTimeout, StrataError, ValidationError
+from strata.errors import (
+    BarrierBroken,
+    BarrierTimeout,
+    RpcTimeout,
+    ServiceUnavailable,
+    StrataError,
+    ValidationError,
+)
 from strata.events import (
     ID_PATTERN,
     BarrierBrokenEvent,
@@ -32,7 +42,12 @@ from strata.events import (
     decode_shared_event,
     subjects,
 )
-from strata.events.requests import ArriveRequest, BarrierOutcome
+from strata.events.requests import (
+    ArriveRequest,
+    BarrierOutcome,
+    WithdrawRequest,
+    WithdrawResult,
+)
 
 if TYPE_CHECKING:
     from strata.aio import Worker
@@ -41,7 +56,13 @@ log = structlog.get_logger("strata.barrier")
 
 SERVICE = "barrier"
 REPOLL_S = 1.0
-GRACE_S = 5.0
+GRACE_S = 1.0
+"""How long past its timeout a waiter waits for the service's outcome before giving up itself."""
+ATTEMPT_S = 1.0
+"""The longest a single request inside a wait may take (less when less time is left)."""
+MIN_ATTEMPT_S = 0.05
+WITHDRAW_FOR_S = 60.0
+"""How long a given-up waiter keeps trying to withdraw its arrival (in the background)."""
 KEEP_OUTCOMES = 1024
 FINAL = ("barrier.released", "barrier.broken", "barrier.timed_out")
 Key = tuple[str, int]
@@ -78,6 +99,8 @@ class BarrierClient:
         self._outcomes: OrderedDict[Key, BarrierOutcome] = OrderedDict()
         self._waiters: dict[Key, asyncio.Future[BarrierOutcome]] = {}
         self._subs: list[Subscription] = []
+        self._withdrawals: dict[str, asyncio.Task[None]] = {}
+        """Name -> the withdrawal of a given-up arrival there, while it is on its way."""
 
     async def _subscribe(self) -> None:
         if self._subs:
@@ -88,6 +111,11 @@ class BarrierClient:
             self._subs.append(await nc.subscribe(subject, cb=self._on_event))
 
     async def close(self) -> None:
+        for task in self._withdrawals.values():
+            task.cancel()
+        if self._withdrawals:
+            await asyncio.gather(*self._withdrawals.values(), return_exceptions=True)
+        self._withdrawals.clear()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -143,15 +171,83 @@ class BarrierClient:
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome)
 
-    async def _arrive(self, request: ArriveRequest, remaining: float) -> BarrierOutcome:
-        return await self._worker.bus.rpc.call(
-            SERVICE,
-            "arrive",
-            request,
-            result=BarrierOutcome,
-            timeout=max(0.05, min(REPOLL_S * 5, remaining)),
-            retry_for=max(0.0, remaining),
-            idempotent=True,
+    async def _arrive(self, request: ArriveRequest, deadline: float) -> BarrierOutcome | None:
+        """The arrival's answer, or None if none came by `deadline` (monotonic). Each attempt
+        is bounded by the time left; a service that does not answer (paused, restarting,
+        unreachable) is asked again until then. An error the service answers is raised."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                return await self._worker.bus.rpc.call(
+                    SERVICE,
+                    "arrive",
+                    request,
+                    result=BarrierOutcome,
+                    timeout=max(MIN_ATTEMPT_S, min(ATTEMPT_S, remaining)),
+                    idempotent=True,
+                )
+            except (RpcTimeout, ServiceUnavailable):  # no reply or no responder: ask again
+                pass
+            await asyncio.sleep(min(MIN_ATTEMPT_S, max(0.0, deadline - time.monotonic())))
+
+    def _withdraw(self, request: ArriveRequest) -> None:
+        """Take back an arrival this waiter gave up on, in the background: the service may be
+        paused or unreachable now, and the waiter's error must not wait for it."""
+        withdrawal = WithdrawRequest(
+            job=request.job,
+            name=request.name,
+            worker_id=request.worker_id,
+            arrival=request.arrival,
+            instance=request.instance,
+        )
+
+        async def send() -> None:
+            try:
+                answer = await self._worker.bus.rpc.call(
+                    SERVICE,
+                    "withdraw",
+                    withdrawal,
+                    result=WithdrawResult,
+                    timeout=ATTEMPT_S,
+                    retry_for=WITHDRAW_FOR_S,
+                    idempotent=True,
+                )
+            except StrataError as exc:
+                log.warning(
+                    "barrier_withdraw_failed",
+                    barrier=request.name,
+                    arrival=request.arrival,
+                    error=exc.message,
+                )
+                return
+            if answer.generation is not None:
+                self._concluded[request.name] = max(
+                    answer.generation, self._concluded.get(request.name, -1)
+                )
+
+        task = asyncio.create_task(send())
+        self._withdrawals[request.name] = task
+        task.add_done_callback(
+            lambda done: (
+                self._withdrawals.pop(request.name, None)
+                if self._withdrawals.get(request.name) is done
+                else None
+            )
+        )
+
+    def _give_up(self, request: ArriveRequest, timeout: float, generation: int | None) -> NoReturn:
+        self._withdraw(request)
+        where = f"barrier {request.name!r}" + (
+            "" if generation is None else f" (generation {generation})"
+        )
+        raise BarrierTimeout(
+            f"{where} gave no outcome within its {timeout:g}s timeout + {GRACE_S:g}s: the "
+            "barrier service did not answer in time (paused, down or unreachable?); this "
+            "arrival is withdrawn",
+            name=request.name,
+            generation=generation,
         )
 
     async def wait(
@@ -166,6 +262,19 @@ class BarrierClient:
         if not 0 < timeout <= 86_400:
             raise ValidationError(f"barrier timeout {timeout!r} must be in (0, 86400] s")
         await self._subscribe()
+        deadline = time.monotonic() + timeout + GRACE_S
+        withdrawing = self._withdrawals.get(name)
+        if withdrawing is not None:
+            # The arrival given up on last time goes first: decided after this one, it would
+            # find this one counted in its place.
+            await asyncio.wait((withdrawing,), timeout=max(0.0, deadline - time.monotonic()))
+            if not withdrawing.done():
+                raise BarrierTimeout(
+                    f"barrier {name!r}: the arrival given up on earlier could not be withdrawn "
+                    f"within this wait's {timeout:g}s timeout + {GRACE_S:g}s (is the barrier "
+                    "service up?); nothing was sent",
+                    name=name,
+                )
         arrival = self._arrivals.get(name, -1) + 1
         self._arrivals[name] = arrival
         request = ArriveRequest(
@@ -179,8 +288,10 @@ class BarrierClient:
             passed=self._passed.get(name),
             concluded=self._concluded.get(name),
         )
-        deadline = time.monotonic() + timeout + GRACE_S
-        outcome = await self._arrive(request, deadline - time.monotonic())
+        answer = await self._arrive(request, deadline)
+        if answer is None:
+            self._give_up(request, timeout, None)
+        outcome = answer
         watched: list[Key] = []
         try:
             while outcome.status == "waiting":
@@ -197,12 +308,7 @@ class BarrierClient:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise BarrierTimeout(
-                        f"barrier {name!r} (generation {outcome.generation}) gave no outcome "
-                        f"within {timeout:g}s + {GRACE_S:g}s grace; is the barrier service up?",
-                        name=name,
-                        generation=outcome.generation,
-                    )
+                    self._give_up(request, timeout, outcome.generation)
                 waiter = self._waiters.get(key)
                 if waiter is None:
                     waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
@@ -211,7 +317,10 @@ class BarrierClient:
                 if waiter.done():
                     outcome = waiter.result()
                 else:
-                    outcome = await self._arrive(request, deadline - time.monotonic())
+                    answer = await self._arrive(request, deadline)
+                    if answer is None:
+                        self._give_up(request, timeout, outcome.generation)
+                    outcome = answer
         finally:
             for key in watched:
                 self._waiters.pop(key, None)

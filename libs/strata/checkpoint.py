@@ -7,6 +7,9 @@ RPC: the service records the shard as saved, under the key it derives itself) ru
 background, bounded by `max_pending_bytes` (a save waits for room rather than queueing without
 limit). `save_state()` blocks only to copy tensors off the training state and declare; it
 serialises in the background. A background failure is raised by the next call or by `wait()`.
+A write that fails (a full disk, an S3 error) is reported to the service at once (the `fail` RPC),
+which aborts the step for every rank instead of letting it run to its deadline; a shard written
+for a step that ended without it (its ack refused) is deleted by its writer.
 `latest()`/`load()` see complete checkpoints only (a shard of every rank of their world); they ask
 the service and, when it is down, read the manifests in storage directly.
 """
@@ -32,6 +35,7 @@ from strata.errors import (
     Forbidden,
     MissingShard,
     NotFound,
+    StorageError,
     StrataError,
     ValidationError,
 )
@@ -46,6 +50,7 @@ from strata.events.requests import (
     CheckpointQuery,
     Manifest,
     ManifestShard,
+    ShardFailedRequest,
 )
 from strata.storage import StorageBackend, manifest_key, open_storage, shard_key
 
@@ -58,6 +63,10 @@ log = structlog.get_logger("strata.checkpoint")
 SERVICE = "checkpoint"
 DEFAULT_MAX_PENDING = 4 * 1024**3
 STATUS_TIMEOUT_S = 2.0
+REPORT_TIMEOUT_S = 2.0
+"""Per attempt, for telling the service a write failed."""
+REPORT_FOR_S = 30.0
+"""How long a failed write's report is retried (through a service restart)."""
 
 
 class _Staging:
@@ -386,7 +395,10 @@ class AsyncCheckpointManager:
         worker = self._worker
         started = time.perf_counter()
         rank, key = slot
-        written = await self._storage.write(key, data)
+        try:
+            written = await self._storage.write(key, data)
+        except Exception as exc:
+            raise await self._write_failed(step, epoch, rank, key, exc) from exc
         ack = AckShardRequest(
             job=worker.job,
             worker_id=worker.id,
@@ -419,6 +431,7 @@ class AsyncCheckpointManager:
             log.warning(
                 "checkpoint_ack_refused", step=step, rank=rank, code=exc.code, reason=exc.message
             )
+            await self._remove_if_orphaned(step, key)
             return None
         self.saved.append(answer)
         seconds = time.perf_counter() - started
@@ -430,6 +443,73 @@ class AsyncCheckpointManager:
             mb_per_s=round(written.bytes / max(seconds, 1e-9) / 1e6, 1),
         )
         return answer
+
+    async def _write_failed(
+        self, step: int, epoch: int, rank: int, key: str, exc: Exception
+    ) -> StrataError:
+        """Tell the service this rank's shard of `step` could not be written, so that the step
+        aborts now for every rank; the error for this worker's `wait()`."""
+        worker = self._worker
+        why = exc.message if isinstance(exc, StrataError) else f"{type(exc).__name__}: {exc}"
+        report = ShardFailedRequest(
+            job=worker.job,
+            worker_id=worker.id,
+            step=step,
+            epoch=epoch,
+            rank=rank,
+            reason=why[:900],
+            instance=worker.instance,
+        )
+        told = "the step is aborted"
+        try:
+            await worker.bus.rpc.call(
+                SERVICE,
+                "fail",
+                report,
+                result=CheckpointInfo,
+                timeout=REPORT_TIMEOUT_S,
+                retry_for=REPORT_FOR_S,
+                idempotent=True,
+            )
+        except StrataError as failed:
+            told = (
+                f"the checkpoint service was not told ({failed.message}); the step aborts at "
+                "its deadline"
+            )
+        log.error("checkpoint_write_failed", step=step, rank=rank, key=key, error=why)
+        return StorageError(
+            f"rank {rank}'s shard of step {step} could not be written to "
+            f"{self._storage.uri(key)}: {why}; {told}. Free space or fix the storage, then save "
+            "a later step",
+            step=step,
+            rank=rank,
+        )
+
+    async def _remove_if_orphaned(self, step: int, key: str) -> None:
+        """Delete the shard this worker wrote under `key` if no checkpoint can reference it: its
+        step aborted, or went on as another attempt (whose shards have other keys). The
+        service removes an aborted step's files when it aborts it; a writer that finished
+        after that would otherwise leave its file behind forever."""
+        try:
+            answer = await self.status(step)
+        except StrataError as exc:
+            log.warning("checkpoint_orphan_unchecked", step=step, key=key, error=exc.message)
+            return
+        checkpoint = answer.checkpoint if answer.found else None
+        if checkpoint is None:
+            return
+        current = checkpoint.status != "aborted" and any(
+            shard_key(self._worker.job, step, p.rank, checkpoint.attempt) == key
+            for p in checkpoint.participants
+        )
+        if current:
+            return  # the key of the step as it stands: another writer's shard may be there
+        try:
+            await self._storage.delete(key)
+        except (StrataError, OSError) as exc:
+            log.warning("checkpoint_orphan_not_removed", step=step, key=key, error=str(exc))
+            return
+        log.info("checkpoint_orphan_removed", step=step, key=key)
 
     async def wait(self) -> None:
         """Return once every save of this worker is durable; raise a background failure."""

@@ -1,7 +1,10 @@
 """The process's clocks: wall time stamps events, the monotonic clock measures durations.
 
 Liveness, deadlines and intervals are measured on `monotonic_ns`, which no NTP step or manual
-clock change moves; wall time (`wall`, `wall_ns`) only says when something happened. Fault tests
+clock change moves; wall time (`wall`, `wall_ns`) only says when something happened, and it is
+what carries a deadline across a restart: the stored deadline's wall time, turned back into a
+remaining duration clamped to [0, timeout] (`TimeBase.deadline`), so a step backwards cannot
+extend it. Fault tests
 step a running process's wall clock through one seam: when `STRATA_CLOCK_OFFSET_FILE` names a
 file, its content (seconds, a float) is added to the process's wall clock, read again whenever
 the file changes. Then `time.time` and `time.time_ns` themselves are replaced (importing `strata`
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 OFFSET_FILE_ENV: Final = "STRATA_CLOCK_OFFSET_FILE"
 """Names a file holding seconds added to this process's wall clock (fault tests only)."""
@@ -83,3 +86,29 @@ def step_wall_clock(path: str | os.PathLike[str], seconds: float) -> None:
     with open(partial, "w", encoding="utf-8") as file:
         file.write(repr(float(seconds)))
     os.replace(partial, target)
+
+
+class TimeBase(NamedTuple):
+    """One moment read on both clocks, so that a wall-clock stamp from an event can be placed
+    on the monotonic clock. Pure: the adapter reads the clocks and passes this in."""
+
+    mono_ns: int
+    wall_ns: int
+
+    def deadline(self, deadline_wall_ns: int, timeout_ns: int) -> int:
+        """The monotonic deadline of a duration whose end an event stamped as `deadline_wall_ns`:
+        the time left by the wall clock, clamped to [0, timeout_ns]. For a deadline decided at
+        this moment that is exactly `timeout_ns`; after a restart, the time the previous process
+        left. A wall clock stepped back cannot extend it; one stepped forward while no process
+        ran shortens it (to nothing, at worst: the deadline is then due at once)."""
+        left = min(max(deadline_wall_ns - self.wall_ns, 0), timeout_ns)
+        return self.mono_ns + left
+
+    def mono(self, stamp_wall_ns: int) -> int:
+        """A wall-clock stamp placed on the monotonic clock (a past event: before `mono_ns`)."""
+        return self.mono_ns + min(stamp_wall_ns - self.wall_ns, 0)
+
+
+def now() -> TimeBase:
+    """Both clocks, read now."""
+    return TimeBase(monotonic_ns(), wall_ns())

@@ -8,7 +8,13 @@ retried arrival (after a lost reply or a service restart) counts once and gets t
 when they come back from the stream. Arrivals are not stored before a release: after a restart a
 generation is rebuilt from the arrivals that were recorded and those the waiters re-send (a re-send
 names its generation; `passed` proves an earlier release), and a conclusion decided again has the
-same event id (docs/barriers.md, "Crash recovery"). No I/O; the clock is passed in (ns).
+same event id (docs/barriers.md, "Crash recovery"). A waiter that gives up withdraws its
+arrival (`withdraw`): taken out of a generation still waiting, and never counted if it comes late.
+
+No I/O; the clock is passed in. `now_ns` is this process's monotonic clock (deadlines and
+durations) and `wall_ns` the wall clock (event stamps); a caller with one clock (tests, replay)
+passes `now_ns` alone and it serves as both. Deadlines carried in events (wall time) are placed on
+the monotonic clock by `state.clock`, clamped to the generation's timeout (strata.clock.TimeBase).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from strata.clock import TimeBase
 from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
@@ -24,13 +31,20 @@ from strata.events import (
     BarrierOpened,
     BarrierReleased,
     BarrierTimedOut,
+    BarrierWithdrawn,
     Event,
     WorkerFailed,
     WorkerLeft,
     WorkerRegistered,
 )
 from strata.events.ids import event_id
-from strata.events.requests import ArriveRequest, BarrierOutcome
+from strata.events.requests import (
+    ArriveRequest,
+    BarrierOutcome,
+    WithdrawRequest,
+    WithdrawResult,
+    WithdrawStatus,
+)
 from strata.services.domain import Decision
 
 SOURCE = "barrier"
@@ -47,10 +61,12 @@ class Generation:
     by_count: bool
     """True when the caller gave a count: the participants are whoever arrives."""
     opened_ns: int
+    """When it opened: its event's stamp (wall clock), compared only with other stamps."""
     deadline_ns: int
+    """When it times out, on the deciding process's clock (`now_ns`: monotonic in a service)."""
     timeout_s: float
     arrived: dict[str, int] = field(default_factory=dict)
-    """Worker id -> arrival time (ns)."""
+    """Worker id -> arrival time, on the same clock as `deadline_ns`."""
     status: Status = "waiting"
     missing: list[str] = field(default_factory=list)
     reason: str = ""
@@ -96,6 +112,9 @@ class NamedBarrier:
     restarted: dict[str, int] = field(default_factory=dict)
     """Worker id -> the last generation its previous process joined: that process's arrivals, if
     folded again, no longer speak for the worker."""
+    withdrawn: dict[str, int] = field(default_factory=dict)
+    """Worker id -> its newest arrival count its process withdrew (gave up waiting): that
+    arrival, and any older one, counts nowhere, however late it comes."""
 
     @property
     def current(self) -> Generation | None:
@@ -136,8 +155,12 @@ class JobBarriers:
 class BarrierState:
     jobs: dict[str, JobBarriers] = field(default_factory=dict)
     recovered_ns: int = 0
-    """When this instance took over (`recover`): only a generation opened before it can have a
-    release the stream lost, so only such a one can be proven released (`passed`)."""
+    """When this instance took over (`recover`, wall clock): only a generation opened before it
+    can have a release the stream lost, so only such a one can be proven released (`passed`)."""
+    clock: TimeBase | None = None
+    """Both clocks as last read by the adapter (it sets this before each fold and decision):
+    places the wall-clock deadlines and stamps of folded events on the monotonic clock. None
+    (a pure replay, the read model): stamps and deadlines are taken as they are."""
 
     def job(self, job: str) -> JobBarriers:
         found = self.jobs.get(job)
@@ -167,6 +190,7 @@ FOLDS: Final[tuple[type[Event], ...]] = (
     BarrierReleased,
     BarrierBrokenEvent,
     BarrierTimedOut,
+    BarrierWithdrawn,
 )
 """The event types `evolve` folds; it ignores every other. The read model routes by this."""
 REQUESTED: Final[tuple[type[Event], ...]] = (BarrierArrived,)
@@ -189,13 +213,15 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
                 expected_count=event.expected_count,
                 by_count=not event.expected,
                 opened_ns=event.ts,
-                deadline_ns=event.deadline_ts,
+                deadline_ns=_deadline(state, event),
                 timeout_s=event.timeout_s,
             )
             for old in sorted(named.generations)[:-KEEP_GENERATIONS]:
                 del named.generations[old]
     elif isinstance(event, BarrierArrived):
         _count(state, event)
+    elif isinstance(event, BarrierWithdrawn):
+        _withdraw(state, event)
     elif isinstance(event, BarrierReleased | BarrierBrokenEvent | BarrierTimedOut):
         gen = state.job(event.job).named(event.name).generations.get(event.generation)
         if gen is not None and gen.status == "waiting":
@@ -209,12 +235,29 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
     return state
 
 
+def _deadline(state: BarrierState, event: BarrierOpened) -> int:
+    """The generation's deadline on the state's clock: the time its event left, at most its
+    timeout (a wall clock stepped back between two processes cannot extend it)."""
+    if state.clock is None:
+        return event.deadline_ts
+    return state.clock.deadline(event.deadline_ts, int(event.timeout_s * 1e9))
+
+
+def _at(state: BarrierState, event: BarrierArrived | Arrival) -> int:
+    """When an arrival came, on the state's clock."""
+    if isinstance(event, Arrival):
+        return event.at_ns
+    return event.ts if state.clock is None else state.clock.mono(event.ts)
+
+
 def _count(state: BarrierState, event: BarrierArrived | Arrival) -> None:
     """An arrival's change to the state, from its event or its record (the same fields)."""
     named = state.job(event.job).named(event.name)
+    if event.arrival <= named.withdrawn.get(event.worker_id, -1):
+        return  # its sender gave up on it: recorded late, it counts nowhere
     gen = named.generations.get(event.generation)
     if gen is not None:
-        gen.arrived.setdefault(event.worker_id, event.ts)
+        gen.arrived.setdefault(event.worker_id, _at(state, event))
         gen.pending.discard(event.worker_id)
         if not gen.by_count and event.worker_id not in gen.expected:
             gen.expected.add(event.worker_id)
@@ -240,6 +283,9 @@ class Arrival:
     arrival: int
     arrived: int
     ts: int
+    """Its event's stamp (wall clock)."""
+    at_ns: int
+    """When it was decided, on the deciding clock (`now_ns`)."""
 
     def event(self) -> BarrierArrived:
         return BarrierArrived(
@@ -255,15 +301,25 @@ class Arrival:
         )
 
 
-def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
+def _reading(state: BarrierState, now_ns: int, wall_ns: int | None) -> TimeBase:
+    """This decision's moment on both clocks, which the state's clock becomes (one clock when
+    the caller has no other: `now_ns` serves as both)."""
+    if wall_ns is None:
+        return TimeBase(now_ns, now_ns)
+    state.clock = TimeBase(now_ns, wall_ns)
+    return state.clock
+
+
+def _release(job: str, gen: Generation, now: TimeBase) -> BarrierReleased:
     # A release proven by a participant after a restart may rest on no arrival this state holds.
-    first = min(gen.arrived.values(), default=gen.opened_ns)
-    last = max(gen.arrived.values(), default=gen.opened_ns)
+    first = min(gen.arrived.values(), default=now.mono_ns)
+    last = max(gen.arrived.values(), default=now.mono_ns)
+    now_ns = now.mono_ns
     return BarrierReleased(
         id=event_id("released", job, gen.name, gen.generation),
         job=job,
         source=SOURCE,
-        ts=now_ns,
+        ts=now.wall_ns,
         name=gen.name,
         generation=gen.generation,
         participants=max(1, len(gen.arrived)),
@@ -272,21 +328,23 @@ def _release(job: str, gen: Generation, now_ns: int) -> BarrierReleased:
     )
 
 
-def arrive(state: BarrierState, request: ArriveRequest, now_ns: int) -> Decision[int]:
+def arrive(
+    state: BarrierState, request: ArriveRequest, now_ns: int, wall_ns: int | None = None
+) -> Decision[int]:
     """Join the current generation of the name, or open the next one; a retry changes nothing.
 
     Apply `conclude` first: a generation that is complete, or past its deadline, takes no more.
     An arrival naming a process (`instance`) other than the one that registered the worker last
     is refused: that process was superseded by a restart.
     """
-    decision, arrival = _admit(state, request, now_ns)
+    decision, arrival = _admit(state, request, _reading(state, now_ns, wall_ns))
     if arrival is not None:
         decision.events.append(arrival.event())
     return decision
 
 
 def _admit(
-    state: BarrierState, request: ArriveRequest, now_ns: int
+    state: BarrierState, request: ArriveRequest, now: TimeBase
 ) -> tuple[Decision[int], Arrival | None]:
     """`arrive`, with the arrival as a record rather than an event (None for a retry)."""
     job = state.jobs.get(request.job)
@@ -308,6 +366,15 @@ def _admit(
             )
         ), None
     named = job.barriers.get(request.name) or NamedBarrier()
+    if request.arrival <= named.withdrawn.get(request.worker_id, -1):
+        # Its sender gave up waiting and withdrew it before it got here (a paused or
+        # unreachable service): it must not open, join or complete anything now.
+        return Decision(
+            error=ConflictError(
+                f"arrival {request.arrival} of {request.worker_id!r} at {request.name!r} was "
+                "withdrawn by its sender, which gave up waiting; it counts nowhere"
+            )
+        ), None
     previous = named.by_worker.get(request.worker_id)
     if previous is not None and previous[0] == request.arrival:
         return Decision(result=previous[1]), None  # a retry: same generation, same answer
@@ -324,7 +391,7 @@ def _admit(
             # A re-sent arrival that a restarted service never stored, for a generation that
             # ended meanwhile: it was part of it (an earlier answer said so), so it gets that
             # generation's outcome, not a seat in the next one.
-            arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now_ns)
+            arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now)
             return Decision(result=hinted.generation), arrival
     else:
         bound = _bound(job, named, request, previous)
@@ -333,7 +400,7 @@ def _admit(
             # while it was on its way, or its first send retried late): that generation's
             # outcome, not a seat in the next one, where it would stand for an arrival never
             # made. The same answer whether or not the service restarted in between.
-            arrival = _arrived(request, bound.generation, len(bound.arrived) + 1, now_ns)
+            arrival = _arrived(request, bound.generation, len(bound.arrived) + 1, now)
             return Decision(result=bound.generation), arrival
     events: list[Event] = []
     current = named.current
@@ -345,13 +412,13 @@ def _admit(
             id=event_id("opened", request.job, request.name, generation),
             job=request.job,
             source=SOURCE,
-            ts=now_ns,
+            ts=now.wall_ns,
             name=request.name,
             generation=generation,
             expected=[] if by_count else members,
             expected_count=request.expected_count or max(1, len(members)),
             timeout_s=request.timeout_s,
-            deadline_ts=now_ns + int(request.timeout_s * 1e9),
+            deadline_ts=now.wall_ns + int(request.timeout_s * 1e9),
         )
         events.append(opened)
         arrived_before = 0
@@ -366,11 +433,11 @@ def _admit(
             ), None
         arrived_before = len(current.arrived)
     return Decision(events, result=generation), _arrived(
-        request, generation, arrived_before + 1, now_ns
+        request, generation, arrived_before + 1, now
     )
 
 
-def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int) -> Arrival:
+def _arrived(request: ArriveRequest, generation: int, arrived: int, now: TimeBase) -> Arrival:
     return Arrival(
         request.job,
         request.name,
@@ -378,8 +445,94 @@ def _arrived(request: ArriveRequest, generation: int, arrived: int, now_ns: int)
         request.worker_id,
         request.arrival,
         arrived,
-        now_ns,
+        now.wall_ns,
+        now.mono_ns,
     )
+
+
+def withdraw(
+    state: BarrierState, request: WithdrawRequest, now_ns: int, wall_ns: int | None = None
+) -> Decision[WithdrawResult]:
+    """A waiter gave up on its arrival (no outcome within its timeout and grace): take it out of
+    the generation it joined while that one still waits, and refuse it (`arrive`) if it comes
+    later; a no-op for a generation that concluded, whose outcome stands. Idempotent.
+
+    Without this, an arrival that reached a paused service after its sender gave up would open
+    or complete a generation that its sender is not at."""
+    now = _reading(state, now_ns, wall_ns)
+    job = state.jobs.get(request.job)
+    named = job.barriers.get(request.name) if job is not None else None
+    if job is None or named is None:
+        named = NamedBarrier()
+    registered = job.instances.get(request.worker_id) if job is not None else None
+    if request.instance is not None and registered not in (None, request.instance):
+        # A superseded process's arrivals already count nowhere: nothing to take back.
+        return Decision(result=_withdrawal(request, None, "superseded"))
+    if request.arrival <= named.withdrawn.get(request.worker_id, -1):
+        return Decision(result=_withdrawal(request, None, "withdrawn"))  # a retry
+    previous = named.by_worker.get(request.worker_id)
+    gen = None
+    if previous is not None and previous[0] == request.arrival:
+        gen = named.generations.get(previous[1])
+    elif previous is not None and previous[0] > request.arrival:
+        return Decision(result=_withdrawal(request, None, "superseded"))  # a newer one counts
+    if gen is not None and gen.status != "waiting":
+        # It was part of that generation's outcome: the outcome stands.
+        return Decision(result=_withdrawal(request, gen.generation, gen.status))
+    if gen is None:
+        # Not counted yet (still on its way): it was for the waiting generation, or the next
+        # to open. The worker's next arrival joins that one if it still waits, or a later one;
+        # it is never answered with that generation's outcome, which it already gave up on.
+        current = named.current
+        number = 0 if current is None else current.generation + (current.status != "waiting")
+    else:
+        number = gen.generation
+    withdrawn = BarrierWithdrawn(
+        id=event_id("withdrawn", request.job, request.name, request.worker_id, request.arrival),
+        job=request.job,
+        source=SOURCE,
+        ts=now.wall_ns,
+        name=request.name,
+        worker_id=request.worker_id,
+        arrival=request.arrival,
+        generation=number,
+    )
+    return Decision(
+        [withdrawn],
+        result=_withdrawal(request, withdrawn.generation, "withdrawn"),
+    )
+
+
+def _withdrawal(
+    request: WithdrawRequest, generation: int | None, status: WithdrawStatus
+) -> WithdrawResult:
+    return WithdrawResult(
+        job=request.job,
+        name=request.name,
+        worker_id=request.worker_id,
+        arrival=request.arrival,
+        generation=generation,
+        status=status,
+    )
+
+
+def _withdraw(state: BarrierState, event: BarrierWithdrawn) -> None:
+    """A withdrawal's change: the arrival leaves a generation still waiting; it and every older
+    arrival of the worker at the name count nowhere from now on."""
+    named = state.job(event.job).named(event.name)
+    if event.arrival <= named.withdrawn.get(event.worker_id, -1):
+        return
+    named.withdrawn[event.worker_id] = event.arrival
+    previous = named.by_worker.get(event.worker_id)
+    if event.generation is not None and (previous is None or previous[0] <= event.arrival):
+        # Where its next arrival is bound from (`_bound`): after the generation it gave up on.
+        named.by_worker[event.worker_id] = (event.arrival, event.generation)
+    gen = named.generations.get(event.generation) if event.generation is not None else None
+    if gen is None or gen.status != "waiting" or event.worker_id not in gen.arrived:
+        return
+    del gen.arrived[event.worker_id]
+    if not gen.by_count and event.worker_id in gen.expected:
+        gen.pending.add(event.worker_id)
 
 
 def _bound(
@@ -438,18 +591,24 @@ def _proven(state: BarrierState, request: ArriveRequest) -> Generation | None:
     return gen
 
 
-def release_proven(state: BarrierState, request: ArriveRequest, now_ns: int) -> list[Event]:
+def release_proven(
+    state: BarrierState, request: ArriveRequest, now_ns: int, wall_ns: int | None = None
+) -> list[Event]:
     """The release `proven` finds, as an event (the same id as the one the stream lost)."""
+    return _release_proven(state, request, _reading(state, now_ns, wall_ns))
+
+
+def _release_proven(state: BarrierState, request: ArriveRequest, now: TimeBase) -> list[Event]:
     gen = _proven(state, request)
-    return [] if gen is None else [_release(request.job, gen, now_ns)]
+    return [] if gen is None else [_release(request.job, gen, now)]
 
 
-def _timed_out(job: str, gen: Generation, now_ns: int) -> BarrierTimedOut:
+def _timed_out(job: str, gen: Generation, now: TimeBase) -> BarrierTimedOut:
     return BarrierTimedOut(
         id=event_id("timed_out", job, gen.name, gen.generation),
         job=job,
         source=SOURCE,
-        ts=now_ns,
+        ts=now.wall_ns,
         name=gen.name,
         generation=gen.generation,
         timeout_s=gen.timeout_s,
@@ -458,36 +617,44 @@ def _timed_out(job: str, gen: Generation, now_ns: int) -> BarrierTimedOut:
     )
 
 
-def _conclusion(job: str, gen: Generation, now_ns: int) -> list[Event]:
+def _conclusion(job: str, gen: Generation, now: TimeBase) -> list[Event]:
     if gen.status != "waiting":
         return []
     if gen.completed_in_time():
-        return [_release(job, gen, now_ns)]
-    if now_ns >= gen.deadline_ns:
-        return [_timed_out(job, gen, now_ns)]
+        return [_release(job, gen, now)]
+    if now.mono_ns >= gen.deadline_ns:
+        return [_timed_out(job, gen, now)]
     return []
 
 
-def conclude(state: BarrierState, job: str, name: str, now_ns: int) -> list[Event]:
+def conclude(
+    state: BarrierState, job: str, name: str, now_ns: int, wall_ns: int | None = None
+) -> list[Event]:
     """The release (complete before its deadline) or time-out (past it) of the current generation
     of `name`, if either is due; call it before and after every arrival."""
+    return _conclude(state, job, name, _reading(state, now_ns, wall_ns))
+
+
+def _conclude(state: BarrierState, job: str, name: str, now: TimeBase) -> list[Event]:
     found = state.jobs.get(job)
     named = found.barriers.get(name) if found is not None else None
     gen = named.current if named is not None else None
-    return [] if gen is None else _conclusion(job, gen, now_ns)
+    return [] if gen is None else _conclusion(job, gen, now)
 
 
-def due(state: BarrierState, now_ns: int) -> list[Event]:
+def due(state: BarrierState, now_ns: int, wall_ns: int | None = None) -> list[Event]:
     """Every conclusion due now: time-outs, and releases decided but never stored (a restart)."""
-    return [event for job, gen in state.waiting() for event in _conclusion(job, gen, now_ns)]
+    now = _reading(state, now_ns, wall_ns)
+    return [event for job, gen in state.waiting() for event in _conclusion(job, gen, now)]
 
 
-def recover(state: BarrierState, now_ns: int) -> list[Event]:
+def recover(state: BarrierState, now_ns: int, wall_ns: int | None = None) -> list[Event]:
     """What a restarted service owes every waiting generation: its release if it completed in
     time, its break if a participant failed or left meanwhile (a break decided but never stored),
     else its time-out if the deadline has passed. From now on the state is this instance's:
     generations opened before now are the only ones a `passed` claim may prove released."""
-    state.recovered_ns = now_ns
+    now = _reading(state, now_ns, wall_ns)
+    state.recovered_ns = now.wall_ns
     events: list[Event] = []
     for job_id, gen in state.waiting():
         # A barrier counted by arrivals that a departure left out of reach is not told apart
@@ -495,23 +662,23 @@ def recover(state: BarrierState, now_ns: int) -> list[Event]:
         live = state.jobs[job_id].live
         gone = sorted((set(gen.arrived) if gen.by_count else gen.expected) - live)
         if gen.completed_in_time():
-            events.append(_release(job_id, gen, now_ns))
+            events.append(_release(job_id, gen, now))
         elif gone:
             reason = f"participants {', '.join(map(repr, gone))} failed or left"
-            events.append(_broken(job_id, gen, gone, reason, now_ns))
-        elif now_ns >= gen.deadline_ns:
-            events.append(_timed_out(job_id, gen, now_ns))
+            events.append(_broken(job_id, gen, gone, reason, now))
+        elif now.mono_ns >= gen.deadline_ns:
+            events.append(_timed_out(job_id, gen, now))
     return events
 
 
 def _broken(
-    job: str, gen: Generation, culprits: list[str], reason: str, now_ns: int
+    job: str, gen: Generation, culprits: list[str], reason: str, now: TimeBase
 ) -> BarrierBrokenEvent:
     return BarrierBrokenEvent(
         id=event_id("broken", job, gen.name, gen.generation),
         job=job,
         source=SOURCE,
-        ts=now_ns,
+        ts=now.wall_ns,
         name=gen.name,
         generation=gen.generation,
         reason=reason,
@@ -521,9 +688,15 @@ def _broken(
 
 
 def member_gone(
-    state: BarrierState, job_id: str, worker_id: str, why: str, now_ns: int
+    state: BarrierState,
+    job_id: str,
+    worker_id: str,
+    why: str,
+    now_ns: int,
+    wall_ns: int | None = None,
 ) -> list[Event]:
     """Break every waiting generation of the job that the departed worker was part of."""
+    now = _reading(state, now_ns, wall_ns)
     job = state.jobs.get(job_id)
     if job is None:
         return []
@@ -540,7 +713,7 @@ def member_gone(
             involved = worker_id in gen.expected
         if involved:
             events.append(
-                _broken(job_id, gen, [worker_id], f"participant {worker_id!r} {why}", now_ns)
+                _broken(job_id, gen, [worker_id], f"participant {worker_id!r} {why}", now)
             )
     return events
 
@@ -558,31 +731,52 @@ class Batch:
     record: list[Arrival] = field(default_factory=list)
     """The arrivals, a record for the dashboard and replay (`Arrival.event()`): no outcome rests
     on them."""
-    joined: list[Joined | StrataError] = field(default_factory=list)
-    """Per request, in order: where it was counted, or the error to answer with."""
+    joined: list[Joined | WithdrawResult | StrataError] = field(default_factory=list)
+    """Per request, in order: where it was counted, a withdrawal's answer, or the error to
+    answer with."""
 
 
-def decide_arrivals(state: BarrierState, requests: Sequence[ArriveRequest], now_ns: int) -> Batch:
-    """Decide `requests` in order, each against the state the previous ones left, folding every
-    decision into `state` at once (`evolve` is idempotent: folding them again when the stream
-    returns them changes nothing). For each: the release it proves (`passed`), the conclusion
-    already due, the arrival, and the conclusion it completes. Answer each caller with
-    `outcome(state, *joined)` once `told` is stored: the whole batch is then decided, so an
-    arrival decided early hears of a release that a later one completed."""
+def decide_arrivals(
+    state: BarrierState,
+    requests: Sequence[ArriveRequest | WithdrawRequest],
+    now_ns: int,
+    wall_ns: int | None = None,
+) -> Batch:
+    """Decide `requests` in order (withdrawals first), each against the state the previous ones
+    left, folding every decision into `state` at once (`evolve` is idempotent: folding them
+    again when the stream returns them changes nothing). For each: the release it proves
+    (`passed`), the conclusion already due, the arrival, and the conclusion it completes.
+    Answer each caller with `outcome(state, *joined)` once `told` is stored: the whole batch is
+    then decided, so an arrival decided early hears of a release that a later one completed."""
     batch = Batch()
+    now = _reading(state, now_ns, wall_ns)
 
     def fold(events: Sequence[Event]) -> None:
         for event in events:
             evolve(state, event)
 
-    for request in requests:
+    # Withdrawals first: an arrival its sender gave up on and the withdrawal right behind it
+    # (both held up in a paused service) are read together; decided in order, the arrival could
+    # complete a generation with another worker's arrival before the withdrawal took it back.
+    answers: dict[int, WithdrawResult] = {}
+    for index, request in enumerate(requests):
+        if isinstance(request, WithdrawRequest):
+            withdrawn = withdraw(state, request, now_ns, wall_ns)
+            fold(withdrawn.events)
+            batch.told.extend(withdrawn.events)
+            assert withdrawn.result is not None
+            answers[index] = withdrawn.result
+    for index, request in enumerate(requests):
+        if isinstance(request, WithdrawRequest):
+            batch.joined.append(answers[index])
+            continue
         for events in (
-            release_proven(state, request, now_ns),
-            conclude(state, request.job, request.name, now_ns),
+            _release_proven(state, request, now),
+            _conclude(state, request.job, request.name, now),
         ):
             fold(events)
             batch.told.extend(events)
-        decision, arrival = _admit(state, request, now_ns)
+        decision, arrival = _admit(state, request, now)
         if decision.error is not None:
             batch.joined.append(decision.error)
             continue
@@ -592,7 +786,7 @@ def decide_arrivals(state: BarrierState, requests: Sequence[ArriveRequest], now_
         if arrival is not None:
             _count(state, arrival)
             batch.record.append(arrival)
-        after = conclude(state, request.job, request.name, now_ns)
+        after = _conclude(state, request.job, request.name, now)
         fold(after)
         batch.told.extend(after)
         batch.joined.append((request.job, request.name, decision.result))

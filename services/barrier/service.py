@@ -12,6 +12,9 @@ dashboard and `strata replay`, not a proof: they are written after the generatio
 or once no arrival came for `barrier_record_arrivals_s` (so that writing them, and folding them
 back from the stream, does not delay the decisions of a burst). After a crash, waiters re-send their
 arrivals and the generation is rebuilt from them (see docs/barriers.md, "Crash recovery").
+Deadlines run on this process's monotonic clock; the wall clock only stamps events (and carries
+a deadline's remaining time across a restart: docs/barriers.md, "Time"). A waiter that gives up
+withdraws its arrival (`withdraw`), decided under the same lock as the arrivals.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import nats.errors
 import structlog
 from nats.js.api import PubAck
+from strata import clock
 from strata.bus import Bus, RpcServer
 from strata.bus.publish import MSG_ID, publish_bytes
 from strata.config import Settings
@@ -40,7 +44,13 @@ from strata.events import (
     subject_for,
 )
 from strata.events.models import Event
-from strata.events.requests import ARRIVE, ArriveRequest
+from strata.events.requests import (
+    ARRIVE,
+    WITHDRAW,
+    ArriveRequest,
+    WithdrawRequest,
+    WithdrawResult,
+)
 from strata.metrics import observe_decided
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
@@ -58,15 +68,16 @@ RECORD_SLICE = 64
 Key = tuple[str, str, int]
 Sent = tuple[Event, bytes, "asyncio.Future[PubAck] | None"]
 Conclusion = BarrierReleased | BarrierBrokenEvent | BarrierTimedOut
+Request = ArriveRequest | WithdrawRequest
 
 
 class Barrier(Projection[BarrierState]):
     name = "barrier"
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(clock)
+    def __init__(self, wall: Callable[[], float] = clock.wall) -> None:
+        super().__init__(wall)
         self._rpc: RpcServer | None = None
-        self._queue: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]] = []
+        self._queue: list[tuple[Request, asyncio.Future[dict[str, Any]]]] = []
         self._wakeup = asyncio.Event()
         self._unrecorded: list[domain.Arrival] = []
         """`barrier.arrived` events decided and not written yet, in decision order."""
@@ -83,20 +94,27 @@ class Barrier(Projection[BarrierState]):
     def initial_state(self) -> BarrierState:
         return BarrierState()
 
+    def reading(self) -> clock.TimeBase:
+        """Both clocks now: the monotonic one for deadlines, the wall one (`clock`) for stamps."""
+        return clock.TimeBase(clock.monotonic_ns(), self.now_ns())
+
     def evolve(self, state: BarrierState, event: Event) -> BarrierState:
+        # A folded event's wall-clock deadline is placed on this process's monotonic clock.
+        state.clock = self.reading()
         return domain.evolve(state, event)
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self._record_after_s = settings.barrier_record_arrivals_s
         # Conclusions decided before a crash but never stored are owed before new arrivals.
         async with self.lock:
-            owed = domain.recover(self.state, self.now_ns())
+            owed = domain.recover(self.state, *self.reading())
             self.apply_before_storage(owed)
             await self._send(owed)
             self._concluded(owed)
         self.spawn(self._decide_batches(), "arrivals")
         self._rpc = RpcServer(bus.nc, self.name, concurrency=MAX_BATCH)
         self._rpc.serve(ARRIVE, self._arrive)
+        self._rpc.serve(WITHDRAW, self._withdraw)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
 
@@ -245,6 +263,14 @@ class Barrier(Projection[BarrierState]):
         self._wakeup.set()
         return await future
 
+    async def _withdraw(self, request: WithdrawRequest) -> dict[str, Any]:
+        """Take back an arrival its sender gave up on: queued with the arrivals and decided in
+        the order it came, so an arrival sent after it never finds the withdrawn one counted."""
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        self._wakeup.set()
+        return await future
+
     async def _decide_batches(self) -> None:
         """One batch after another: decide every arrival waiting now, write the openings and
         conclusions, then answer. Arrivals are recorded in between, when no batch waits."""
@@ -289,7 +315,7 @@ class Barrier(Projection[BarrierState]):
             self._wakeup.set()
 
     async def _decide_batch(
-        self, batch: list[tuple[ArriveRequest, asyncio.Future[dict[str, Any]]]]
+        self, batch: list[tuple[Request, asyncio.Future[dict[str, Any]]]]
     ) -> None:
         self.batches += 1
         self.arrivals += len(batch)
@@ -297,7 +323,7 @@ class Barrier(Projection[BarrierState]):
             raise ServiceUnavailable(self._stopped_message())
         async with self.lock:
             decided = domain.decide_arrivals(
-                self.state, [request for request, _ in batch], self.now_ns()
+                self.state, [request for request, _ in batch], *self.reading()
             )
             self._last_arrival_at = time.monotonic()
             if decided.record and not self._unrecorded:
@@ -313,6 +339,9 @@ class Barrier(Projection[BarrierState]):
                 continue
             if isinstance(joined, StrataError):
                 future.set_exception(joined)
+                continue
+            if isinstance(joined, WithdrawResult):
+                future.set_result(joined.model_dump(mode="python"))
                 continue
             answer = outcomes.get(joined)
             if answer is None:
@@ -333,7 +362,9 @@ class Barrier(Projection[BarrierState]):
             return
         why = "failed" if isinstance(event, WorkerFailed) else "left the job"
         async with self.lock:
-            broken = domain.member_gone(self.state, event.job, event.worker_id, why, self.now_ns())
+            broken = domain.member_gone(
+                self.state, event.job, event.worker_id, why, *self.reading()
+            )
             self.apply_before_storage(broken)
             await self._send(broken)
             self._concluded(broken)
@@ -343,7 +374,7 @@ class Barrier(Projection[BarrierState]):
             await asyncio.sleep(TIMEOUT_CHECK_S)
             try:
                 async with self.lock:
-                    expired = domain.due(self.state, self.now_ns())
+                    expired = domain.due(self.state, *self.reading())
                     self.apply_before_storage(expired)
                     await self._send(expired)
                     self._concluded(expired)

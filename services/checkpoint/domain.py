@@ -8,9 +8,15 @@ overwriting a shard. Phase one: each participant writes its shard and acknowledg
 request); the service records `checkpoint.shard_saved` with the key it derives itself. Phase two:
 once every rank of the world has acked and the shards are verified in storage, the service writes
 the manifest (the commit marker) and records `checkpoint.committed`. A participant that fails
-before acking, or the deadline, aborts the step. A job's storage root and retention are fixed by
-its first checkpoint, so no later request can point the service's deletions elsewhere. No I/O
-here; the adapter does the storage work the decisions call for, on keys derived here only.
+before acking, a writer that reports its write failed (`fail`), or the deadline, aborts the
+step. A job's storage root and retention are fixed by its first checkpoint, so no later request
+can point the service's deletions elsewhere. No I/O here; the adapter does the storage work the
+decisions call for, on keys derived here only.
+
+Time: `now_ns` stamps events (wall clock), except in `timeouts`, the one function that reads a
+deadline: it takes the monotonic clock as `now_ns` and the wall clock as `wall_ns`. A step's
+deadline is placed on the monotonic clock when its `checkpoint.started` is folded, through
+`state.clock` (strata.clock.TimeBase: the time its event left, clamped to its timeout).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
+from strata.clock import TimeBase
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import (
     CheckpointAborted,
@@ -41,6 +48,7 @@ from strata.events.requests import (
     CheckpointInfo,
     Manifest,
     ManifestShard,
+    ShardFailedRequest,
 )
 from strata.services.domain import Decision
 from strata.storage.base import shard_key, step_prefix
@@ -64,7 +72,9 @@ class OpenCheckpoint:
     root_uri: str
     keep_count: int
     started_ns: int
+    """Its `checkpoint.started` stamp (wall clock)."""
     deadline_ns: int
+    """When it times out, on the clock `timeouts` is given (monotonic in the service)."""
     participants: dict[str, int]
     """Worker id -> rank: the live holder of each rank of the world when the step opened."""
     world_size: int | None = None
@@ -76,6 +86,7 @@ class OpenCheckpoint:
     """Rank -> the writer that declared itself for it (the first one)."""
     attempt: int = 0
     """0, or how many times the step was opened before and aborted."""
+    timeout_s: float = 0.0
     _roster: list[Participant] | None = field(default=None, init=False, repr=False, compare=False)
 
     def roster(self) -> list[Participant]:
@@ -162,6 +173,10 @@ class JobCheckpoints:
 @dataclass
 class CheckpointState:
     jobs: dict[str, JobCheckpoints] = field(default_factory=dict)
+    clock: TimeBase | None = None
+    """Both clocks as the adapter last read them (before each fold): places a started step's
+    wall-clock deadline on the monotonic clock. None (a pure replay, the read model): the
+    deadline is the event's stamp plus its timeout."""
 
     def job(self, job: str) -> JobCheckpoints:
         found = self.jobs.get(job)
@@ -212,7 +227,7 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
         if job.root_uri is None:
             job.root_uri, job.keep_count = event.root_uri, event.keep_count
         if event.step not in job.open and event.step not in job.committed:
-            job.open[event.step] = _opened(event)
+            job.open[event.step] = _opened(event, state.clock)
             job.aborted.pop(event.step, None)
             job.pruned.discard(event.step)
     elif isinstance(event, CheckpointShardStarted):
@@ -253,14 +268,17 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
     return state
 
 
-def _opened(event: CheckpointStarted) -> OpenCheckpoint:
+def _opened(event: CheckpointStarted, clock: TimeBase | None = None) -> OpenCheckpoint:
+    timeout_ns = int(event.timeout_s * 1e9)
+    deadline = event.ts + timeout_ns
     return OpenCheckpoint(
         step=event.step,
         epoch=event.epoch,
         root_uri=event.root_uri,
         keep_count=event.keep_count,
         started_ns=event.ts,
-        deadline_ns=event.ts + int(event.timeout_s * 1e9),
+        deadline_ns=deadline if clock is None else clock.deadline(deadline, timeout_ns),
+        timeout_s=event.timeout_s,
         participants={p.worker_id: p.rank for p in event.participants},
         world_size=event.world_size,
         membership_epoch=event.membership_epoch,
@@ -643,9 +661,44 @@ def _ack_after_commit(
     )
 
 
+def fail(state: CheckpointState, request: ShardFailedRequest, now_ns: int) -> Decision[None]:
+    """A rank's writer says it could not store its shard: abort the step now, since it can never
+    complete (rather than at its deadline, while every other rank waits). Only the process that
+    declared the rank can say so, and only before the rank acked; a step that already committed
+    or aborted is left as it is (the answer says which)."""
+    job = state.job(request.job)
+    opened = job.open.get(request.step)
+    if opened is None:
+        if request.step in job.committed or request.step in job.aborted:
+            return Decision()  # settled already: a retry, or a report that came too late
+        return Decision(
+            error=NotFound(f"job {request.job!r} has no checkpoint of step {request.step}")
+        )
+    rank = opened.participants.get(request.worker_id)
+    declared = opened.intents.get(request.rank)
+    if rank != request.rank or declared is None or declared.worker_id != request.worker_id:
+        return Decision(
+            error=ConflictError(
+                f"{request.worker_id!r} is not the declared writer of rank {request.rank} of "
+                f"step {request.step}: only that writer can report its shard failed"
+            )
+        )
+    if request.instance is not None and declared.instance != request.instance:
+        return Decision(
+            error=WorkerSuperseded(
+                f"rank {request.rank} of step {request.step} was declared by another process "
+                f"(instance {declared.instance}); this process's failure does not end the step"
+            )
+        )
+    if request.rank in opened.acks:
+        return Decision()  # its shard is stored: this report is about another write
+    reason = f"rank {request.rank} could not write its shard: {request.reason}"
+    return Decision([aborted(request.job, opened, reason[:1000], now_ns)])
+
+
 # -- batches (group commit) -----------------------------------------------------------------------
 
-Command = BeginCheckpointRequest | AckShardRequest
+Command = BeginCheckpointRequest | AckShardRequest | ShardFailedRequest
 """The requests this service decides."""
 BatchDecision = Decision[CheckpointInfo] | AckDecision
 """A request's decision in a batch: a begin's answer is the step as its own events left it."""
@@ -663,7 +716,7 @@ def decide_all(
     batch of a group commit. `state` itself is left as it is (it changes only by folding what the
     stream stored): the batch works on forks of the jobs it touches. A begin's answer is the
     step's `info` once its events are in; an ack's is its `result`."""
-    scratch = CheckpointState(dict(state.jobs))
+    scratch = CheckpointState(dict(state.jobs), clock=state.clock)
     forked: set[str] = set()
     decisions: list[BatchDecision] = []
     for command in commands:
@@ -675,6 +728,15 @@ def decide_all(
             decision: BatchDecision = ack(scratch, command, now_ns)
             for event in decision.events:
                 evolve(scratch, event)
+        elif isinstance(command, ShardFailedRequest):
+            failed = fail(scratch, command, now_ns)
+            for event in failed.events:
+                evolve(scratch, event)
+            decision = (
+                Decision(failed.events, failed.error)
+                if failed.error is not None
+                else Decision(failed.events, result=info(scratch, command.job, command.step))
+            )
         else:
             begun = begin(scratch, command, now_ns)
             for event in begun.events:
@@ -845,14 +907,17 @@ def member_gone(
     return events
 
 
-def timeouts(state: CheckpointState, now_ns: int) -> list[Event]:
+def timeouts(state: CheckpointState, now_ns: int, wall_ns: int | None = None) -> list[Event]:
+    """The aborts of steps past their deadline: `now_ns` on the deadlines' clock (monotonic in
+    the service), `wall_ns` to stamp the events (`now_ns` when not given)."""
+    stamp = now_ns if wall_ns is None else wall_ns
     expired = []
     for job in state.jobs.values():
         for opened in job.open.values():
             if now_ns >= opened.deadline_ns:
-                limit = (opened.deadline_ns - opened.started_ns) / 1e9
+                limit = opened.timeout_s or (opened.deadline_ns - opened.started_ns) / 1e9
                 reason = f"not every participant saved within {limit:g}s"
-                expired.append(aborted(job.job, opened, reason, now_ns))
+                expired.append(aborted(job.job, opened, reason, stamp))
     return expired
 
 

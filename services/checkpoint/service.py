@@ -9,7 +9,9 @@ every acked shard at its acked size, writes the manifest to the job's storage ro
 `checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it).
 An abort records `checkpoint.aborted`, then removes the step's files under the job's root; the
 root and retention of a job are fixed by its first checkpoint. After a restart, open steps that
-completed or lost a participant meanwhile are settled before going live.
+completed or lost a participant meanwhile are settled before going live. A writer whose shard
+could not be stored says so (`fail`) and the step aborts at once. Deadlines run on this process's
+monotonic clock; the wall clock only stamps events and carries a deadline across a restart.
 
 Begins and acks are decided in batches (group commit, `strata.services.commit`): when every rank
 of a job saves at once, the begins (or the acks) waiting at a moment are decided in order against
@@ -21,11 +23,11 @@ service decides on its own (commit, abort, prune) is stored the same way (`publi
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
+from strata import clock
 from strata.bus import Bus, RpcServer
 from strata.config import Settings
 from strata.errors import NotFound, StrataError
@@ -40,12 +42,14 @@ from strata.events.requests import (
     ACK_SHARD,
     BEGIN_CHECKPOINT,
     CHECKPOINT_STATUS,
+    SHARD_FAILED,
     AckShardRequest,
     AckShardResult,
     BeginCheckpointRequest,
     CheckpointAnswer,
     CheckpointInfo,
     CheckpointQuery,
+    ShardFailedRequest,
 )
 from strata.services.checkpoint import domain
 from strata.services.checkpoint.domain import (
@@ -87,10 +91,10 @@ class Checkpoints(Projection[CheckpointState]):
     name = "checkpoint"
 
     def __init__(
-        self, clock: Callable[[], float] = time.time, *, max_batch: int = MAX_BATCH
+        self, wall: Callable[[], float] = clock.wall, *, max_batch: int = MAX_BATCH
     ) -> None:
         """`max_batch=1` decides and stores one request at a time (the benchmark's baseline)."""
-        super().__init__(clock)
+        super().__init__(wall)
         self._rpc: RpcServer | None = None
         self._settings: Settings | None = None
         self._storages: dict[str, StorageBackend] = {}
@@ -103,6 +107,8 @@ class Checkpoints(Projection[CheckpointState]):
         return CheckpointState()
 
     def evolve(self, state: CheckpointState, event: Event) -> CheckpointState:
+        # A started step's wall-clock deadline is placed on this process's monotonic clock.
+        state.clock = clock.TimeBase(clock.monotonic_ns(), self.now_ns())
         return domain.evolve(state, event)
 
     def storage(self, root_uri: str) -> StorageBackend:
@@ -133,6 +139,7 @@ class Checkpoints(Projection[CheckpointState]):
         self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(BEGIN_CHECKPOINT, self._begin)
         self._rpc.serve(ACK_SHARD, self._ack)
+        self._rpc.serve(SHARD_FAILED, self._failed)
         self._rpc.serve(CHECKPOINT_STATUS, self._status)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
@@ -197,6 +204,24 @@ class Checkpoints(Projection[CheckpointState]):
         def answer(decision: BatchDecision) -> AckShardResult:
             assert isinstance(decision.result, AckShardResult)
             return domain.ack_result(self.state, request, decision.result)
+
+        return await self.commits.submit(request, answer)
+
+    async def _failed(self, request: ShardFailedRequest) -> dict[str, Any]:
+        """A writer could not store its shard: the step aborts (its files are removed) before the
+        answer, which is the step as it now stands."""
+        log.warning(
+            "shard_write_failed",
+            job=request.job,
+            step=request.step,
+            rank=request.rank,
+            worker=request.worker_id,
+            reason=request.reason,
+        )
+
+        def answer(decision: BatchDecision) -> dict[str, Any]:
+            assert isinstance(decision.result, CheckpointInfo)
+            return self.info_data(decision.result)
 
         return await self.commits.submit(request, answer)
 
@@ -304,7 +329,8 @@ class Checkpoints(Projection[CheckpointState]):
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
             async with self.lock:
-                await self._abort(domain.timeouts(self.state, self.now_ns()))
+                expired = domain.timeouts(self.state, clock.monotonic_ns(), self.now_ns())
+                await self._abort(expired)
 
 
 def create() -> Checkpoints:

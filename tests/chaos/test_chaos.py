@@ -57,7 +57,7 @@ SHARDS = SAMPLES // SHARD_SIZE
 HEARTBEAT_INTERVAL = 0.25
 HEARTBEAT_TIMEOUT = 1.5
 BARRIER_TIMEOUT = 60.0
-BARRIER_GRACE = 5.0
+BARRIER_GRACE = 1.0
 """The SDK's own slack past a barrier's timeout before it gives up on the service."""
 ROUND_BATCHES = 4
 BATCH_SIZE = 32

@@ -31,6 +31,7 @@ from strata.events import (
     BarrierOpened,
     BarrierReleased,
     BarrierTimedOut,
+    BarrierWithdrawn,
     CheckpointAborted,
     CheckpointCommitted,
     CheckpointPruned,
@@ -547,6 +548,11 @@ def every_event_type() -> History:
             timeout_s=5.0,
             missing=["w1"],
             arrived=1,
+        )
+    )
+    h.add(
+        BarrierWithdrawn(
+            job=JOB, source="barrier", name="d", worker_id="w1", arrival=1, generation=2
         )
     )
     h.add(MetricSampled(job=JOB, source="w0", name="loss", value=0.25))

@@ -370,6 +370,23 @@ class BarrierArrived(Event):
     arrived: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
 
 
+class BarrierWithdrawn(Event):
+    """A waiter gave up on its arrival (no outcome within its timeout and grace): it leaves the
+    generation it joined if that one still waits, and counts nowhere if it comes later."""
+
+    type: Literal["barrier.withdrawn"] = "barrier.withdrawn"
+    v: Literal[1] = 1
+    name: Id
+    worker_id: Id
+    arrival: Count = Field(description="The worker's own count of arrivals at the name.")
+    generation: Count | None = Field(
+        default=None,
+        description="The generation it was for: the waiting one it is taken out of, or, when "
+        "it had not been counted yet (it is refused if it comes), the waiting one or the next "
+        "to open. The worker's next arrival is never answered with that one's outcome.",
+    )
+
+
 class BarrierReleased(Event):
     """Everyone arrived; latencies let the gateway show barrier latency percentiles."""
 
@@ -564,6 +581,7 @@ AnyEvent: TypeAlias = Annotated[
     | BarrierReleased
     | BarrierBrokenEvent
     | BarrierTimedOut
+    | BarrierWithdrawn
     | CheckpointStarted
     | CheckpointShardStarted
     | CheckpointShardSaved
@@ -590,6 +608,7 @@ EVENT_MODELS: Final[tuple[type[Event], ...]] = (
     BarrierReleased,
     BarrierBrokenEvent,
     BarrierTimedOut,
+    BarrierWithdrawn,
     CheckpointStarted,
     CheckpointShardStarted,
     CheckpointShardSaved,

@@ -383,6 +383,47 @@ ARRIVE = endpoint(
 )
 
 
+class WithdrawRequest(StrictModel):
+    """A waiter gives up on its arrival (no outcome within its timeout and grace): take it out of
+    the generation it joined while that one still waits, and never count it if it comes later.
+    Idempotent; a no-op for a generation that concluded."""
+
+    job: Id
+    name: Id
+    worker_id: Id
+    arrival: Annotated[int, Field(ge=0, le=2**62)]
+    instance: Id | None = Field(
+        default=None, description="The withdrawing process (its registration's instance)."
+    )
+
+
+WithdrawStatus = Literal["withdrawn", "released", "broken", "timed_out", "superseded"]
+
+
+class WithdrawResult(StrictModel):
+    job: Id
+    name: Id
+    worker_id: Id
+    arrival: Annotated[int, Field(ge=0, le=2**62)]
+    generation: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="The generation the arrival had joined, if it was counted."
+    )
+    status: WithdrawStatus = Field(
+        description="withdrawn (it counts nowhere), the outcome of the generation it was part "
+        "of (which stands), or superseded (a newer arrival or process counts instead)."
+    )
+
+
+WITHDRAW = endpoint(
+    "barrier",
+    "withdraw",
+    WithdrawRequest,
+    WithdrawResult,
+    "Give up on an arrival (idempotent): it leaves a generation still waiting, or counts nowhere.",
+    scope="worker",
+)
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 CheckpointStatus = Literal["open", "committed", "aborted"]
@@ -548,6 +589,32 @@ ACK_SHARD = endpoint(
     AckShardRequest,
     AckShardResult,
     "A rank's shard is stored: the service records checkpoint.shard_saved (idempotent).",
+    scope="worker",
+)
+
+
+class ShardFailedRequest(StrictModel):
+    """A rank's writer could not store its shard of `step` (a full disk, an S3 error): the step
+    can never complete, so the service aborts it at once instead of at its deadline. Sent by the
+    process that declared the rank (`begin`); a no-op once the step committed or aborted."""
+
+    job: Id
+    worker_id: Id
+    step: Step
+    epoch: Epoch
+    rank: Rank
+    reason: Text = Field(description="The storage error, as the writer saw it.")
+    instance: Id | None = Field(
+        default=None, description="The writing process (its begin's instance); checked if given."
+    )
+
+
+SHARD_FAILED = endpoint(
+    "checkpoint",
+    "fail",
+    ShardFailedRequest,
+    CheckpointInfo,
+    "A rank's shard could not be written: the step is aborted at once (idempotent).",
     scope="worker",
 )
 CHECKPOINT_STATUS = endpoint(

@@ -8,6 +8,7 @@ from strata.events import (
     BarrierOpened,
     BarrierReleased,
     BarrierTimedOut,
+    BarrierWithdrawn,
     CheckpointAborted,
     CheckpointCommitted,
     CheckpointPruned,
@@ -79,6 +80,11 @@ def summarize(event: Event) -> str:
         )
     if isinstance(event, BarrierArrived):
         return f"{event.worker_id} arrived at {event.name}#{event.generation} ({event.arrived})"
+    if isinstance(event, BarrierWithdrawn):
+        return (
+            f"{event.worker_id} gave up waiting at {event.name}#{event.generation} and withdrew "
+            f"its arrival {event.arrival}"
+        )
     if isinstance(event, BarrierReleased):
         return (
             f"barrier {event.name}#{event.generation} released: {event.participants} "

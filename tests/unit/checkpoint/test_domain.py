@@ -24,7 +24,7 @@ from strata.events import (
     WorkerFailed,
     WorkerRegistered,
 )
-from strata.events.requests import AckShardRequest, BeginCheckpointRequest
+from strata.events.requests import AckShardRequest, BeginCheckpointRequest, ShardFailedRequest
 from strata.services.checkpoint import domain
 from strata.services.checkpoint.domain import CheckpointState
 from strata.storage.base import shard_key
@@ -678,3 +678,47 @@ def test_retention_counts_with_the_jobs_keep_count_and_deletes_under_its_root() 
     assert [c.step for c in domain.to_prune(job)] == [1]
     assert domain.storage_root(job, "/ignored") == ROOT
     assert domain.storage_root(CheckpointState().job("new"), "/fallback") == "/fallback"
+
+
+def failure(
+    step: int, rank: int, worker: str | None = None, instance: str | None = None
+) -> ShardFailedRequest:
+    worker = worker or f"w{rank}"
+    return ShardFailedRequest(
+        job=JOB,
+        worker_id=worker,
+        step=step,
+        epoch=0,
+        rank=rank,
+        reason="[Errno 28] No space left on device",
+        instance=instance or f"proc-{worker}",
+    )
+
+
+def test_a_failed_write_reported_by_its_declared_writer_aborts_the_step_at_once() -> None:
+    state = with_workers(2)
+    begin(state, 5, "w0")
+    begin(state, 5, "w1")
+    # Only the rank's declared writer, from the declaring process, can end the step.
+    refused = domain.fail(state, failure(5, 1, worker="w0"), 6 * SECOND)
+    assert isinstance(refused.error, ConflictError)
+    superseded = domain.fail(state, failure(5, 1, instance="proc-old"), 6 * SECOND)
+    assert isinstance(superseded.error, WorkerSuperseded)
+    [abort] = domain.fail(state, failure(5, 1), 6 * SECOND).events
+    assert isinstance(abort, CheckpointAborted)
+    assert "rank 1 could not write its shard: [Errno 28] No space left" in abort.reason
+    fold(state, [abort])
+    assert domain.info(state, JOB, 5).status == "aborted"
+    assert domain.fail(state, failure(5, 1), 7 * SECOND).events == []  # a retry: settled
+
+
+def test_a_failure_report_after_the_rank_acked_or_the_step_committed_changes_nothing() -> None:
+    state = with_workers(2)
+    begin(state, 5, "w0")
+    begin(state, 5, "w1")
+    fold(state, [ack(5, 0)])
+    assert domain.fail(state, failure(5, 0), 6 * SECOND) == domain.Decision()
+    fold(state, [ack(5, 1)])
+    commit(state, 5)
+    assert domain.fail(state, failure(5, 1), 7 * SECOND) == domain.Decision()
+    assert domain.info(state, JOB, 5).status == "committed"
