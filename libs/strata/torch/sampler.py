@@ -21,9 +21,15 @@ from torch.utils.data import Sampler
 
 from strata._checks import check_int
 from strata.datasets import merge_cursors
-from strata.errors import ConflictError, ValidationError
+from strata.errors import (
+    ConflictError,
+    LeaseExpired,
+    StaleLease,
+    ValidationError,
+    WorkerSuperseded,
+)
 from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES, DataCursor, ShardOffset
-from strata.events.requests import PlanSummary, ProgressResult, ShardAssignment
+from strata.events.requests import Lease, PlanSummary, ProgressResult, ShardAssignment
 
 __all__ = [
     "CURSOR_VERSION",
@@ -42,6 +48,10 @@ than the sampler can follow; it is an error rather than a silent loss."""
 POLL_S: Final = 0.05
 MAX_POLL_S: Final = 1.0
 REFETCH_S: Final = 2.0
+LEASE_WAIT_S: Final = 120.0
+"""How long the sampler waits for its worker's lease to hold again (a confirmed heartbeat the
+sharding service accepts) or for a new registration, before it raises `LeaseExpired`: long
+enough for a registry restart and a re-registration."""
 
 log = structlog.get_logger("strata.sampler")
 
@@ -52,8 +62,25 @@ class ShardSource(Protocol):
     @property
     def worker_id(self) -> str: ...
 
+    @property
+    def lease(self) -> Lease: ...
+
+    @property
+    def lease_expired(self) -> bool: ...
+
+    @property
+    def lease_in_doubt(self) -> bool: ...
+
+    @property
+    def superseded(self) -> bool: ...
+
     def assignment(
-        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+        self,
+        dataset_id: str,
+        worker_id: str | None = None,
+        epoch: int = 0,
+        *,
+        lease: Lease | None = None,
     ) -> ShardAssignment: ...
 
     def report_progress(
@@ -62,6 +89,8 @@ class ShardSource(Protocol):
         epoch: int,
         completed: Iterable[int] = (),
         partial: Mapping[int, int] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> ProgressResult: ...
 
     def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary: ...
@@ -249,6 +278,13 @@ class ShardSampler(Sampler[int]):
         self._stale = False
         self._in_flight: deque[_Drawn] = deque()
         self._lost: list[int] = []
+        self._lease: Lease | None = None
+        """The lease this sampler's progress belongs to; reported under it, never another."""
+        self._fenced = False
+        """A service refused `_lease` (`StaleLease`): nothing more is read until a new one."""
+        self._orphaned = 0
+        """Indices handed out under an ended lease and not acknowledged (`manual_ack`): their
+        `ack()` is taken and ignored."""
 
     def __repr__(self) -> str:
         return (
@@ -348,38 +384,58 @@ class ShardSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # What was handed out and never acknowledged was not consumed: it is handed out again.
+        self._orphaned += sum(run.count for run in self._in_flight)
         self._in_flight.clear()
-        self._report()
         epoch = self._epoch
         drawn: set[int] = set()
         while True:
-            queue = self._fetch(drawn)
-            if not queue:
+            try:
+                self._settle_lease(drawn)
                 self._report()
-                return
-            for item in queue:
-                if self._epoch != epoch:
-                    return  # set_epoch() was called: this iteration belongs to the old epoch
-                if self._stale or self._newer_plan():
-                    break
-                order = within_shard_order(
-                    item.start,
-                    item.end,
-                    shuffle=self._shuffle,
-                    seed=self._seed,
-                    epoch=self._epoch,
-                    shard_id=item.shard_id,
-                )
-                length = len(order)
-                for k in range(item.offset, length):
-                    self._draw(item.shard_id, k, length)
-                    yield order[k]
+                queue = self._fetch(drawn)
+                if not queue:
+                    self._report()
+                    return
+                for item in queue:
                     if self._epoch != epoch:
-                        return
-                drawn.add(item.shard_id)
-                # Here the loop has asked for the index after the shard's last one.
-                if not self._manual_ack or item.offset >= length:
-                    self._complete(item.shard_id)
+                        return  # set_epoch() was called: this iteration belongs to the old epoch
+                    if self._stale or not self._may_draw():
+                        break
+                    order = within_shard_order(
+                        item.start,
+                        item.end,
+                        shuffle=self._shuffle,
+                        seed=self._seed,
+                        epoch=self._epoch,
+                        shard_id=item.shard_id,
+                    )
+                    length = len(order)
+                    interrupted = False
+                    for k in range(item.offset, length):
+                        # Before every index, so before every batch: a lease that may have
+                        # ended, or a newer plan, stops the drawing here, mid-shard.
+                        if not self._may_draw():
+                            interrupted = True
+                            break
+                        self._draw(item.shard_id, k, length)
+                        yield order[k]
+                        if self._epoch != epoch:
+                            return
+                    if interrupted:
+                        self._stale = True
+                        break
+                    drawn.add(item.shard_id)
+                    # Here the loop has asked for the index after the shard's last one.
+                    if not self._manual_ack or item.offset >= length:
+                        self._complete(item.shard_id)
+            except StaleLease as exc:
+                self._log.warning(
+                    "lease_refused",
+                    epoch=self._epoch,
+                    error=exc.message,
+                    consequence="what this sampler read under the ended lease and did not "
+                    "report is not counted; it starts over from the plan under a new one",
+                )
 
     def ack(self, num_samples: int) -> None:
         """With `manual_ack=True`: the loop is done with the next `num_samples` indices handed
@@ -390,6 +446,9 @@ class ShardSampler(Sampler[int]):
                 "consumed once the iteration moves past it"
             )
         count = check_int("num_samples", num_samples, 0, MAX_TOTAL_SAMPLES)
+        ignored = min(count, self._orphaned)
+        self._orphaned -= ignored
+        count -= ignored
         outstanding = sum(run.count for run in self._in_flight)
         if count > outstanding:
             raise ValidationError(
@@ -459,6 +518,58 @@ class ShardSampler(Sampler[int]):
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _may_draw(self) -> bool:
+        """Whether the next index may be handed out: the lease this sampler reads under is the
+        worker's current one and holds, and no newer plan was heard of."""
+        registry = self._registry
+        if self._fenced or registry.lease != self._lease or registry.lease_expired:
+            return False
+        return not self._newer_plan()
+
+    def _settle_lease(self, drawn: set[int]) -> None:
+        """Before fetching: wait until the worker's lease holds (or is in doubt: the fetch,
+        which carries it, settles that), starting over from the plan under a new lease."""
+        registry = self._registry
+        deadline = time.monotonic() + LEASE_WAIT_S
+        delay = POLL_S
+        while True:
+            current = registry.lease
+            if self._lease is None:
+                self._lease = current
+            elif current != self._lease:
+                self._log.warning(
+                    "lease_replaced",
+                    epoch=self._epoch,
+                    dropped_shard=self._current,
+                    dropped_unreported=len(self._unreported),
+                    consequence="this sampler starts over from the plan under the new lease",
+                )
+                self._restart_under(current)
+                drawn.clear()
+            if not self._fenced and (not registry.lease_expired or registry.lease_in_doubt):
+                return
+            if registry.superseded:
+                raise WorkerSuperseded(
+                    f"worker {registry.worker_id!r} was registered by another process: this "
+                    "one reads no more data; stop it"
+                )
+            if time.monotonic() >= deadline:
+                raise LeaseExpired(
+                    f"the lease of worker {registry.worker_id!r} ended or may have (no heartbeat "
+                    f"confirmed within the heartbeat timeout) and no new registration came "
+                    f"within {LEASE_WAIT_S:g}s: is the registry reachable?"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, MAX_POLL_S)
+
+    def _restart_under(self, lease: Lease) -> None:
+        """Forget what was read under the ended lease (it is not counted: another worker reads
+        it again), keeping the epoch; the next fetch starts from the plan."""
+        orphaned = self._orphaned + sum(run.count for run in self._in_flight)
+        self._reset()
+        self._orphaned = orphaned
+        self._lease = lease
+
     def _newer_plan(self) -> bool:
         seen = self._registry.plan_version_seen(self._dataset_id, self._epoch)
         return (
@@ -468,7 +579,15 @@ class ShardSampler(Sampler[int]):
         )
 
     def _fetch(self, drawn: AbstractSet[int]) -> list[Queued]:
-        assignment = self._registry.assignment(self._dataset_id, epoch=self._epoch)
+        if self._lease is None:
+            self._lease = self._registry.lease
+        try:
+            assignment = self._registry.assignment(
+                self._dataset_id, epoch=self._epoch, lease=self._lease
+            )
+        except StaleLease:
+            self._fenced = True
+            raise
         self._assignment, self._stale = assignment, False
         if self._current is not None and not self._in_flight:
             span = next((s for s in assignment.shards if s.shard_id == self._current[0]), None)
@@ -476,7 +595,13 @@ class ShardSampler(Sampler[int]):
                 self._current = None  # moved away or done: nothing of it is left to us
             else:
                 self._current_length = span.end - span.start
-        queue = reading_queue(assignment, self._completed | drawn, self._current)
+        # Indices handed out and not yet acknowledged are drawn: a re-fetch mid-shard goes on
+        # after the last of them.
+        position = self._current
+        if self._in_flight:
+            last = self._in_flight[-1]
+            position = (last.shard_id, last.offset + last.count)
+        queue = reading_queue(assignment, self._completed | drawn, position)
         self._remaining = sum(item.left for item in queue)
         return queue
 
@@ -504,17 +629,33 @@ class ShardSampler(Sampler[int]):
         completed = list(self._unreported)
         offsets = dict(partial or {})
         result = None
+        if self._lease is None and (completed or offsets):
+            self._lease = self._registry.lease
         for _ in range(REPORT_ATTEMPTS):
             if not completed and not offsets:
                 break
             try:
                 result = self._registry.report_progress(
-                    self._dataset_id, self._epoch, completed, offsets
+                    self._dataset_id, self._epoch, completed, offsets, lease=self._lease
                 )
                 break
+            except StaleLease:
+                # Read under a lease that ended: none of it counts, another worker reads it.
+                self._fenced = True
+                self._unreported = []
+                self._current = None
+                raise
             except ConflictError as exc:
                 # Some shard is no longer ours: keep what still is, drop the rest, re-plan.
-                assignment = self._registry.assignment(self._dataset_id, epoch=self._epoch)
+                try:
+                    assignment = self._registry.assignment(
+                        self._dataset_id, epoch=self._epoch, lease=self._lease
+                    )
+                except StaleLease:
+                    self._fenced = True
+                    self._unreported = []
+                    self._current = None
+                    raise
                 self._assignment, self._stale = assignment, True
                 ours = {span.shard_id for span in assignment.shards}
                 lost = [s for s in completed if s not in ours]
