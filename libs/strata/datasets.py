@@ -288,9 +288,9 @@ class AsyncDatasetRegistry:
         (`strata.StaleLease`).
         """
         check_id("dataset_id", dataset_id)
-        lease = lease if lease is not None else self._worker.lease
         epoch = _check_epoch(epoch)
         done, offsets = _check_progress(completed, partial)
+        lease = lease if lease is not None else self._worker.lease
         result: ProgressResult | None = None
         # Large reports go in pieces the service accepts; each piece is recorded on its own.
         for start in range(0, max(len(done), len(offsets), 1), MAX_PROGRESS_ITEMS):
