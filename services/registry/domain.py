@@ -292,9 +292,14 @@ def _register(
                 )
             )
         return Decision()  # a retry of a registration that already happened
-    if request.rejoin and existing is not None and existing.instance not in (
-        request.instance,
-        request.replaces,
+    if (
+        request.rejoin
+        and existing is not None
+        and existing.instance
+        not in (
+            request.instance,
+            request.replaces,
+        )
     ):
         # The SDK re-registers on its own after being failed, as a new instance replacing the
         # one it was. Another process has registered the id since: the newer one holds it, and

@@ -14,7 +14,7 @@ from strata.aio._core import _check_state, _WorkerCore
 from strata.events import LiveState, WorkerHeartbeat
 from strata.events.models import MAX_EPOCH, MAX_STEP
 
-PROBE_TIMEOUT_S: Final = 600.0
+PROBE_TIMEOUT_S: Final = 600
 """How long a PING confirming heartbeats may wait for its PONG. Never shorter: nats-py 2.16's
 `flush(timeout)` cancels its future on a timeout, and a PONG arriving afterwards raises in the
 client's read loop and stops it. A connection without PONGs for this long has been dropped by

@@ -8,6 +8,7 @@ order, reading queue, cursor checks) are functions here, so they are tested with
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -252,8 +253,14 @@ class ShardSampler(Sampler[int]):
         report_every: int = 1,
         cursor: Mapping[str, Any] | None = None,
         manual_ack: bool = False,
+        lease_wait: float = LEASE_WAIT_S,
     ) -> None:
         super().__init__()
+        if not isinstance(lease_wait, int | float) or not 0 < lease_wait <= 86_400:
+            raise ValidationError(
+                f"lease_wait must be seconds in (0, 86400], got {lease_wait!r}", field="lease_wait"
+            )
+        self._lease_wait = float(lease_wait)
         self._registry = registry
         self._dataset_id = _check_str("dataset_id", dataset_id)
         self._epoch = check_int("epoch", epoch, 0, MAX_EPOCH)
@@ -303,6 +310,11 @@ class ShardSampler(Sampler[int]):
     def epoch(self) -> int:
         """The epoch this sampler reads (change it with `set_epoch`)."""
         return self._epoch
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease this sampler reads and reports under (None before its first fetch)."""
+        return self._lease
 
     @property
     def assignment(self) -> ShardAssignment | None:
@@ -384,13 +396,16 @@ class ShardSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # What was handed out and never acknowledged was not consumed: it is handed out again.
-        self._orphaned += sum(run.count for run in self._in_flight)
         self._in_flight.clear()
         epoch = self._epoch
         drawn: set[int] = set()
+        handed_out = False
         while True:
             try:
-                self._settle_lease(drawn)
+                if self._settle_lease(drawn) and handed_out:
+                    # A new lease: this pass ends here, so that no batch mixes indices read
+                    # under the ended lease with new ones; the next pass reads from the plan.
+                    return
                 self._report()
                 queue = self._fetch(drawn)
                 if not queue:
@@ -418,6 +433,7 @@ class ShardSampler(Sampler[int]):
                             interrupted = True
                             break
                         self._draw(item.shard_id, k, length)
+                        handed_out = True
                         yield order[k]
                         if self._epoch != epoch:
                             return
@@ -439,7 +455,9 @@ class ShardSampler(Sampler[int]):
 
     def ack(self, num_samples: int) -> None:
         """With `manual_ack=True`: the loop is done with the next `num_samples` indices handed
-        out (in order); shards acknowledged to their end are reported done."""
+        out (in order); shards acknowledged to their end are reported done. Raises
+        `strata.StaleLease` when some of them were handed out under a lease that has ended
+        (they are not counted), or when the report is refused for that reason."""
         if not self._manual_ack:
             raise ValidationError(
                 "ack() is for samplers made with manual_ack=True; this one counts an index as "
@@ -449,6 +467,16 @@ class ShardSampler(Sampler[int]):
         ignored = min(count, self._orphaned)
         self._orphaned -= ignored
         count -= ignored
+        if ignored:
+            self._acknowledge(count)
+            raise StaleLease(
+                f"{ignored} of the indices acknowledged were handed out under a lease of worker "
+                f"{self._registry.worker_id!r} that has ended: they are not counted (another "
+                "worker reads them); discard what was trained on them if you can"
+            )
+        self._acknowledge(count)
+
+    def _acknowledge(self, count: int) -> None:
         outstanding = sum(run.count for run in self._in_flight)
         if count > outstanding:
             raise ValidationError(
@@ -491,7 +519,8 @@ class ShardSampler(Sampler[int]):
         """
         if not 0 < timeout <= 86_400:
             raise ValidationError(f"timeout must be in (0, 86400] s, got {timeout!r}")
-        self._report()
+        with contextlib.suppress(StaleLease):
+            self._report()  # refused: nothing of it counts, and the next fetch starts afresh
         deadline = time.monotonic() + timeout
         delay = POLL_S
         fetched_at = time.monotonic()
@@ -502,10 +531,18 @@ class ShardSampler(Sampler[int]):
             known = self._assignment.plan_version if self._assignment is not None else -1
             # The service re-plans only each dataset's latest epoch on its own; asking for
             # shards brings an older epoch's plan up to date, so ask now and then regardless.
-            if summary.plan_version > known or time.monotonic() - fetched_at >= REFETCH_S:
+            if (
+                summary.plan_version > known
+                or time.monotonic() - fetched_at >= REFETCH_S
+                or self._lease != self._registry.lease
+            ):
                 fetched_at = time.monotonic()
-                if self._fetch(set()):
-                    return True
+                try:
+                    self._settle_lease(set())
+                    if self._fetch(set()):
+                        return True
+                except StaleLease:
+                    pass  # the lease ended: the next round waits for the new one
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"epoch {self._epoch} of {self._dataset_id!r}: {summary.done_shards} of "
@@ -526,11 +563,13 @@ class ShardSampler(Sampler[int]):
             return False
         return not self._newer_plan()
 
-    def _settle_lease(self, drawn: set[int]) -> None:
+    def _settle_lease(self, drawn: set[int]) -> bool:
         """Before fetching: wait until the worker's lease holds (or is in doubt: the fetch,
-        which carries it, settles that), starting over from the plan under a new lease."""
+        which carries it, settles that), starting over from the plan under a new lease.
+        True when the lease was replaced."""
+        replaced = False
         registry = self._registry
-        deadline = time.monotonic() + LEASE_WAIT_S
+        deadline = time.monotonic() + self._lease_wait
         delay = POLL_S
         while True:
             current = registry.lease
@@ -546,8 +585,9 @@ class ShardSampler(Sampler[int]):
                 )
                 self._restart_under(current)
                 drawn.clear()
+                replaced = True
             if not self._fenced and (not registry.lease_expired or registry.lease_in_doubt):
-                return
+                return replaced
             if registry.superseded:
                 raise WorkerSuperseded(
                     f"worker {registry.worker_id!r} was registered by another process: this "
@@ -557,7 +597,7 @@ class ShardSampler(Sampler[int]):
                 raise LeaseExpired(
                     f"the lease of worker {registry.worker_id!r} ended or may have (no heartbeat "
                     f"confirmed within the heartbeat timeout) and no new registration came "
-                    f"within {LEASE_WAIT_S:g}s: is the registry reachable?"
+                    f"within {self._lease_wait:g}s: is the registry reachable?"
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 1.5, MAX_POLL_S)

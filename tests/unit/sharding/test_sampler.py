@@ -154,6 +154,9 @@ class WorkerView:
         decision = domain.get_shards(self.shards.state, request, self.shards.now)
         if decision.error is not None:
             raise decision.error
+        if request.lease == self.lease and self.lease_in_doubt:
+            # As `strata.DatasetRegistry`: the service accepted the lease, which holds again.
+            self.lease_in_doubt = self.lease_expired = False
         self.shards.apply(*decision.events)
         return domain.assignment(self.shards.state, request)
 
