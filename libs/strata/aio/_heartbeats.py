@@ -18,7 +18,8 @@ PROBE_TIMEOUT_S: Final = 600
 """How long a PING confirming heartbeats may wait for its PONG. Never shorter: nats-py 2.16's
 `flush(timeout)` cancels its future on a timeout, and a PONG arriving afterwards raises in the
 client's read loop and stops it. A connection without PONGs for this long has been dropped by
-the client's own PINGs (2 x 2 min) well before, and a dropped connection's futures are forgotten."""
+the client's own PINGs (every 10 s, 3 outstanding) well before, and a dropped connection's
+futures are forgotten (a reconnect sends a new PING, `_probe_beats`)."""
 
 
 class _Heartbeats(_WorkerCore):
