@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strata.errors import LeaseExpired, StaleLease
 from strata.torch import ShardSampler
 
@@ -114,3 +116,58 @@ def test_a_flush_under_an_ended_lease_is_refused_and_forgets_the_shard_in_progre
     assert sampler.state_dict()["current"] is None
     assert shards.plan_summary().done_shards == 0
     assert done_by(shards, "a") == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    paused=st.sampled_from(["a", "b", "c"]),
+    pause_at=st.integers(0, 40),
+    pause_rounds=st.integers(0, 30),
+    batch=st.integers(1, 13),
+)
+def test_every_sample_is_trained_once_whenever_a_reader_pauses_past_its_timeout(
+    paused: str, pause_at: int, pause_rounds: int, batch: int
+) -> None:
+    """Three readers take turns: each reports the batch it trained (`ack`, `flush`), then draws
+    the next. At round `pause_at` one of them freezes with a batch in hand: the registry fails
+    it, the others read on for `pause_rounds` rounds, then it wakes, reports its batch (refused:
+    read under the ended lease), registers again and reads on as a new instance. Whatever the
+    moment, the batches whose report was accepted hold every sample exactly once, and so does
+    what the service counts."""
+    workers = ["a", "b", "c"]
+    shards = LocalShards(300, SHARD, workers)
+    samplers = {w: ShardSampler(shards.view(w), DS, manual_ack=True) for w in workers}
+    iterators = {w: iter(samplers[w]) for w in workers}
+    in_hand: dict[str, list[int]] = {w: [] for w in workers}
+    trained: Counter[int] = Counter()
+    refused = Counter[str]()
+    wakes_at: int | None = None
+    for round_ in range(400):
+        if round_ == pause_at:
+            shards.fail(paused)
+            wakes_at = round_ + pause_rounds
+        for worker in workers:
+            if worker == paused and wakes_at is not None:
+                if round_ < wakes_at:
+                    continue  # frozen
+                if round_ == wakes_at:
+                    shards.join(paused, instance=f"{paused}-2")
+            sampler = samplers[worker]
+            lost_before = len(sampler.lost_shards)
+            try:
+                sampler.ack(len(in_hand[worker]))
+                sampler.flush()
+            except StaleLease:
+                refused[worker] += 1
+            else:
+                lost = set(sampler.lost_shards[lost_before:])
+                trained.update(i for i in in_hand[worker] if i // SHARD not in lost)
+            in_hand[worker] = [i for _, i in zip(range(batch), iterators[worker], strict=False)]
+            if len(in_hand[worker]) < batch:
+                iterators[worker] = iter(sampler)  # the pass ended: the next one
+        if shards.plan_summary().done_shards == 30 and not any(in_hand.values()):
+            break
+    assert shards.plan_summary().done_shards == 30
+    assert trained == Counter(range(300))
+    assert counted_samples(shards) == Counter(range(300))
+    assert set(refused) <= {paused}
