@@ -8,11 +8,14 @@ while refusing the old one.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import strata
+from strata.bus.server import NatsServer
 from strata.errors import LeaseRequired, StaleLease
 from strata.events.requests import GetShardsRequest, MembersResult
 
@@ -102,3 +105,36 @@ def test_a_request_without_a_lease_is_refused_with_a_message_to_upgrade(
         old_client = GetShardsRequest(job=worker.job, dataset_id="ds", worker_id=worker.id, epoch=0)
         with pytest.raises(LeaseRequired, match="upgrade strata on the workers"):
             worker.runner.run(worker.aio.bus.rpc.call("sharding", "get_shards", old_client))
+
+
+def test_a_gap_the_registry_did_not_act_on_puts_the_lease_in_doubt_until_beats_settle_it(
+    own_nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Heartbeats stop for longer than the timeout while the registry itself is frozen, so it
+    fails nobody. The first heartbeat NATS confirms after the gap does not renew the lease (the
+    registry may have failed the worker in the gap); a heartbeat timeout of confirmed heartbeats
+    with no notice to register again does."""
+    nats_url = own_nats_server.url  # its own server: no other registry hears this worker
+    registry = support.ServiceProcess("registry", nats_url, tmp_path).start()
+    try:
+        with strata.Worker(job=support.new_job("lease"), nats_url=nats_url) as worker:
+            wait_until(lambda: not worker.lease_expired, 5, "the lease to be confirmed")
+            assert registry.proc is not None
+            os.kill(registry.proc.pid, signal.SIGSTOP)
+            try:
+                worker.aio._suspend_heartbeats(True)
+                wait_until(lambda: worker.lease_expired, 10, "the lease to expire")
+                worker.aio._suspend_heartbeats(False)
+                wait_until(lambda: worker.aio.lease_in_doubt, 10, "the lease to be in doubt")
+                assert worker.lease_expired
+                wait_until(
+                    lambda: not worker.lease_expired,
+                    10 * HEARTBEAT_TIMEOUT,
+                    "confirmed heartbeats to settle the doubt",
+                )
+                assert worker.rejoin_count == 0
+                assert worker.lease.instance == worker.instance
+            finally:
+                os.kill(registry.proc.pid, signal.SIGCONT)
+    finally:
+        registry.stop()

@@ -206,7 +206,8 @@ class _WorkerCore:
         self._lease_doubt_since: float | None = None
         """Set when a heartbeat was confirmed after a gap longer than the heartbeat timeout: the
         registry may have failed this worker in the gap, so the lease counts as expired until a
-        service accepts it again (`_lease_verified`) or a new registration replaces it."""
+        service accepts it again (`_lease_verified`), a heartbeat timeout of confirmed heartbeats
+        passes with no notice to register again, or a new registration replaces it."""
         self._probe: tuple[object, asyncio.Task[None]] | None = None
         """The PING confirming heartbeats in flight, with the connection it was sent on."""
         self._register_sent_at = 0.0
@@ -321,6 +322,14 @@ class _WorkerCore:
                 "worker registers again",
             )
             self._lease_doubt_since = sent_at
+        elif (
+            self._lease_doubt_since is not None
+            and not self._lease_lost
+            and sent_at - self._lease_doubt_since >= registration.heartbeat_timeout
+        ):
+            # A heartbeat timeout of heartbeats NATS received, and no notice to register again
+            # (a failed worker's next heartbeat draws one): the registry did not fail it.
+            self._lease_doubt_since = None
         self._lease_confirmed_at = sent_at
 
     @property
