@@ -492,6 +492,10 @@ class BeginCheckpointRequest(StrictModel):
     instance: Id | None = Field(
         default=None, description="The saving process (its worker registration's instance)."
     )
+    lease: Lease | None = Field(
+        default=None,
+        description="The saving worker's lease; checked if given (`stale_lease` once it ended).",
+    )
     save_id: Id | None = Field(
         default=None, description="Unique per save call: tells a retry from a second save."
     )
@@ -554,6 +558,10 @@ class AckShardRequest(StrictModel):
     )
     instance: Id | None = Field(
         default=None, description="The writing process (its begin's instance); checked if given."
+    )
+    lease: Lease | None = Field(
+        default=None,
+        description="The writing worker's lease; checked if given (`stale_lease` once it ended).",
     )
 
 
