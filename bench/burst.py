@@ -27,6 +27,7 @@ from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events import WorkerRegistered
+from strata.events.requests import Lease
 from strata.services.commit import MAX_BATCH
 
 READY_TIMEOUT_S = 60.0
@@ -115,6 +116,11 @@ async def register_workers(bus: Bus, job: str, count: int) -> list[str]:
         ]
     )
     return workers
+
+
+def registered_lease(worker: str) -> Lease:
+    """The lease `register_workers` gave `worker` (named w<rank>)."""
+    return Lease(worker_id=worker, instance=f"proc-{worker}", epoch=int(worker[1:]) + 1)
 
 
 async def timed_burst(calls: Sequence[Callable[[], Awaitable[object]]]) -> float:

@@ -51,6 +51,7 @@ from bench.burst import (
     Row,
     Variant,
     register_workers,
+    registered_lease,
     render_rows,
     round_order,
     service_stack,
@@ -338,7 +339,9 @@ async def one_burst(bus: Bus, workers: int, shards_per_worker: int) -> tuple[flo
     assignments: list[ShardAssignment] = []
 
     async def ask(worker: str) -> None:
-        request = GetShardsRequest(job=job, dataset_id="ds", worker_id=worker, epoch=0)
+        request = GetShardsRequest(
+            job=job, dataset_id="ds", worker_id=worker, epoch=0, lease=registered_lease(worker)
+        )
         assignments.append(
             await bus.rpc.call(
                 "sharding", "get_shards", request, result=ShardAssignment, timeout=RPC_TIMEOUT_S
@@ -357,6 +360,7 @@ async def one_burst(bus: Bus, workers: int, shards_per_worker: int) -> tuple[flo
             epoch=0,
             worker_id=assignment.worker_id,
             completed=[span.shard_id for span in assignment.shards],
+            lease=registered_lease(assignment.worker_id),
         )
         await bus.rpc.call(
             "sharding", "report_progress", request, result=ProgressResult, timeout=RPC_TIMEOUT_S

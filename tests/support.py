@@ -19,6 +19,7 @@ from strata import procutil
 from strata.bus import Bus, EventFeed
 from strata.config import Env
 from strata.events import AnyEvent, WorkerRegistered, subjects
+from strata.events.requests import Lease
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0
@@ -185,6 +186,11 @@ async def record_registrations(bus: Bus, job: str, workers: list[str]) -> None:
             for rank, worker in enumerate(workers)
         ]
     )
+
+
+def recorded_lease(workers: list[str], worker: str) -> Lease:
+    """The lease `record_registrations(bus, job, workers)` gave `worker`."""
+    return Lease(worker_id=worker, instance=f"p-{worker}", epoch=workers.index(worker) + 1)
 
 
 async def job_events(bus: Bus, job: str) -> list[AnyEvent]:

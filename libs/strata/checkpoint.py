@@ -329,6 +329,7 @@ class AsyncCheckpointManager:
                 world_size=worker.world_size or None,
                 membership_epoch=worker.membership_epoch,
                 instance=worker.instance,
+                lease=worker.lease,
                 save_id=uuid.uuid4().hex,  # the same in every retry of this one call
             ),
             result=CheckpointInfo,
@@ -409,6 +410,7 @@ class AsyncCheckpointManager:
             checksum=written.checksum,
             cursors=cursors,
             instance=worker.instance,
+            lease=worker.lease,
         )
         # The same ack again is the same answer (and one recorded event): retried through a
         # checkpoint service restart for as long as a save may take.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final, TypeVar
 
@@ -33,6 +34,7 @@ from strata.events.models import (
 from strata.events.requests import (
     DatasetInfo,
     GetShardsRequest,
+    Lease,
     Manifest,
     PlanRequest,
     PlanSummary,
@@ -226,23 +228,33 @@ class AsyncDatasetRegistry:
         return await self._call("register_dataset", request, DatasetInfo)
 
     async def assignment(
-        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+        self,
+        dataset_id: str,
+        worker_id: str | None = None,
+        epoch: int = 0,
+        *,
+        lease: Lease | None = None,
     ) -> ShardAssignment:
         """Every shard of a worker (default: this one) for an epoch, in reading order, with each
         shard's `done` flag and consumed `offset`.
 
         The first request of an epoch plans it over the live workers. Raises `strata.NotFound`
-        for a dataset never registered, or a worker that is not a live member of the job.
+        for a dataset never registered, or a worker that is not a live member of the job, and
+        `strata.StaleLease` when `lease` (default: this worker's current one) has ended.
         """
         check_id("dataset_id", dataset_id)
         worker = self._worker.id if worker_id is None else check_id("worker_id", worker_id)
         epoch = _check_epoch(epoch)
         # Watching before asking: no plan change can fall between the answer and the watch.
         await self._ensure_watch()
+        lease = lease if lease is not None else self._worker.lease
         request = GetShardsRequest(
-            job=self._worker.job, dataset_id=dataset_id, worker_id=worker, epoch=epoch
+            job=self._worker.job, dataset_id=dataset_id, worker_id=worker, epoch=epoch, lease=lease
         )
+        asked_at = time.monotonic()
         assignment = await self._call("get_shards", request, ShardAssignment)
+        # The sharding service checked the lease against the membership it had caught up with.
+        self._worker._lease_verified(lease, asked_at)
         self._saw_version(dataset_id, epoch, assignment.plan_version)
         return assignment
 
@@ -262,17 +274,23 @@ class AsyncDatasetRegistry:
         epoch: int,
         completed: Iterable[int] = (),
         partial: Mapping[int, int] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> ProgressResult:
         """Record this worker's progress: shards read to the end, and samples read of others.
 
         A done shard never moves to another worker again; a partial offset (samples consumed from
         the shard's start, in reading order) lets whoever reads the rest start there. Raises
         `strata.ConflictError` when a named shard is no longer this worker's (the plan changed:
-        fetch the assignment again); nothing of such a report is recorded.
+        fetch the assignment again, or another worker already finished it); nothing of such a
+        report is recorded. Progress is reported under `lease` (default: the current one); pass
+        the lease the samples were read under, so that nothing read under an ended lease counts
+        (`strata.StaleLease`).
         """
         check_id("dataset_id", dataset_id)
         epoch = _check_epoch(epoch)
         done, offsets = _check_progress(completed, partial)
+        lease = lease if lease is not None else self._worker.lease
         result: ProgressResult | None = None
         # Large reports go in pieces the service accepts; each piece is recorded on its own.
         for start in range(0, max(len(done), len(offsets), 1), MAX_PROGRESS_ITEMS):
@@ -283,6 +301,7 @@ class AsyncDatasetRegistry:
                 worker_id=self._worker.id,
                 completed=done[start : start + MAX_PROGRESS_ITEMS],
                 partial=offsets[start : start + MAX_PROGRESS_ITEMS],
+                lease=lease,
             )
             result = await self._call("report_progress", request, ProgressResult)
         assert result is not None
@@ -314,6 +333,7 @@ class AsyncDatasetRegistry:
             checkpoint_step=check_int("checkpoint_step", checkpoint_step, 0, 2**62),
             completed=done,
             partial=offsets,
+            lease=self._worker.lease,
         )
         return await self._call("restore_progress", request, ProgressResult)
 
@@ -466,10 +486,18 @@ class DatasetRegistry:
         )
 
     def assignment(
-        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+        self,
+        dataset_id: str,
+        worker_id: str | None = None,
+        epoch: int = 0,
+        *,
+        lease: Lease | None = None,
     ) -> ShardAssignment:
-        """Every shard of a worker (default: this one) for an epoch, with `done` and `offset`."""
-        return self._worker.runner.run(self._aio.assignment(dataset_id, worker_id, epoch))
+        """Every shard of a worker (default: this one) for an epoch, with `done` and `offset`;
+        asked under `lease` (default: this worker's current one)."""
+        return self._worker.runner.run(
+            self._aio.assignment(dataset_id, worker_id, epoch, lease=lease)
+        )
 
     def get_shard_for_worker(
         self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
@@ -483,11 +511,15 @@ class DatasetRegistry:
         epoch: int,
         completed: Iterable[int] = (),
         partial: Mapping[int, int] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> ProgressResult:
         """Record shards this worker read to the end (`completed`) and samples read of others
-        (`partial`: shard id -> offset); `strata.ConflictError` if one is no longer its own."""
+        (`partial`: shard id -> offset), read under `lease` (default: the current one);
+        `strata.ConflictError` if one is no longer its own, `strata.StaleLease` if the lease
+        has ended."""
         return self._worker.runner.run(
-            self._aio.report_progress(dataset_id, epoch, completed, partial)
+            self._aio.report_progress(dataset_id, epoch, completed, partial, lease=lease)
         )
 
     def restore_progress(
@@ -516,6 +548,26 @@ class DatasetRegistry:
     def plan_version_seen(self, dataset_id: str, epoch: int) -> int | None:
         """The newest plan version of (dataset, epoch) heard of since the first `assignment()`."""
         return self._aio.plan_version_seen(dataset_id, epoch)
+
+    @property
+    def lease(self) -> Lease:
+        """The worker's current lease (its registration); see `strata.Worker.lease`."""
+        return self._worker.aio.lease
+
+    @property
+    def lease_expired(self) -> bool:
+        """Whether the worker's lease may have ended: read no more data under it."""
+        return self._worker.aio.lease_expired
+
+    @property
+    def lease_in_doubt(self) -> bool:
+        """A heartbeat was confirmed after a gap: an `assignment()` call settles it."""
+        return self._worker.aio.lease_in_doubt
+
+    @property
+    def superseded(self) -> bool:
+        """Another process holds the worker id now: no lease will come back."""
+        return self._worker.aio.superseded
 
     def close(self) -> None:
         """Stop following plan changes (the worker stays in the job)."""

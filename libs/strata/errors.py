@@ -116,6 +116,31 @@ class WorkerSuperseded(ConflictError):
     code = "superseded"
 
 
+class StaleLease(ConflictError):
+    """A request carried a worker registration (lease) that is no longer the worker's current
+    one: the registry failed it (a pause or a cut longer than the heartbeat timeout), the worker
+    left, or another registration replaced it. Nothing of the request was recorded; the work the
+    process did under that lease and did not report is another worker's now. The SDK registers
+    again as a new instance and starts over from the plan."""
+
+    code = "stale_lease"
+
+
+class LeaseRequired(ConflictError):
+    """A request that changes sharding state carried no lease: it comes from an SDK older than
+    the service, which cannot be fenced. Upgrade strata on the workers."""
+
+    code = "lease_required"
+
+
+class LeaseExpired(StrataError):
+    """Raised by the SDK, not a service: this worker's last confirmed heartbeat is older than the
+    heartbeat timeout, so the registry may have failed it and given its shards to others, and
+    no new registration came in time."""
+
+    code = "lease_expired"
+
+
 class EpochOutOfRange(ConflictError):
     """An epoch whose plan was dropped (too old) or that is too far past the latest planned."""
 
@@ -201,6 +226,9 @@ _BY_CODE: dict[str, type[StrataError]] = {
         Forbidden,
         ConflictError,
         WorkerSuperseded,
+        StaleLease,
+        LeaseRequired,
+        LeaseExpired,
         EpochOutOfRange,
         BusError,
         PublishTimeout,

@@ -28,7 +28,7 @@ from strata.bus import Bus
 from strata.config import Settings
 from strata.errors import StrataError, ValidationError
 from strata.events import LiveState
-from strata.events.requests import MembersResult, Registration
+from strata.events.requests import Lease, MembersResult, Registration
 
 __all__ = ["Worker", "default_worker"]
 
@@ -307,6 +307,18 @@ class Worker:
     def superseded(self) -> bool:
         """A newer process registered this worker id: this one no longer counts; stop it."""
         return self._aio.superseded
+
+    @property
+    def lease(self) -> Lease:
+        """The current registration as a fencing token (instance, lease epoch); a re-registration
+        after being failed is a new instance and a new lease."""
+        return self._aio.lease
+
+    @property
+    def lease_expired(self) -> bool:
+        """Whether the registry may have failed this worker: no heartbeat confirmed within the
+        heartbeat timeout (monotonic clock), or the registry said so. Read no data meanwhile."""
+        return self._aio.lease_expired
 
 
 # -- the implicit worker ---------------------------------------------------------------------------

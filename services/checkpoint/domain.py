@@ -51,6 +51,7 @@ from strata.events.requests import (
     ShardFailedRequest,
 )
 from strata.services.domain import Decision
+from strata.services.leases import Leases
 from strata.storage.base import shard_key, step_prefix
 
 SOURCE = "checkpoint"
@@ -135,6 +136,8 @@ class JobCheckpoints:
     """Live worker id -> rank."""
     instances: dict[str, str] = field(default_factory=dict)
     """Live worker id -> the process (instance) its registration belongs to."""
+    leases: Leases = field(default_factory=Leases)
+    """Each live worker's registration (lease): a begin or an ack under an ended one is refused."""
     membership_epoch: int = 0
     """The newest membership epoch folded (registrations, failures, departures)."""
     open: dict[int, OpenCheckpoint] = field(default_factory=dict)
@@ -155,6 +158,7 @@ class JobCheckpoints:
             self,
             live=dict(self.live),
             instances=dict(self.instances),
+            leases=self.leases.copy(),
             open={step: opened.fork() for step, opened in self.open.items()},
             committed=dict(self.committed),
             aborted=dict(self.aborted),
@@ -216,11 +220,13 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
         job = state.job(event.job)
         job.live[event.worker_id] = event.rank
         job.instances[event.worker_id] = event.instance
+        job.leases.fold(event)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, WorkerFailed | WorkerLeft):
         job = state.job(event.job)
         job.live.pop(event.worker_id, None)
         job.instances.pop(event.worker_id, None)
+        job.leases.fold(event)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, CheckpointStarted):
         job = state.job(event.job)
@@ -337,8 +343,8 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
     job's first checkpoint fixed, a committed (or pruned) step, a save that belonged to an aborted
     attempt of the step, a second save of a rank that already has a writer, a save that disagrees
     with the open step on its world, epoch or storage root, a save from a process whose worker id
-    a newer process took (WorkerSuperseded). A step whose world has a rank with no live worker is
-    recorded as aborted at once.
+    a newer process took (WorkerSuperseded), a save under a lease that has ended (StaleLease).
+    A step whose world has a rank with no live worker is recorded as aborted at once.
 
     A new save of an aborted step opens it again, as its next attempt: a job that restarts from
     the checkpoint before it reaches the same step numbers again.
@@ -368,6 +374,10 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
                 "register it (strata.Worker.start) before checkpointing"
             )
         )
+    if request.lease is not None:
+        fenced = job.leases.check(request.job, request.lease, request.worker_id)
+        if fenced is not None:
+            return Decision(error=fenced)
     holder = job.instances.get(request.worker_id)
     if request.instance is not None and holder is not None and holder != request.instance:
         return Decision(
@@ -561,8 +571,9 @@ def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDec
     The shard's key is derived here (job, step, rank, attempt), never taken from the request.
     Refused: a step not open (`NotFound`; `ConflictError` once aborted or committed without this
     very shard), an ack from a worker that is not the rank's participant, of another epoch, from
-    another process than the one that declared the rank (`WorkerSuperseded`), of a rank nobody
-    declared, or one that contradicts the rank's first ack. A retry gets the first answer again.
+    another process than the one that declared the rank (`WorkerSuperseded`), under a lease that
+    has ended (`StaleLease`), of a rank nobody declared, or one that contradicts the rank's first
+    ack. A retry gets the first answer again.
     """
     job = state.job(request.job)
     step, rank = request.step, request.rank
@@ -602,6 +613,10 @@ def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDec
     first = opened.acks.get(rank)
     if first is not None and _same_shard(first, saved):
         return AckDecision(result=answer)  # a retry: recorded already
+    if request.lease is not None:
+        fenced = job.leases.check(request.job, request.lease, request.worker_id)
+        if fenced is not None:
+            return AckDecision(error=fenced)
     problem = ack_problem(opened, saved)
     if problem is not None:
         return AckDecision(error=ConflictError(f"ack of step {step} refused: {problem}"))

@@ -308,10 +308,18 @@ def _register(
                 )
             )
         return Decision()  # a retry of a registration that already happened
-    if request.rejoin and existing is not None and existing.instance != request.instance:
-        # The SDK re-registers on its own after being failed. Another process has registered
-        # the id since: the newer one holds it, and taking it back would make the two processes
-        # take the id from each other in turn.
+    if (
+        request.rejoin
+        and existing is not None
+        and existing.instance
+        not in (
+            request.instance,
+            request.replaces,
+        )
+    ):
+        # The SDK re-registers on its own after being failed, as a new instance replacing the
+        # one it was. Another process has registered the id since: the newer one holds it, and
+        # taking it back would make the two processes take the id from each other in turn.
         return Decision(
             error=WorkerSuperseded(
                 f"worker id {worker_id!r} of job {request.job!r} was registered by another "
@@ -663,6 +671,7 @@ def registration_reply(job: Job, worker_id: str, policy: Policy, rejoined: bool)
         "heartbeat_interval": policy.heartbeat_interval,
         "heartbeat_timeout": policy.heartbeat_timeout,
         "rejoined": rejoined,
+        "lease_epoch": member.registered_epoch,
     }
 
 

@@ -42,6 +42,7 @@ from strata.events.ids import event_id
 from strata.events.requests import (
     DatasetInfo,
     GetShardsRequest,
+    Lease,
     PlanSummary,
     ProgressResult,
     RegisterDatasetRequest,
@@ -51,6 +52,7 @@ from strata.events.requests import (
     ShardSpan,
 )
 from strata.services.domain import Decision
+from strata.services.leases import Leases
 from strata.sharding import DatasetSpec, Plan, initial_plan, replan
 
 SOURCE = "sharding"
@@ -70,11 +72,16 @@ class EpochPlan:
     plan: Plan
     offsets: dict[int, int] = field(default_factory=dict)
     """Samples consumed of shards not yet done."""
+    restored: frozenset[int] = frozenset()
+    """Shards done by the last restore (a checkpoint's cursors), not by a reader of this plan:
+    any rank may name them again (a sampler resuming from its cursor), whoever owns them now."""
 
     def fork(self) -> EpochPlan:
         """A copy that `evolve` may change without changing this one. Only progress (`done`,
         `offsets`) and the version change in place; a re-plan makes new owner arrays."""
-        return EpochPlan(replace(self.plan, done=self.plan.done.copy()), dict(self.offsets))
+        return EpochPlan(
+            replace(self.plan, done=self.plan.done.copy()), dict(self.offsets), self.restored
+        )
 
 
 @dataclass
@@ -94,6 +101,8 @@ class JobSharding:
     """Dataset id -> how many restores it has had: part of a restore's event id, so a second
     restore to the same checkpoint (a failure before the next one committed) is not dropped as
     a duplicate of the first."""
+    leases: Leases = field(default_factory=Leases)
+    """Each live worker's registration (lease): requests carrying an ended one are refused."""
 
     def fork(self, dataset_ids: set[str]) -> JobSharding:
         """A copy that `evolve` may change without changing this one, for events of the datasets
@@ -110,6 +119,7 @@ class JobSharding:
             restored=dict(self.restored),
             retired=dict(self.retired),
             restores=dict(self.restores),
+            leases=self.leases.copy(),
         )
 
     def latest_epoch(self, dataset_id: str) -> int | None:
@@ -177,10 +187,12 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
     if isinstance(event, WorkerRegistered):
         job = state.job(event.job)
         job.live.add(event.worker_id)
+        job.leases.fold(event)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, WorkerFailed | WorkerLeft):
         job = state.job(event.job)
         job.live.discard(event.worker_id)
+        job.leases.fold(event)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
     elif isinstance(event, DatasetRegistered):
         state.job(event.job).datasets.setdefault(event.dataset_id, _spec(event))
@@ -209,6 +221,7 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
         if epoch_plan is not None:
             size = epoch_plan.plan.owner.size
             epoch_plan.plan.reset_progress(s for s in event.completed if s < size)
+            epoch_plan.restored = frozenset(s for s in event.completed if s < size)
             epoch_plan.offsets = {
                 p.shard_id: p.offset
                 for p in event.partial
@@ -367,6 +380,9 @@ def get_shards(state: ShardingState, request: GetShardsRequest, now_ns: int) -> 
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
         return Decision(error=job)
+    fenced = job.leases.check(request.job, request.lease)
+    if fenced is not None:
+        return Decision(error=fenced)
     refused = _out_of_window(job, request.dataset_id, request.epoch)
     if refused is not None:
         return Decision(error=refused)
@@ -444,6 +460,9 @@ def report_progress(
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
         return Decision(error=job)
+    fenced = job.leases.check(request.job, request.lease, request.worker_id)
+    if fenced is not None:
+        return Decision(error=fenced)
     epoch_plan = job.plans.get((request.dataset_id, request.epoch))
     if epoch_plan is None:
         refused = _out_of_window(job, request.dataset_id, request.epoch)
@@ -465,6 +484,25 @@ def report_progress(
             )
         )
     mine = set(plan.shards_of(request.worker_id))
+    # A done shard never moves: its owner finished it. One named by another worker was read
+    # there after it moved away (a reader that paused, then read on): refused, not ignored.
+    finished_elsewhere = [
+        s
+        for s in named
+        if s not in mine and plan.done[s] and plan.owner[s] >= 0 and s not in epoch_plan.restored
+    ]
+    if finished_elsewhere:
+        shard = finished_elsewhere[0]
+        finisher = plan.members[int(plan.owner[shard])]
+        return Decision(
+            error=ConflictError(
+                f"shards {finished_elsewhere[:5]} of {request.dataset_id!r} epoch "
+                f"{request.epoch} were already finished by another worker ({finisher!r} for "
+                f"shard {shard}), not by {request.worker_id!r}: this worker read them after "
+                "they moved away, and that reading is not counted; fetch this worker's shards "
+                "again"
+            )
+        )
     foreign = [s for s in named if s not in mine and not plan.done[s]]
     if foreign:
         return Decision(
@@ -518,6 +556,9 @@ def restore_progress(
     job = _known(state, request.job, request.dataset_id)
     if isinstance(job, StrataError):
         return Decision(error=job)
+    fenced = job.leases.check(request.job, request.lease, request.worker_id)
+    if fenced is not None:
+        return Decision(error=fenced)
     spec = job.datasets[request.dataset_id]
     named = [*request.completed, *(p.shard_id for p in request.partial)]
     outside = sorted({s for s in named if s >= spec.num_shards})
@@ -636,6 +677,15 @@ def decide_all(
     return decisions
 
 
+def current_lease(state: ShardingState, job_id: str, worker_id: str) -> Lease | None:
+    """The lease of `worker_id`'s live registration, as this service knows it."""
+    job = state.jobs.get(job_id)
+    held = job.leases.current.get(worker_id) if job is not None else None
+    if held is None:
+        return None
+    return Lease(worker_id=worker_id, instance=held[0], epoch=held[1])
+
+
 def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int) -> PlanSummary:
     job = state.jobs.get(job_id)
     epoch_plan = job.plans.get((dataset_id, epoch)) if job else None
@@ -656,10 +706,11 @@ def plan_summary(state: ShardingState, job_id: str, dataset_id: str, epoch: int)
 
 # -- snapshots ------------------------------------------------------------------------------------
 
-SNAPSHOT_VERSION = 4
+SNAPSHOT_VERSION = 5
 """2: restore counts and retired plan versions. 3: only the plans of each dataset's newest epochs
 (`domain.EPOCHS_KEPT`), with the versions of those dropped. 4: each plan's reading order, which a
-re-plan changes (moved shards go last), so it no longer follows from (seed, epoch). An older
+re-plan changes (moved shards go last), so it no longer follows from (seed, epoch). 5: each live
+worker's lease, and how the last lease of each other one ended. An older
 snapshot is ignored: the stream is replayed instead, which rebuilds all of it as evolve does."""
 
 
@@ -673,6 +724,8 @@ def snapshot(state: ShardingState) -> dict[str, Any]:
                 "job": job.job,
                 "membership_epoch": job.membership_epoch,
                 "live": sorted(job.live),
+                "leases": [[w, i, e] for w, (i, e) in sorted(job.leases.current.items())],
+                "ended": [[w, how] for w, how in sorted(job.leases.ended.items())],
                 "restored": [[ds, e, step] for ds, (e, step) in job.restored.items()],
                 "restores": [[ds, count] for ds, count in job.restores.items()],
                 "retired": [[ds, e, version] for (ds, e), version in job.retired.items()],
@@ -690,6 +743,7 @@ def snapshot(state: ShardingState) -> dict[str, Any]:
                         "position": ep.plan.position.astype(np.int32).tobytes(),
                         "done": np.packbits(ep.plan.done).tobytes(),
                         "offsets": [[s, o] for s, o in ep.offsets.items()],
+                        "restored": sorted(ep.restored),
                     }
                     for (ds, epoch), ep in job.plans.items()
                 ],
@@ -706,6 +760,9 @@ def restore(data: dict[str, Any]) -> ShardingState:
         job = state.job(raw["job"])
         job.membership_epoch = raw["membership_epoch"]
         job.live = set(raw["live"])
+        job.leases = Leases(
+            {w: (i, int(e)) for w, i, e in raw["leases"]}, {w: how for w, how in raw["ended"]}
+        )
         job.restored = {ds: (e, step) for ds, e, step in raw.get("restored", [])}
         job.restores = {ds: int(count) for ds, count in raw.get("restores", [])}
         job.retired = {(ds, e): int(version) for ds, e, version in raw.get("retired", [])}
@@ -719,6 +776,8 @@ def restore(data: dict[str, Any]) -> ShardingState:
             plan = Plan(spec, p["epoch"], list(p["members"]), owner, position, p["version"])
             plan.done = done.astype(np.bool_)
             job.plans[(p["dataset_id"], p["epoch"])] = EpochPlan(
-                plan, {int(s): int(o) for s, o in p["offsets"]}
+                plan,
+                {int(s): int(o) for s, o in p["offsets"]},
+                frozenset(int(s) for s in p["restored"]),
             )
     return state

@@ -57,6 +57,7 @@ from strata.events.requests import (
     CheckpointQuery,
     DatasetInfo,
     GetShardsRequest,
+    Lease,
     MembersRequest,
     PlanRequest,
     RegisterDatasetRequest,
@@ -579,9 +580,15 @@ async def _set_up_victim(url: str, root: Path) -> None:
     nc = await nats.connect(url)
     try:
         clients = [RpcClient(nc, timeout=PROMPT, caller=Caller(VICTIM, w)) for w in VICTIMS]
+        leases = {}
         for worker, client in zip(VICTIMS, clients, strict=True):
-            await client.call(
-                "registry", "register", RegisterRequest(job=VICTIM, instance=f"i-{worker}")
+            registration = Registration.model_validate(
+                await client.call(
+                    "registry", "register", RegisterRequest(job=VICTIM, instance=f"i-{worker}")
+                )
+            )
+            leases[worker] = Lease(
+                worker_id=worker, instance=registration.instance, epoch=registration.lease_epoch
             )
         await clients[0].call(
             "sharding",
@@ -592,7 +599,13 @@ async def _set_up_victim(url: str, root: Path) -> None:
             shards = await client.call(
                 "sharding",
                 "get_shards",
-                GetShardsRequest(job=VICTIM, dataset_id=DATASET, worker_id=worker, epoch=0),
+                GetShardsRequest(
+                    job=VICTIM,
+                    dataset_id=DATASET,
+                    worker_id=worker,
+                    epoch=0,
+                    lease=leases[worker],
+                ),
                 result=ShardAssignment,
             )
             done = [shards.shards[0].shard_id]
@@ -600,7 +613,12 @@ async def _set_up_victim(url: str, root: Path) -> None:
                 "sharding",
                 "report_progress",
                 ReportProgressRequest(
-                    job=VICTIM, dataset_id=DATASET, epoch=0, worker_id=worker, completed=done
+                    job=VICTIM,
+                    dataset_id=DATASET,
+                    epoch=0,
+                    worker_id=worker,
+                    completed=done,
+                    lease=leases[worker],
                 ),
             )
         arrivals = [

@@ -508,7 +508,13 @@ async def test_a_burst_of_workers_asking_at_once_is_planned_once_and_covers_ever
                 bus.rpc.call(
                     "sharding",
                     "get_shards",
-                    GetShardsRequest(job=job, dataset_id="ds", worker_id=worker, epoch=0),
+                    GetShardsRequest(
+                        job=job,
+                        dataset_id="ds",
+                        worker_id=worker,
+                        epoch=0,
+                        lease=support.recorded_lease(workers, worker),
+                    ),
                     result=ShardAssignment,
                     timeout=60,
                 )
@@ -531,6 +537,7 @@ async def test_a_burst_of_workers_asking_at_once_is_planned_once_and_covers_ever
                         epoch=0,
                         worker_id=a.worker_id,
                         completed=shard_ids(a),
+                        lease=support.recorded_lease(workers, a.worker_id),
                     ),
                     result=ProgressResult,
                     timeout=60,

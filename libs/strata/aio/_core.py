@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
@@ -28,7 +29,13 @@ from strata.errors import ConfigError, ConflictError, NotFound, StrataError, Val
 from strata.events import LIVE_STATES, LiveState, MetricSampled
 from strata.events.codec import validation_error
 from strata.events.models import MAX_RANK
-from strata.events.requests import LeaveRequest, LeaveResult, RegisterRequest, Registration
+from strata.events.requests import (
+    Lease,
+    LeaveRequest,
+    LeaveResult,
+    RegisterRequest,
+    Registration,
+)
 from strata.launch import launched_as
 from strata.logs import configure_library_logging
 from strata.security import job_of_shared_user, worker_identity
@@ -194,6 +201,26 @@ class _WorkerCore:
         """(membership epoch, world size), replaced whole for readers on other threads."""
         self._rejoin_count = 0
         self._registered_at = 0.0
+        # The lease: the current registration holds while the registry cannot have failed it,
+        # i.e. until a heartbeat timeout after the last heartbeat known to have reached NATS.
+        self._lease: Lease | None = None
+        self._beat_sent_at = 0.0
+        """Monotonic time the last heartbeat was handed to the connection."""
+        self._lease_confirmed_at = 0.0
+        """Monotonic time of the last heartbeat (or registration) NATS confirmed receiving."""
+        self._lease_lost = False
+        """The registry said the current registration is over (a notice to register again)."""
+        self._lease_doubt_since: float | None = None
+        """Set when a heartbeat was confirmed after a gap longer than the heartbeat timeout: the
+        registry may have failed this worker in the gap, so the lease counts as expired until a
+        service accepts it again (`_lease_verified`), a heartbeat timeout of confirmed heartbeats
+        passes with no notice to register again, or a new registration replaces it."""
+        self._probe: tuple[object, asyncio.Task[None]] | None = None
+        """The PING confirming heartbeats in flight, with the connection it was sent on."""
+        self._register_sent_at = 0.0
+        self._rejoining = False
+        self._next_instance: str | None = None
+        """The instance a re-registration in progress registers as, kept across its retries."""
         self._superseded: str | None = None
         """Why another process now holds this worker id, once this one was told."""
 
@@ -244,6 +271,73 @@ class _WorkerCore:
     def instance(self) -> str:
         """Random per Worker object: tells the registry a retry from a second process."""
         return self._instance
+
+    @property
+    def lease(self) -> Lease:
+        """This worker's lease: its current registration (instance and the membership epoch it
+        was granted at). Requests that change sharding state carry it; a service refuses one
+        that is no longer current (`strata.StaleLease`). A re-registration is a new lease."""
+        self._registered("lease")
+        assert self._lease is not None
+        return self._lease
+
+    @property
+    def lease_expired(self) -> bool:
+        """True when the registry may have failed this worker: its last heartbeat NATS confirmed
+        is older than the heartbeat timeout (monotonic clock), or the registry said so. A worker
+        whose lease expired must not read more data under it (`ShardSampler` waits for a
+        confirmed heartbeat or a new registration)."""
+        registration = self._registration
+        if registration is None or self._lease_lost or self._superseded is not None:
+            return True
+        if self._lease_doubt_since is not None:
+            return True
+        return time.monotonic() - self._lease_confirmed_at > registration.heartbeat_timeout
+
+    @property
+    def lease_in_doubt(self) -> bool:
+        """A heartbeat was confirmed after a gap longer than the heartbeat timeout (this process
+        or its connection was held up): the lease may have ended in the gap, and holds again
+        only once a service accepts it (`strata.DatasetRegistry` asks the sharding service)."""
+        return self._lease_doubt_since is not None and not self._lease_lost
+
+    @property
+    def lease_age(self) -> float:
+        """Seconds since the heartbeat (or registration) that last renewed the lease was sent."""
+        return time.monotonic() - self._lease_confirmed_at
+
+    def _lease_verified(self, lease: Lease, asked_at: float) -> None:
+        """A service accepted `lease` for a request sent at `asked_at` (monotonic): if that was
+        after the heartbeat that ended a gap, the lease holds again."""
+        doubt = self._lease_doubt_since
+        if doubt is not None and lease == self._lease and asked_at >= doubt:
+            self._lease_doubt_since = None
+            self._lease_confirmed_at = max(self._lease_confirmed_at, doubt)
+
+    def _confirm_beat(self, sent_at: float) -> None:
+        """NATS confirmed receiving the heartbeats sent up to `sent_at` (monotonic)."""
+        registration = self._registration
+        if registration is None or sent_at <= self._lease_confirmed_at:
+            return
+        gap = sent_at - self._lease_confirmed_at
+        if gap > registration.heartbeat_timeout and self._lease_doubt_since is None:
+            self._log.warning(
+                "lease_in_doubt",
+                gap_s=round(gap, 3),
+                heartbeat_timeout=registration.heartbeat_timeout,
+                consequence="no data is read until a service accepts the lease again or the "
+                "worker registers again",
+            )
+            self._lease_doubt_since = sent_at
+        elif (
+            self._lease_doubt_since is not None
+            and not self._lease_lost
+            and sent_at - self._lease_doubt_since >= registration.heartbeat_timeout
+        ):
+            # A heartbeat timeout of heartbeats NATS received, and no notice to register again
+            # (a failed worker's next heartbeat draws one): the registry did not fail it.
+            self._lease_doubt_since = None
+        self._lease_confirmed_at = sent_at
 
     @property
     def settings(self) -> Settings:
@@ -360,8 +454,19 @@ class _WorkerCore:
         # The same instance makes a retried register idempotent on the registry's side. A rejoin
         # asks for the same rank as the first registration did (its request is the same).
         request = self._register_request
+        self._register_sent_at = time.monotonic()
         if rejoin:
-            request = request.model_copy(update={"rejoin": True})
+            # A new lease: a new instance replacing this one, under the same worker id.
+            if self._next_instance is None:
+                self._next_instance = uuid.uuid4().hex
+            request = request.model_copy(
+                update={
+                    "rejoin": True,
+                    "instance": self._next_instance,
+                    "worker_id": self._worker_id,
+                    "replaces": self._instance,
+                }
+            )
         return await self.bus.rpc.call(
             REGISTRY,
             "register",

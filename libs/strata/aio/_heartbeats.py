@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from typing import Final
+
+from nats.aio.client import Client as NATS
 
 from strata._checks import check_int
 from strata.aio._core import _check_state, _WorkerCore
 from strata.events import LiveState, WorkerHeartbeat
 from strata.events.models import MAX_EPOCH, MAX_STEP
+
+PROBE_TIMEOUT_S: Final = 600
+"""How long a PING confirming heartbeats may wait for its PONG. Never shorter: nats-py 2.16's
+`flush(timeout)` cancels its future on a timeout, and a PONG arriving afterwards raises in the
+client's read loop and stops it. A connection without PONGs for this long has been dropped by
+the client's own PINGs (every 10 s, 3 outstanding) well before, and a dropped connection's
+futures are forgotten (a reconnect sends a new PING, `_probe_beats`)."""
 
 
 class _Heartbeats(_WorkerCore):
@@ -57,9 +68,15 @@ class _Heartbeats(_WorkerCore):
     async def _beat(self) -> None:
         """Publish one heartbeat; a failure is logged and the next beat tries again."""
         bus = self._bus
-        if bus is None or self._heartbeats_suspended or self._superseded is not None:
+        if (
+            bus is None
+            or self._heartbeats_suspended
+            or self._superseded is not None
+            or self._rejoining
+        ):
             return
         try:
+            sent_at = time.monotonic()
             cpu_percent, rss_bytes = self._sampler.sample()
             gpu_util, gpu_mem = self._sampler.gpu()
             self._seq += 1
@@ -79,6 +96,8 @@ class _Heartbeats(_WorkerCore):
                 gpu_mem_bytes=gpu_mem,
             )
             await bus.publish_telemetry(heartbeat)
+            self._beat_sent_at = sent_at
+            self._probe_beats(bus.nc)
         except Exception as exc:
             self._heartbeat_failures += 1
             if self._heartbeat_failures == 1 or self._heartbeat_failures % 100 == 0:
@@ -91,3 +110,18 @@ class _Heartbeats(_WorkerCore):
         if self._heartbeat_failures:
             self._log.info("heartbeat_recovered", after_failures=self._heartbeat_failures)
             self._heartbeat_failures = 0
+
+    def _probe_beats(self, nc: NATS) -> None:
+        """Confirm the heartbeats sent so far with a PING: its PONG proves NATS received them,
+        which renews the lease from the time the last of them was sent. One PING at a time per
+        connection; a reconnect forgets the PINGs of the old one, so a new one goes out."""
+        connection = (nc, nc.stats.get("reconnects", 0))
+        if self._probe is not None and self._probe[0] == connection and not self._probe[1].done():
+            return
+        task = asyncio.get_running_loop().create_task(self._confirm_beats(nc, self._beat_sent_at))
+        self._probe = (connection, task)
+
+    async def _confirm_beats(self, nc: NATS, sent_at: float) -> None:
+        with contextlib.suppress(Exception):
+            await nc.flush(timeout=PROBE_TIMEOUT_S)
+            self._confirm_beat(sent_at)

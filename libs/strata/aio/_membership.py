@@ -15,6 +15,7 @@ from strata.aio._heartbeats import _Heartbeats
 from strata.errors import StrataError, WorkerSuperseded
 from strata.events import decode_model, subjects
 from strata.events.requests import (
+    Lease,
     MembersRequest,
     MembersResult,
     Registration,
@@ -47,8 +48,11 @@ class _Membership(_Heartbeats):
         if notice.instance is not None and notice.instance != self._instance:
             return  # for another process using this worker id
         if notice.kind == "reregister":
+            if notice.instance == self._instance and self._registration is not None:
+                # This very registration is over (not a late notice to an earlier instance).
+                self._lease_lost = True
             self._request_rejoin(notice.reason)
-        elif notice.kind == "superseded":
+        elif notice.kind == "superseded" and not self._rejoining:
             self._supersede(notice.reason)
 
     def _supersede(self, reason: str) -> None:
@@ -81,6 +85,9 @@ class _Membership(_Heartbeats):
     async def _rejoin(self, reason: str) -> None:
         previous_rank = self.rank
         self._log.warning("worker_reregistering", reason=reason)
+        # The old instance's heartbeats stop meanwhile: one reaching the registry after the new
+        # registration and before its answer would draw a `superseded` notice to this process.
+        self._rejoining = True
         try:
             registration = await self._register(rejoin=True)
         except WorkerSuperseded as exc:
@@ -93,6 +100,8 @@ class _Membership(_Heartbeats):
                 consequence="the registry will ask again on the next heartbeat",
             )
             return
+        finally:
+            self._rejoining = False
         self._apply_registration(registration)
         if not registration.rejoined:
             # The registry still had this registration live (e.g. it was rebuilding its state).
@@ -117,8 +126,24 @@ class _Membership(_Heartbeats):
             self._log.exception("on_rejoin_failed")
 
     def _apply_registration(self, registration: Registration) -> None:
+        if registration.instance != self._instance:
+            # A rejoin: this process is the new instance from now on (its heartbeats, notices,
+            # barrier arrivals and checkpoint saves), and the old one's lease is over.
+            self._instance = registration.instance
+            self._register_request = self._register_request.model_copy(
+                update={"instance": registration.instance, "worker_id": self._worker_id}
+            )
+        self._next_instance = None
         self._registration = registration
         self._registered_at = time.monotonic()
+        self._lease = Lease(
+            worker_id=registration.worker_id,
+            instance=registration.instance,
+            epoch=registration.lease_epoch,
+        )
+        self._lease_confirmed_at = max(self._lease_confirmed_at, self._register_sent_at)
+        self._lease_lost = False
+        self._lease_doubt_since = None
         self._observe_membership(registration.membership_epoch, registration.world_size)
 
     # -- membership -------------------------------------------------------------------------------

@@ -127,6 +127,10 @@ class Worker(_TrainingMetrics):
                     await self._leave()
             finally:
                 await self._close_bus()
+                # Only now: cancelled on an open connection, its PONG would stop the reader.
+                probe, self._probe = self._probe, None
+                if probe is not None:
+                    probe[1].cancel()
                 self._started = False
                 self._stopping = False
         if failure is not None:

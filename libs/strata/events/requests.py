@@ -68,6 +68,11 @@ class RegisterRequest(StrictModel):
         description="Sent by a worker re-registering on its own after it was failed: refused "
         "(`superseded`) if another process registered the id since.",
     )
+    replaces: Id | None = Field(
+        default=None,
+        description="With `rejoin`: the instance this process registered under before. A rejoin "
+        "is a new instance (a new lease); it may take over the id only from that one.",
+    )
 
 
 class Registration(StrictModel):
@@ -83,6 +88,20 @@ class Registration(StrictModel):
         description="The id had failed or left before this registration, or was live in "
         "another process, which this registration superseded."
     )
+    lease_epoch: MembershipEpoch = Field(
+        description="The membership epoch of this registration: with `instance`, the lease "
+        "(fencing token) that requests changing sharding state carry."
+    )
+
+
+class Lease(StrictModel):
+    """A worker's registration as a fencing token: the instance that registered and the
+    membership epoch of that registration (`Registration.lease_epoch`). A service refuses a
+    request whose lease is no longer the worker's current registration (`stale_lease`)."""
+
+    worker_id: Id
+    instance: Id
+    epoch: MembershipEpoch
 
 
 class LeaveRequest(StrictModel):
@@ -194,10 +213,16 @@ class DatasetInfo(StrictModel):
 
 
 class GetShardsRequest(StrictModel):
+    """A worker's shards; `lease` is the requester's (it may ask for another member's)."""
+
     job: Id
     dataset_id: Id
     worker_id: Id
     epoch: Epoch
+    lease: Lease | None = Field(
+        default=None,
+        description="The requesting worker's lease; required (`lease_required` without it).",
+    )
 
 
 class ShardSpan(StrictModel):
@@ -231,6 +256,10 @@ class ReportProgressRequest(StrictModel):
     partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
         Field(default_factory=list)
     )
+    lease: Lease | None = Field(
+        default=None,
+        description="The requesting worker's lease; required (`lease_required` without it).",
+    )
 
 
 class ProgressResult(StrictModel):
@@ -258,6 +287,10 @@ class RestoreProgressRequest(StrictModel):
     )
     partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
         Field(default_factory=list)
+    )
+    lease: Lease | None = Field(
+        default=None,
+        description="The requesting worker's lease; required (`lease_required` without it).",
     )
 
 
@@ -501,6 +534,10 @@ class BeginCheckpointRequest(StrictModel):
     instance: Id | None = Field(
         default=None, description="The saving process (its worker registration's instance)."
     )
+    lease: Lease | None = Field(
+        default=None,
+        description="The saving worker's lease; checked if given (`stale_lease` once it ended).",
+    )
     save_id: Id | None = Field(
         default=None, description="Unique per save call: tells a retry from a second save."
     )
@@ -563,6 +600,10 @@ class AckShardRequest(StrictModel):
     )
     instance: Id | None = Field(
         default=None, description="The writing process (its begin's instance); checked if given."
+    )
+    lease: Lease | None = Field(
+        default=None,
+        description="The writing worker's lease; checked if given (`stale_lease` once it ended).",
     )
 
 

@@ -8,6 +8,7 @@ order, reading queue, cursor checks) are functions here, so they are tested with
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -21,9 +22,15 @@ from torch.utils.data import Sampler
 
 from strata._checks import check_int
 from strata.datasets import merge_cursors
-from strata.errors import ConflictError, ValidationError
+from strata.errors import (
+    ConflictError,
+    LeaseExpired,
+    StaleLease,
+    ValidationError,
+    WorkerSuperseded,
+)
 from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES, DataCursor, ShardOffset
-from strata.events.requests import PlanSummary, ProgressResult, ShardAssignment
+from strata.events.requests import Lease, PlanSummary, ProgressResult, ShardAssignment
 
 __all__ = [
     "CURSOR_VERSION",
@@ -42,6 +49,10 @@ than the sampler can follow; it is an error rather than a silent loss."""
 POLL_S: Final = 0.05
 MAX_POLL_S: Final = 1.0
 REFETCH_S: Final = 2.0
+LEASE_WAIT_S: Final = 120.0
+"""How long the sampler waits for its worker's lease to hold again (a confirmed heartbeat the
+sharding service accepts) or for a new registration, before it raises `LeaseExpired`: long
+enough for a registry restart and a re-registration."""
 
 log = structlog.get_logger("strata.sampler")
 
@@ -52,8 +63,25 @@ class ShardSource(Protocol):
     @property
     def worker_id(self) -> str: ...
 
+    @property
+    def lease(self) -> Lease: ...
+
+    @property
+    def lease_expired(self) -> bool: ...
+
+    @property
+    def lease_in_doubt(self) -> bool: ...
+
+    @property
+    def superseded(self) -> bool: ...
+
     def assignment(
-        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+        self,
+        dataset_id: str,
+        worker_id: str | None = None,
+        epoch: int = 0,
+        *,
+        lease: Lease | None = None,
     ) -> ShardAssignment: ...
 
     def report_progress(
@@ -62,6 +90,8 @@ class ShardSource(Protocol):
         epoch: int,
         completed: Iterable[int] = (),
         partial: Mapping[int, int] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> ProgressResult: ...
 
     def plan(self, dataset_id: str, epoch: int = 0) -> PlanSummary: ...
@@ -223,8 +253,14 @@ class ShardSampler(Sampler[int]):
         report_every: int = 1,
         cursor: Mapping[str, Any] | None = None,
         manual_ack: bool = False,
+        lease_wait: float = LEASE_WAIT_S,
     ) -> None:
         super().__init__()
+        if not isinstance(lease_wait, int | float) or not 0 < lease_wait <= 86_400:
+            raise ValidationError(
+                f"lease_wait must be seconds in (0, 86400], got {lease_wait!r}", field="lease_wait"
+            )
+        self._lease_wait = float(lease_wait)
         self._registry = registry
         self._dataset_id = _check_str("dataset_id", dataset_id)
         self._epoch = check_int("epoch", epoch, 0, MAX_EPOCH)
@@ -249,6 +285,13 @@ class ShardSampler(Sampler[int]):
         self._stale = False
         self._in_flight: deque[_Drawn] = deque()
         self._lost: list[int] = []
+        self._lease: Lease | None = None
+        """The lease this sampler's progress belongs to; reported under it, never another."""
+        self._fenced = False
+        """A service refused `_lease` (`StaleLease`): nothing more is read until a new one."""
+        self._orphaned = 0
+        """Indices handed out under an ended lease and not acknowledged (`manual_ack`): their
+        `ack()` is taken and ignored."""
 
     def __repr__(self) -> str:
         return (
@@ -267,6 +310,11 @@ class ShardSampler(Sampler[int]):
     def epoch(self) -> int:
         """The epoch this sampler reads (change it with `set_epoch`)."""
         return self._epoch
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease this sampler reads and reports under (None before its first fetch)."""
+        return self._lease
 
     @property
     def assignment(self) -> ShardAssignment | None:
@@ -349,47 +397,86 @@ class ShardSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         # What was handed out and never acknowledged was not consumed: it is handed out again.
         self._in_flight.clear()
-        self._report()
         epoch = self._epoch
         drawn: set[int] = set()
+        handed_out = False
         while True:
-            queue = self._fetch(drawn)
-            if not queue:
+            try:
+                if self._settle_lease(drawn) and handed_out:
+                    # A new lease: this pass ends here, so that no batch mixes indices read
+                    # under the ended lease with new ones; the next pass reads from the plan.
+                    return
                 self._report()
-                return
-            for item in queue:
-                if self._epoch != epoch:
-                    return  # set_epoch() was called: this iteration belongs to the old epoch
-                if self._stale or self._newer_plan():
-                    break
-                order = within_shard_order(
-                    item.start,
-                    item.end,
-                    shuffle=self._shuffle,
-                    seed=self._seed,
-                    epoch=self._epoch,
-                    shard_id=item.shard_id,
-                )
-                length = len(order)
-                for k in range(item.offset, length):
-                    self._draw(item.shard_id, k, length)
-                    yield order[k]
+                queue = self._fetch(drawn)
+                if not queue:
+                    self._report()
+                    return
+                for item in queue:
                     if self._epoch != epoch:
-                        return
-                drawn.add(item.shard_id)
-                # Here the loop has asked for the index after the shard's last one.
-                if not self._manual_ack or item.offset >= length:
-                    self._complete(item.shard_id)
+                        return  # set_epoch() was called: this iteration belongs to the old epoch
+                    if self._stale or not self._may_draw():
+                        break
+                    order = within_shard_order(
+                        item.start,
+                        item.end,
+                        shuffle=self._shuffle,
+                        seed=self._seed,
+                        epoch=self._epoch,
+                        shard_id=item.shard_id,
+                    )
+                    length = len(order)
+                    interrupted = False
+                    for k in range(item.offset, length):
+                        # Before every index, so before every batch: a lease that may have
+                        # ended, or a newer plan, stops the drawing here, mid-shard.
+                        if not self._may_draw():
+                            interrupted = True
+                            break
+                        self._draw(item.shard_id, k, length)
+                        handed_out = True
+                        yield order[k]
+                        if self._epoch != epoch:
+                            return
+                    if interrupted:
+                        self._stale = True
+                        break
+                    drawn.add(item.shard_id)
+                    # Here the loop has asked for the index after the shard's last one.
+                    if not self._manual_ack or item.offset >= length:
+                        self._complete(item.shard_id)
+            except StaleLease as exc:
+                self._log.warning(
+                    "lease_refused",
+                    epoch=self._epoch,
+                    error=exc.message,
+                    consequence="what this sampler read under the ended lease and did not "
+                    "report is not counted; it starts over from the plan under a new one",
+                )
 
     def ack(self, num_samples: int) -> None:
         """With `manual_ack=True`: the loop is done with the next `num_samples` indices handed
-        out (in order); shards acknowledged to their end are reported done."""
+        out (in order); shards acknowledged to their end are reported done. Raises
+        `strata.StaleLease` when some of them were handed out under a lease that has ended
+        (they are not counted), or when the report is refused for that reason."""
         if not self._manual_ack:
             raise ValidationError(
                 "ack() is for samplers made with manual_ack=True; this one counts an index as "
                 "consumed once the iteration moves past it"
             )
         count = check_int("num_samples", num_samples, 0, MAX_TOTAL_SAMPLES)
+        ignored = min(count, self._orphaned)
+        self._orphaned -= ignored
+        count -= ignored
+        if ignored:
+            self._acknowledge(count)
+            raise StaleLease(
+                f"{ignored} of the indices acknowledged were handed out under a lease of worker "
+                f"{self._registry.worker_id!r} that has ended: they are not counted (another "
+                "worker reads them); discard what was trained on them if you can"
+            )
+        self._acknowledge(count)
+
+    def _acknowledge(self, count: int) -> None:
         outstanding = sum(run.count for run in self._in_flight)
         if count > outstanding:
             raise ValidationError(
@@ -432,7 +519,8 @@ class ShardSampler(Sampler[int]):
         """
         if not 0 < timeout <= 86_400:
             raise ValidationError(f"timeout must be in (0, 86400] s, got {timeout!r}")
-        self._report()
+        with contextlib.suppress(StaleLease):
+            self._report()  # refused: nothing of it counts, and the next fetch starts afresh
         deadline = time.monotonic() + timeout
         delay = POLL_S
         fetched_at = time.monotonic()
@@ -443,10 +531,18 @@ class ShardSampler(Sampler[int]):
             known = self._assignment.plan_version if self._assignment is not None else -1
             # The service re-plans only each dataset's latest epoch on its own; asking for
             # shards brings an older epoch's plan up to date, so ask now and then regardless.
-            if summary.plan_version > known or time.monotonic() - fetched_at >= REFETCH_S:
+            if (
+                summary.plan_version > known
+                or time.monotonic() - fetched_at >= REFETCH_S
+                or self._lease != self._registry.lease
+            ):
                 fetched_at = time.monotonic()
-                if self._fetch(set()):
-                    return True
+                try:
+                    self._settle_lease(set())
+                    if self._fetch(set()):
+                        return True
+                except StaleLease:
+                    pass  # the lease ended: the next round waits for the new one
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"epoch {self._epoch} of {self._dataset_id!r}: {summary.done_shards} of "
@@ -459,6 +555,61 @@ class ShardSampler(Sampler[int]):
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _may_draw(self) -> bool:
+        """Whether the next index may be handed out: the lease this sampler reads under is the
+        worker's current one and holds, and no newer plan was heard of."""
+        registry = self._registry
+        if self._fenced or registry.lease != self._lease or registry.lease_expired:
+            return False
+        return not self._newer_plan()
+
+    def _settle_lease(self, drawn: set[int]) -> bool:
+        """Before fetching: wait until the worker's lease holds (or is in doubt: the fetch,
+        which carries it, settles that), starting over from the plan under a new lease.
+        True when the lease was replaced."""
+        replaced = False
+        registry = self._registry
+        deadline = time.monotonic() + self._lease_wait
+        delay = POLL_S
+        while True:
+            current = registry.lease
+            if self._lease is None:
+                self._lease = current
+            elif current != self._lease:
+                self._log.warning(
+                    "lease_replaced",
+                    epoch=self._epoch,
+                    dropped_shard=self._current,
+                    dropped_unreported=len(self._unreported),
+                    consequence="this sampler starts over from the plan under the new lease",
+                )
+                self._restart_under(current)
+                drawn.clear()
+                replaced = True
+            if not self._fenced and (not registry.lease_expired or registry.lease_in_doubt):
+                return replaced
+            if registry.superseded:
+                raise WorkerSuperseded(
+                    f"worker {registry.worker_id!r} was registered by another process: this "
+                    "one reads no more data; stop it"
+                )
+            if time.monotonic() >= deadline:
+                raise LeaseExpired(
+                    f"the lease of worker {registry.worker_id!r} ended or may have (no heartbeat "
+                    f"confirmed within the heartbeat timeout) and no new registration came "
+                    f"within {self._lease_wait:g}s: is the registry reachable?"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, MAX_POLL_S)
+
+    def _restart_under(self, lease: Lease) -> None:
+        """Forget what was read under the ended lease (it is not counted: another worker reads
+        it again), keeping the epoch; the next fetch starts from the plan."""
+        orphaned = self._orphaned + sum(run.count for run in self._in_flight)
+        self._reset()
+        self._orphaned = orphaned
+        self._lease = lease
+
     def _newer_plan(self) -> bool:
         seen = self._registry.plan_version_seen(self._dataset_id, self._epoch)
         return (
@@ -468,7 +619,15 @@ class ShardSampler(Sampler[int]):
         )
 
     def _fetch(self, drawn: AbstractSet[int]) -> list[Queued]:
-        assignment = self._registry.assignment(self._dataset_id, epoch=self._epoch)
+        if self._lease is None:
+            self._lease = self._registry.lease
+        try:
+            assignment = self._registry.assignment(
+                self._dataset_id, epoch=self._epoch, lease=self._lease
+            )
+        except StaleLease:
+            self._fenced = True
+            raise
         self._assignment, self._stale = assignment, False
         if self._current is not None and not self._in_flight:
             span = next((s for s in assignment.shards if s.shard_id == self._current[0]), None)
@@ -476,7 +635,13 @@ class ShardSampler(Sampler[int]):
                 self._current = None  # moved away or done: nothing of it is left to us
             else:
                 self._current_length = span.end - span.start
-        queue = reading_queue(assignment, self._completed | drawn, self._current)
+        # Indices handed out and not yet acknowledged are drawn: a re-fetch mid-shard goes on
+        # after the last of them.
+        position = self._current
+        if self._in_flight:
+            last = self._in_flight[-1]
+            position = (last.shard_id, last.offset + last.count)
+        queue = reading_queue(assignment, self._completed | drawn, position)
         self._remaining = sum(item.left for item in queue)
         return queue
 
@@ -504,17 +669,33 @@ class ShardSampler(Sampler[int]):
         completed = list(self._unreported)
         offsets = dict(partial or {})
         result = None
+        if self._lease is None and (completed or offsets):
+            self._lease = self._registry.lease
         for _ in range(REPORT_ATTEMPTS):
             if not completed and not offsets:
                 break
             try:
                 result = self._registry.report_progress(
-                    self._dataset_id, self._epoch, completed, offsets
+                    self._dataset_id, self._epoch, completed, offsets, lease=self._lease
                 )
                 break
+            except StaleLease:
+                # Read under a lease that ended: none of it counts, another worker reads it.
+                self._fenced = True
+                self._unreported = []
+                self._current = None
+                raise
             except ConflictError as exc:
                 # Some shard is no longer ours: keep what still is, drop the rest, re-plan.
-                assignment = self._registry.assignment(self._dataset_id, epoch=self._epoch)
+                try:
+                    assignment = self._registry.assignment(
+                        self._dataset_id, epoch=self._epoch, lease=self._lease
+                    )
+                except StaleLease:
+                    self._fenced = True
+                    self._unreported = []
+                    self._current = None
+                    raise
                 self._assignment, self._stale = assignment, True
                 ours = {span.shard_id for span in assignment.shards}
                 lost = [s for s in completed if s not in ours]

@@ -115,7 +115,13 @@ def resolve(state: ShardingState, step: Command | tuple[Any, ...]) -> Command:
     job = state.jobs.get(JOB)
     epochs = sorted(e for d, e in job.plans if d == dataset_id) if job else []
     if job is None or not epochs:
-        return GetShardsRequest(job=JOB, dataset_id=dataset_id, worker_id="w0", epoch=0)
+        return GetShardsRequest(
+            job=JOB,
+            dataset_id=dataset_id,
+            worker_id="w0",
+            epoch=0,
+            lease=domain.current_lease(state, JOB, "w0"),
+        )
     epoch = epochs[which_epoch % len(epochs)]
     plan = job.plans[(dataset_id, epoch)].plan
     worker = plan.members[which_member % len(plan.members)]
@@ -125,6 +131,7 @@ def resolve(state: ShardingState, step: Command | tuple[Any, ...]) -> Command:
         epoch=epoch,
         worker_id=worker,
         completed=plan.shards_of(worker)[:count],
+        lease=domain.current_lease(state, JOB, worker),
     )
 
 
@@ -189,7 +196,14 @@ def test_an_epoch_asked_for_by_every_worker_at_once_is_planned_once() -> None:
         domain.evolve(state, registered(worker, epoch))
     register = RegisterDatasetRequest(job=JOB, dataset_id="ds", total_samples=80, shard_size=10)
     asks: list[Command] = [
-        GetShardsRequest(job=JOB, dataset_id="ds", worker_id=w, epoch=0) for w in WORKERS
+        GetShardsRequest(
+            job=JOB,
+            dataset_id="ds",
+            worker_id=w,
+            epoch=0,
+            lease=domain.current_lease(state, JOB, w),
+        )
+        for w in WORKERS
     ]
 
     decisions = domain.decide_all(state, [register, *asks], NOW)

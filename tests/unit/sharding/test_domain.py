@@ -67,7 +67,13 @@ def started_job() -> ShardingState:
 
 
 def plan(state: ShardingState, epoch: int) -> list[Event]:
-    request = GetShardsRequest(job=JOB, dataset_id=DATASET, worker_id="w0", epoch=epoch)
+    request = GetShardsRequest(
+        job=JOB,
+        dataset_id=DATASET,
+        worker_id="w0",
+        epoch=epoch,
+        lease=domain.current_lease(state, JOB, "w0"),
+    )
     return apply(state, domain.get_shards(state, request, NOW))
 
 
@@ -81,6 +87,7 @@ def read_all(state: ShardingState, epoch: int) -> None:
             epoch=epoch,
             worker_id=worker,
             completed=plan_of.shards_of(worker),
+            lease=domain.current_lease(state, JOB, worker),
         )
         apply(state, domain.report_progress(state, request, NOW))
 
@@ -93,6 +100,7 @@ def restore_to(state: ShardingState, completed: list[int], worker: str = "w0") -
         worker_id=worker,
         checkpoint_step=6,
         completed=completed,
+        lease=domain.current_lease(state, JOB, worker),
     )
     return apply(state, domain.restore_progress(state, request, NOW))
 

@@ -16,6 +16,7 @@ from strata.events import DatasetRegistered, ShardPlanChanged
 from strata.events.models import MAX_EPOCH
 from strata.events.requests import (
     GetShardsRequest,
+    Lease,
     RegisterDatasetRequest,
     ReportProgressRequest,
     RestoreProgressRequest,
@@ -27,18 +28,29 @@ from strata.services.sharding.domain import EPOCHS_KEPT, ShardingState, restore,
 from tests.unit.sharding.test_domain import DATASET, JOB, NOW, apply, plan, started_job
 
 
+def lease(state: ShardingState) -> Lease | None:
+    return domain.current_lease(state, JOB, "w0")
+
+
 def planned_epochs(state: ShardingState) -> list[int]:
     return sorted(epoch for (ds, epoch) in state.jobs[JOB].plans if ds == DATASET)
 
 
 def get_shards(state: ShardingState, epoch: int) -> Decision[None]:
-    request = GetShardsRequest(job=JOB, dataset_id=DATASET, worker_id="w0", epoch=epoch)
+    request = GetShardsRequest(
+        job=JOB, dataset_id=DATASET, worker_id="w0", epoch=epoch, lease=lease(state)
+    )
     return domain.get_shards(state, request, NOW)
 
 
 def restore_epoch(state: ShardingState, epoch: int, step: int = 6) -> list[ShardPlanChanged]:
     request = RestoreProgressRequest(
-        job=JOB, dataset_id=DATASET, epoch=epoch, worker_id="w0", checkpoint_step=step
+        job=JOB,
+        dataset_id=DATASET,
+        epoch=epoch,
+        worker_id="w0",
+        checkpoint_step=step,
+        lease=lease(state),
     )
     events = apply(state, domain.restore_progress(state, request, NOW))
     return [e for e in events if isinstance(e, ShardPlanChanged)]
@@ -77,14 +89,14 @@ def test_a_dropped_epoch_is_refused_and_says_which_are_kept() -> None:
     assert isinstance(refused, EpochOutOfRange)
     assert f"({10 - EPOCHS_KEPT}..9)" in refused.message
     progress = ReportProgressRequest(
-        job=JOB, dataset_id=DATASET, epoch=0, worker_id="w0", completed=[0]
+        job=JOB, dataset_id=DATASET, epoch=0, worker_id="w0", completed=[0], lease=lease(state)
     )
     assert isinstance(domain.report_progress(state, progress, NOW).error, EpochOutOfRange)
     with pytest.raises(EpochOutOfRange):
         domain.plan_summary(state, JOB, DATASET, 0)
     # An epoch inside the window that was never planned is still just "not planned yet".
     inside = ReportProgressRequest(
-        job=JOB, dataset_id=DATASET, epoch=10, worker_id="w0", completed=[0]
+        job=JOB, dataset_id=DATASET, epoch=10, worker_id="w0", completed=[0], lease=lease(state)
     )
     assert isinstance(domain.report_progress(state, inside, NOW).error, NotFound)
 

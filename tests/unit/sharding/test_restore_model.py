@@ -186,7 +186,13 @@ class RestoreModel(RuleBasedStateMachine):
     def read_as(self, worker: str, count: int) -> bool:
         """`worker` reads up to `count` samples of its current (or next) shard; False: none left."""
         job = self.job
-        request = GetShardsRequest(job=JOB, dataset_id=DATASET, worker_id=worker, epoch=EPOCH)
+        request = GetShardsRequest(
+            job=JOB,
+            dataset_id=DATASET,
+            worker_id=worker,
+            epoch=EPOCH,
+            lease=domain.current_lease(job.state, JOB, worker),
+        )
         job.decided(domain.get_shards(job.state, request, NOW))
         assignment = domain.assignment(job.state, request)
         spans = {span.shard_id: span for span in assignment.shards if not span.done}
@@ -223,6 +229,7 @@ class RestoreModel(RuleBasedStateMachine):
             worker_id=worker,
             completed=[shard] if completed else [],
             partial=[] if completed else [ShardOffset(shard_id=shard, offset=reader.read_to)],
+            lease=domain.current_lease(job.state, JOB, worker),
         )
         decision = domain.report_progress(job.state, request, NOW)
         if isinstance(decision.error, ConflictError):
@@ -264,6 +271,7 @@ class RestoreModel(RuleBasedStateMachine):
                 checkpoint_step=checkpoint.step,
                 completed=sorted(checkpoint.completed),
                 partial=[ShardOffset(shard_id=s, offset=o) for s, o in checkpoint.partial.items()],
+                lease=domain.current_lease(job.state, JOB, live[(pick + k) % len(live)]),
             )
             job.decided(domain.restore_progress(job.state, request, NOW))
         job.counted = Counter()

@@ -17,11 +17,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strata.errors import ConflictError, StrataError, ValidationError
+from strata.errors import ConflictError, StaleLease, StrataError, ValidationError
 from strata.events import DatasetRegistered, WorkerFailed, WorkerRegistered
 from strata.events.models import Event
 from strata.events.requests import (
     GetShardsRequest,
+    Lease,
     PlanSummary,
     ProgressResult,
     ReportProgressRequest,
@@ -47,6 +48,7 @@ class LocalShards:
         self.now = 1_000_000_000
         self.membership = 0
         self.reports: list[tuple[str, list[int], list[tuple[int, int]]]] = []
+        self.leases: dict[str, Lease] = {}
         self.apply(
             DatasetRegistered(
                 job=JOB,
@@ -68,14 +70,16 @@ class LocalShards:
     def _membership_changed(self) -> None:
         self.apply(*domain.replan_after_membership_change(self.state, JOB, self.now))
 
-    def join(self, worker: str) -> None:
+    def join(self, worker: str, instance: str | None = None) -> None:
         self.membership += 1
+        instance = instance or worker
+        self.leases[worker] = Lease(worker_id=worker, instance=instance, epoch=self.membership)
         self.apply(
             WorkerRegistered(
                 job=JOB,
                 source="registry",
                 worker_id=worker,
-                instance=worker,
+                instance=instance,
                 rank=0,
                 world_size=1,
                 membership_epoch=self.membership,
@@ -119,21 +123,40 @@ class WorkerView:
         self.worker = worker
         self.hears_plan_changes = hears_plan_changes
         self.calls: Counter[str] = Counter()
+        self.lease_expired = False
+        self.lease_in_doubt = False
+        self.superseded = False
 
     @property
     def worker_id(self) -> str:
         return self.worker
 
+    @property
+    def lease(self) -> Lease:
+        return self.shards.leases[self.worker]
+
     def assignment(
-        self, dataset_id: str, worker_id: str | None = None, epoch: int = 0
+        self,
+        dataset_id: str,
+        worker_id: str | None = None,
+        epoch: int = 0,
+        *,
+        lease: Lease | None = None,
     ) -> ShardAssignment:
         self.calls["assignment"] += 1
         request = GetShardsRequest(
-            job=JOB, dataset_id=dataset_id, worker_id=worker_id or self.worker, epoch=epoch
+            job=JOB,
+            dataset_id=dataset_id,
+            worker_id=worker_id or self.worker,
+            epoch=epoch,
+            lease=lease or self.lease,
         )
         decision = domain.get_shards(self.shards.state, request, self.shards.now)
         if decision.error is not None:
             raise decision.error
+        if request.lease == self.lease and self.lease_in_doubt:
+            # As `strata.DatasetRegistry`: the service accepted the lease, which holds again.
+            self.lease_in_doubt = self.lease_expired = False
         self.shards.apply(*decision.events)
         return domain.assignment(self.shards.state, request)
 
@@ -143,6 +166,8 @@ class WorkerView:
         epoch: int,
         completed: Iterable[int] = (),
         partial: Mapping[int, int] | None = None,
+        *,
+        lease: Lease | None = None,
     ) -> ProgressResult:
         self.calls["report"] += 1
         request = ReportProgressRequest(
@@ -152,6 +177,7 @@ class WorkerView:
             worker_id=self.worker,
             completed=list(completed),
             partial=[ShardOffset(shard_id=s, offset=o) for s, o in (partial or {}).items()],
+            lease=lease or self.lease,
         )
         decision = domain.report_progress(self.shards.state, request, self.shards.now)
         if decision.error is not None:
@@ -462,10 +488,24 @@ def test_a_report_naming_a_moved_shard_keeps_the_rest() -> None:
     for _ in range(30):
         next(iterator)
     shards.join("c")
-    shards.fail("a")
-    shards.join("a")  # back, as a joiner: its old shards are gone
     deaf.flush()
     assert set(deaf.lost_shards) == {s for s in deaf.completed_shards} - set(done_by(shards, "a"))
+    assert done_by(shards, "a")
+
+
+def test_a_report_under_a_lease_that_ended_is_refused_and_nothing_of_it_counts() -> None:
+    shards = LocalShards(200, 10, ["a", "b"])
+    deaf = ShardSampler(shards.view("a", hears_plan_changes=False), DS, report_every=0)
+    iterator = iter(deaf)
+    for _ in range(30):
+        next(iterator)
+    shards.join("c")
+    shards.fail("a")
+    shards.join("a", instance="a-2")  # back as a new instance: a new lease, its old shards gone
+    with pytest.raises(StaleLease, match="registered again since"):
+        deaf.flush()
+    assert done_by(shards, "a") == []
+    assert shards.plan_summary().done_shards == 0
 
 
 # -- manual acknowledgement and DataLoader --------------------------------------------------------
@@ -570,6 +610,7 @@ def restore(shards: LocalShards, worker: str, step: int, cursors: list[Any]) -> 
         checkpoint_step=step,
         completed=cursor.completed,
         partial=cursor.partial,
+        lease=shards.leases[worker],
     )
     decision = domain.restore_progress(shards.state, request, shards.now)
     assert decision.error is None, decision.error
