@@ -64,18 +64,23 @@ class Sharding(Projection[ShardingState]):
         """`max_batch=1` decides and stores one request at a time (the benchmark's baseline)."""
         super().__init__()
         self._rpc: RpcServer | None = None
+        self.limits = domain.DEFAULT_LIMITS
         self.commits: GroupCommit[Command, Decision[None]] = GroupCommit(
             self, self._decide_all, max_batch=max_batch, prepare=self._catch_up
         )
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
+        self.limits = domain.ShardingLimits(
+            max_datasets=settings.max_datasets_per_job,
+            max_shards=settings.max_shards_per_dataset,
+        )
         # Membership may have changed while this service was down.
         async with self.lock:
             for job in list(self.state.jobs):
                 now_ns = self.now_ns()
                 await self._apply(domain.replan_after_membership_change(self.state, job, now_ns))
         self.spawn(self.commits.run(), "commits")
-        self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
+        self._rpc = self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER_DATASET, self._register_dataset)
         self._rpc.serve(GET_SHARDS, self._get_shards)
         self._rpc.serve(REPORT_PROGRESS, self._report_progress)
@@ -100,7 +105,7 @@ class Sharding(Projection[ShardingState]):
         await self.publish_all(events)
 
     def _decide_all(self, commands: list[Command]) -> list[Decision[None]]:
-        decisions = domain.decide_all(self.state, commands, self.now_ns())
+        decisions = domain.decide_all(self.state, commands, self.now_ns(), self.limits)
         for decision in decisions:
             for event in decision.events:
                 _log_plan(event)

@@ -96,12 +96,17 @@ class Plan:
 
     def shards_of(self, worker_id: str) -> list[int]:
         """Every shard of `worker_id` in reading order (done ones included)."""
+        return [int(s) for s in self.ordered_shards(worker_id)]
+
+    def ordered_shards(self, worker_id: str) -> IndexArray:
+        """`shards_of` as an array: a page of it is sliced before any Python int is made."""
         try:
             index = self.members.index(worker_id)
         except ValueError:
-            return []
+            return np.empty(0, dtype=np.int64)
         mine = np.flatnonzero(self.owner == index)
-        return [int(s) for s in mine[np.argsort(self.position[mine], kind="stable")]]
+        ordered: IndexArray = mine[np.argsort(self.position[mine], kind="stable")]
+        return ordered
 
     def ranges_of(self, worker_id: str) -> list[ShardRange]:
         return [self.dataset.shard_range(s) for s in self.shards_of(worker_id)]
