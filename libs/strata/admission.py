@@ -167,6 +167,10 @@ class FairQueue(Generic[K, T]):
         return None
 
 
+REFUSALS_KEPT = 4096
+"""Refusal messages kept made (one per refused caller), forgotten wholesale past it."""
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is not taken: its error code and the message its caller gets."""
@@ -189,11 +193,29 @@ class Admission:
         self._workers: Budgets[tuple[str, str]] = Budgets(
             limits.worker_rate, limits.worker_burst, limits.max_buckets
         )
+        self._refusals: dict[tuple[str, str | None, str | None], Refusal] = {}
 
     def admit(self, job: str | None, worker: str | None, now: float) -> Refusal | None:
         """None to take the request; else the refusal to answer with. A worker's budget is
         checked first, so a single noisy worker spends its own budget, not its job's."""
         if worker is not None and job is not None and not self._workers.take((job, worker), now):
+            return self._refusal("worker", job, worker)
+        if not self._jobs.take(job or OPERATOR, now):
+            return self._refusal("job", job, worker)
+        return None
+
+    def _refusal(self, kind: str, job: str | None, worker: str | None) -> Refusal:
+        # A flood is refused many times a second with the same words: made once per caller.
+        key = (kind, job, worker if kind == "worker" else None)
+        found = self._refusals.get(key)
+        if found is None:
+            if len(self._refusals) >= REFUSALS_KEPT:
+                self._refusals.clear()
+            found = self._refusals[key] = self._word(kind, job, worker)
+        return found
+
+    def _word(self, kind: str, job: str | None, worker: str | None) -> Refusal:
+        if kind == "worker":
             return Refusal(
                 "rate_limited",
                 f"worker {worker!r} of job {job!r} sent {self.service} more than "
@@ -201,15 +223,13 @@ class Admission:
                 "slow down and retry, or raise STRATA_RPC_WORKER_RATE / STRATA_RPC_WORKER_BURST "
                 "on the service",
             )
-        if not self._jobs.take(job or OPERATOR, now):
-            who = f"job {job!r}" if job else "operator requests (no caller on the subject)"
-            return Refusal(
-                "rate_limited",
-                f"{who} sent {self.service} more than {self.limits.job_rate:g} requests/s "
-                f"(bursts of {self.limits.job_burst}); slow down and retry, or raise "
-                "STRATA_RPC_JOB_RATE / STRATA_RPC_JOB_BURST on the service",
-            )
-        return None
+        who = f"job {job!r}" if job else "operator requests (no caller on the subject)"
+        return Refusal(
+            "rate_limited",
+            f"{who} sent {self.service} more than {self.limits.job_rate:g} requests/s "
+            f"(bursts of {self.limits.job_burst}); slow down and retry, or raise "
+            "STRATA_RPC_JOB_RATE / STRATA_RPC_JOB_BURST on the service",
+        )
 
     def busy(self, job: str, queued: int, total: int) -> Refusal:
         """The refusal of a request that found its job's queue, or every queue, full."""
@@ -218,11 +238,11 @@ class Admission:
         if queued >= limits.job_pending:
             return Refusal(
                 "busy",
-                f"{self.service} already holds {queued} requests of {who} waiting to be "
-                f"served; retry later, or raise STRATA_RPC_JOB_PENDING on the service",
+                f"{self.service} already holds {limits.job_pending} requests of {who} waiting "
+                "to be served; retry later, or raise STRATA_RPC_JOB_PENDING on the service",
             )
         return Refusal(
             "busy",
-            f"{self.service} already holds {total} requests waiting to be served; retry "
-            "later, or raise STRATA_RPC_MAX_PENDING on the service",
+            f"{self.service} already holds {limits.max_pending} requests waiting to be served; "
+            "retry later, or raise STRATA_RPC_MAX_PENDING on the service",
         )

@@ -80,6 +80,19 @@ class Caller:
 
 
 @dataclass(frozen=True, slots=True)
+class _Refused:
+    """A refusal's answer and counters, made once: a flood repeats the same few."""
+
+    reply: bytes
+    refused: Any
+    requests: Any
+    rejected: Any
+
+
+_REFUSALS_KEPT = 4096
+
+
+@dataclass(frozen=True, slots=True)
 class _Admitted:
     """A request taken in, waiting in its job's queue for a handler."""
 
@@ -154,6 +167,8 @@ class RpcServer:
         self._queued = RPC_QUEUED.labels(service)
         self._no_reply = RPC_DROPPED.labels(service, "no_reply_subject")
         self._counted: dict[tuple[str, str], Any] = {}
+        self._rejected_counters: dict[str, Any] = {}
+        self._refusals: dict[tuple[Refusal, str], _Refused] = {}
         # One warning per verb and caller every few seconds: forged requests come at their
         # sender's pace, log lines must not.
         self._forbidden_log = Throttle()
@@ -307,7 +322,22 @@ class RpcServer:
             self._pump()
 
     async def _refuse(self, msg: Msg, address: subjects.RpcAddress, refusal: Refusal) -> None:
-        RPC_REFUSED.labels(self.service, refusal.code).inc()
+        # The path a flood takes, once per message: everything it can reuse is looked up.
+        verb = address.verb if address.verb in self._routes else "?"
+        refused = self._refusals.get((refusal, verb))
+        if refused is None:
+            if len(self._refusals) >= _REFUSALS_KEPT:
+                self._refusals.clear()
+            refused = self._refusals[(refusal, verb)] = _Refused(
+                _error(refusal.code, refusal.message),
+                RPC_REFUSED.labels(self.service, refusal.code),
+                RPC_REQUESTS.labels(self.service, verb, refusal.code),
+                MESSAGES_REJECTED.labels(f"rpc.{self.service}", refusal.code),
+            )
+        refused.refused.inc()
+        refused.requests.inc()
+        refused.rejected.inc()
+        self.rejected[refusal.code] += 1
         held_back = self._refused_log((refusal.code, address.job, address.worker))
         if held_back is not None:
             log.warning(
@@ -318,11 +348,18 @@ class RpcServer:
                 caller_worker=address.worker,
                 held_back=held_back,
             )
-        await self._answer(msg, address.verb, _error(refusal.code, refusal.message), refusal.code)
+        try:
+            await self._nc.publish(msg.reply, refused.reply)
+        except nats.errors.Error as exc:
+            log.warning("rpc_reply_failed", service=self.service, error=str(exc))
 
     def _count_reject(self, code: str) -> None:
         self.rejected[code] += 1
-        MESSAGES_REJECTED.labels(f"rpc.{self.service}", code).inc()
+        counter = self._rejected_counters.get(code)
+        if counter is None:
+            counter = MESSAGES_REJECTED.labels(f"rpc.{self.service}", code)
+            self._rejected_counters[code] = counter
+        counter.inc()
 
     async def _serve(
         self,
