@@ -6,14 +6,16 @@ with the defaults (admission on), the baseline with `STRATA_RPC_ADMISSION=false`
 as they come, one FIFO, no budgets). Rounds alternate between them; each round times, as workers
 of a job (subjects naming their caller, so every request is charged to a budget):
 
-- register: a burst of `--burst` registrations of new workers at once (a job start), wall time;
+- register: bursts of registrations of new workers at once (a job start), their wall time;
 - arrive: `--calls` barrier arrivals one after another (each releases at once), median latency;
 - get_shards: `--calls` shard reads one after another, median latency.
 
-Heartbeats are not requests (they never pass admission control) and are not measured. The
-figure is each operation's ratio with / without, its median over the rounds and its spread.
+Within a round the two stacks take turns in slices of each operation, so a change in this
+shared machine's load lands on both alike. Heartbeats are not requests (they never pass admission
+control) and are not measured. The figure is each operation's ratio with / without, its median
+over the rounds and its spread.
 
-    python bench/admission.py [--rounds 5] [--burst 500] [--calls 300] [--check]
+    python bench/admission.py [--rounds 5] [--burst 600] [--calls 300] [--slices 6] [--check]
 """
 
 from __future__ import annotations
@@ -141,44 +143,58 @@ class Stack:
         self.server.stop()
 
 
-async def median_latency(call: Callable[[], Awaitable[None]], count: int) -> float:
-    latencies = []
+async def latencies(call: Callable[[], Awaitable[None]], count: int) -> list[float]:
+    taken = []
     for _ in range(count):
         started = time.perf_counter()
         await call()
-        latencies.append(time.perf_counter() - started)
-    return statistics.median(latencies)
+        taken.append(time.perf_counter() - started)
+    return taken
 
 
-async def measure(stack: Stack, burst: int, calls: int) -> dict[str, float]:
+async def one_round(
+    stacks: tuple[Stack, Stack], burst: int, calls: int, slices: int
+) -> dict[str, tuple[float, float]]:
+    """Each operation's figure (with, without) in one round. The two stacks take turns in
+    `slices` slices of each operation, so a change in the machine's load lands on both alike."""
+    bursts: dict[str, float] = {stack.label: 0.0 for stack in stacks}
+    arrive: dict[str, list[float]] = {stack.label: [] for stack in stacks}
+    shards: dict[str, list[float]] = {stack.label: [] for stack in stacks}
+    for index in range(slices):
+        order = stacks if index % 2 == 0 else stacks[::-1]
+        for stack in order:
+            bursts[stack.label] += await stack.register_burst(burst // slices)
+        for stack in order:
+            arrive[stack.label] += await latencies(stack.arrive, calls // slices)
+        for stack in order:
+            shards[stack.label] += await latencies(stack.get_shards, calls // slices)
+    on, off = (stack.label for stack in stacks)
     return {
-        "register": await stack.register_burst(burst),
-        "arrive": await median_latency(stack.arrive, calls),
-        "get_shards": await median_latency(stack.get_shards, calls),
+        "register": (bursts[on], bursts[off]),
+        "arrive": (statistics.median(arrive[on]), statistics.median(arrive[off])),
+        "get_shards": (statistics.median(shards[on]), statistics.median(shards[off])),
     }
 
 
-async def main(rounds: int, burst: int, calls: int, check: bool) -> int:
+async def main(rounds: int, burst: int, calls: int, slices: int, check: bool) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-bench-admission-") as tmp:
         base = Path(tmp)
         with_it, without = Stack("admission", base, True), Stack("baseline", base, False)
         try:
             await with_it.start()
             await without.start()
-            for stack in (with_it, without):  # warm: connections, plans, code paths
-                await measure(stack, burst // 5, calls // 5)
+            # Warm: connections, plans, code paths.
+            await one_round((with_it, without), burst // 5, calls // 5, 1)
             figures: dict[str, list[tuple[float, float]]] = {}
             for round_ in range(rounds):
-                # Alternate which goes first, so neither always runs on a warmer machine.
-                order = (with_it, without) if round_ % 2 == 0 else (without, with_it)
-                got = {stack.label: await measure(stack, burst, calls) for stack in order}
-                for op, value in got["admission"].items():
-                    figures.setdefault(op, []).append((value, got["baseline"][op]))
+                got = await one_round((with_it, without), burst, calls, slices)
+                for op, pair in got.items():
+                    figures.setdefault(op, []).append(pair)
                 print(f"round {round_ + 1}/{rounds} done", flush=True)
         finally:
             await with_it.stop()
             await without.stop()
-    print(f"\nadmission control on / off, {rounds} alternating rounds")
+    print(f"\nadmission control on / off, {rounds} rounds of {slices} alternating slices")
     print(f"{'operation':<12} {'with':>10} {'without':>10} {'ratio':>7}  spread")
     worst = 0.0
     for op, pairs in figures.items():
@@ -194,8 +210,8 @@ async def main(rounds: int, burst: int, calls: int, check: bool) -> int:
             f"[{min(ratios):.3f}, {max(ratios):.3f}]"
         )
     print(
-        f"(register: {burst} at once, wall time in s; "
-        f"arrive, get_shards: {calls} in a row, p50 in ms)"
+        f"(register: {burst} per round, {burst // slices} at once, wall time in s; "
+        f"arrive, get_shards: {calls} per round in a row, p50 in ms)"
     )
     if check and worst > CHECK_RATIO:
         print(f"FAIL: a ratio of {worst:.3f} is over {CHECK_RATIO}")
@@ -206,8 +222,9 @@ async def main(rounds: int, burst: int, calls: int, check: bool) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--burst", type=int, default=500, help="registrations at once")
+    parser.add_argument("--burst", type=int, default=600, help="registrations per round")
     parser.add_argument("--calls", type=int, default=300, help="arrivals and shard reads")
+    parser.add_argument("--slices", type=int, default=6, help="alternations per round")
     parser.add_argument("--check", action="store_true", help=f"exit 1 over {CHECK_RATIO}")
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.rounds, args.burst, args.calls, args.check)))
+    sys.exit(asyncio.run(main(args.rounds, args.burst, args.calls, args.slices, args.check)))
