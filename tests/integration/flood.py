@@ -20,9 +20,9 @@ import nats
 from nats.aio.msg import Msg
 from strata.events import pack, subjects, unpack
 
-QUIET_S = 1.0
+QUIET_S = 3.0
 """The answers have stopped once none came for this long."""
-ANSWER_DEADLINE_S = 30.0
+ANSWER_DEADLINE_S = 45.0
 
 
 async def flood(url: str, job: str, worker: str, dataset: str, count: int) -> None:
