@@ -20,8 +20,10 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 OPERATOR = ""
-"""The job key of a request without a caller (`strata.rpc.<service>.<verb>`): operators share
-one budget and one queue, as if they were one job."""
+"""The job key of a request without a caller (`strata.rpc.<service>.<verb>`). Only the services'
+credential may send one where NATS permissions are in force (`strata up --secure`, the chart), so
+operators (the CLI, tools, benchmarks) have no budget and no bound of their own but the service's
+total: their requests wait in one queue, served in turn with the jobs'."""
 
 
 @dataclass(frozen=True)
@@ -135,15 +137,16 @@ class FairQueue(Generic[K, T]):
         queue = self._queues.get(key)
         return len(queue) if queue is not None else 0
 
-    def push(self, key: K, item: T) -> bool:
-        """Queue `item` behind `key`'s others; False (nothing queued) when a bound is reached."""
+    def push(self, key: K, item: T, *, bounded: bool = True) -> bool:
+        """Queue `item` behind `key`'s others; False (nothing queued) when a bound is reached
+        (with `bounded=False`, only the total's)."""
         if self._size >= self.total:
             return False
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = deque()
             self._turns.append(key)
-        elif len(queue) >= self.per_key:
+        elif bounded and len(queue) >= self.per_key:
             return False
         queue.append(item)
         self._size += 1
@@ -198,9 +201,11 @@ class Admission:
     def admit(self, job: str | None, worker: str | None, now: float) -> Refusal | None:
         """None to take the request; else the refusal to answer with. A worker's budget is
         checked first, so a single noisy worker spends its own budget, not its job's."""
-        if worker is not None and job is not None and not self._workers.take((job, worker), now):
+        if job is None:
+            return None  # an operator's (see OPERATOR)
+        if worker is not None and not self._workers.take((job, worker), now):
             return self._refusal("worker", job, worker)
-        if not self._jobs.take(job or OPERATOR, now):
+        if not self._jobs.take(job, now):
             return self._refusal("job", job, worker)
         return None
 
@@ -223,10 +228,9 @@ class Admission:
                 "slow down and retry, or raise STRATA_RPC_WORKER_RATE / STRATA_RPC_WORKER_BURST "
                 "on the service",
             )
-        who = f"job {job!r}" if job else "operator requests (no caller on the subject)"
         return Refusal(
             "rate_limited",
-            f"{who} sent {self.service} more than {self.limits.job_rate:g} requests/s "
+            f"job {job!r} sent {self.service} more than {self.limits.job_rate:g} requests/s "
             f"(bursts of {self.limits.job_burst}); slow down and retry, or raise "
             "STRATA_RPC_JOB_RATE / STRATA_RPC_JOB_BURST on the service",
         )

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strata.admission import Admission, AdmissionLimits, Budgets, FairQueue, TokenBucket
+from strata.admission import (
+    OPERATOR,
+    Admission,
+    AdmissionLimits,
+    Budgets,
+    FairQueue,
+    TokenBucket,
+)
 from strata.errors import Busy, QuotaExceeded, RateLimited, error_from_code
 from strata.events import WorkerRegistered
 from strata.events.requests import SHARDS_PER_REPLY, GetShardsRequest, RegisterDatasetRequest
@@ -158,6 +165,14 @@ def test_a_job_spread_over_many_workers_meets_its_jobs_budget() -> None:
     assert "STRATA_RPC_JOB_RATE" in refused.message
     assert "job 'a'" in refused.message
     assert admission.admit("b", "w0", 0.0) is None
+
+
+def test_operators_have_no_budget_and_only_the_total_bounds_their_queue() -> None:
+    admission = Admission("registry", AdmissionLimits(job_rate=1.0, job_burst=1))
+    assert all(admission.admit(None, None, 0.0) is None for _ in range(10_000))
+    queue: FairQueue[str, int] = FairQueue(per_key=2, total=5)
+    assert all(queue.push(OPERATOR, i, bounded=False) for i in range(5))
+    assert not queue.push(OPERATOR, 5, bounded=False)
 
 
 def test_busy_names_the_bound_that_was_reached() -> None:

@@ -268,7 +268,8 @@ class RpcServer:
             return
         job = address.job or OPERATOR
         refusal = admission.admit(address.job, address.worker, time.monotonic())
-        if refusal is None and not self._queue.push(job, _Admitted(msg, address, arrived)):
+        admitted = _Admitted(msg, address, arrived)
+        if refusal is None and not self._queue.push(job, admitted, bounded=job != OPERATOR):
             refusal = admission.busy(job, self._queue.queued(job), len(self._queue))
         if refusal is not None:
             await self._refuse(msg, address, refusal)
@@ -292,7 +293,7 @@ class RpcServer:
             self._gate.release()
 
     def _may_start(self, job: str) -> bool:
-        return self._inflight_of[job] < self._job_inflight
+        return job == OPERATOR or self._inflight_of[job] < self._job_inflight
 
     def _pump(self) -> None:
         """Start admitted requests, round robin between jobs, while handlers are free."""
