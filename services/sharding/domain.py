@@ -417,6 +417,13 @@ def get_shards(state: ShardingState, request: GetShardsRequest, now_ns: int) -> 
     return Decision([event] if event else [])
 
 
+def plan_of(state: ShardingState, request: GetShardsRequest) -> Plan | None:
+    """The plan a `get_shards` request reads, if its epoch is planned."""
+    job = state.jobs.get(request.job)
+    epoch_plan = job.plans.get((request.dataset_id, request.epoch)) if job else None
+    return epoch_plan.plan if epoch_plan is not None else None
+
+
 def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignment:
     """One page of a worker's shards: from `request.offset` in reading order, at most
     `request.limit` (and `SHARDS_PER_REPLY`) of them. Only the page's spans are built, so the

@@ -10,6 +10,7 @@ re-plan the latest epoch of every dataset of the job at once, not on the next re
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import structlog
@@ -126,7 +127,12 @@ class Sharding(Projection[ShardingState]):
         return await self.commits.submit(request, answer)
 
     async def _get_shards(self, request: GetShardsRequest) -> ShardAssignment:
-        return await self.commits.submit(request, lambda _: domain.assignment(self.state, request))
+        plan = await self.commits.submit(request, lambda _: domain.plan_of(self.state, request))
+        if plan is not None:
+            # A worker's reading order in a large plan is a sort of up to a million shards:
+            # made in a thread (numpy lets go of the GIL), the other jobs' requests go on.
+            await asyncio.to_thread(plan.ordered_shards, request.worker_id)
+        return domain.assignment(self.state, request)
 
     async def _report_progress(self, request: ReportProgressRequest) -> ProgressResult:
         return await self.commits.submit(request, lambda _: self._progress(request))
