@@ -12,8 +12,9 @@ from uuid import uuid4
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from prometheus_client import REGISTRY
 from strata.admission import AdmissionLimits
-from strata.bus import Caller, RpcClient, RpcServer
+from strata.bus import Bus, Caller, RpcClient, RpcServer
 from strata.errors import Busy, RateLimited
 from strata.events import StrictModel, pack, subjects
 
@@ -216,3 +217,45 @@ async def test_a_request_without_a_reply_subject_is_dropped_before_any_work(
 
     assert handled == ["ja"]
     assert server.rejected["no_reply_subject"] == 100
+
+
+async def test_past_the_subscriptions_pending_bound_requests_are_dropped_and_counted(
+    nats_url: str, peers: Peers
+) -> None:
+    release = asyncio.Event()
+
+    async def work(request: JobRequest) -> dict[str, str]:
+        await release.wait()
+        return {"job": request.job}
+
+    bus = await Bus.connect(nats_url, name="strata-pending-test")
+    # No admission and one handler: the subscription's own bound is all that holds requests back.
+    server = RpcServer(bus.nc, new_service(), pending_msgs=5)
+    server.route("work", JobRequest, work, scope="job")
+    await server.start()
+
+    def dropped() -> float:
+        labels = {"service": server.service, "reason": "slow_consumer"}
+        return REGISTRY.get_sample_value("strata_rpc_dropped_total", labels) or 0.0
+
+    try:
+        subject = subjects.rpc_subject(server.service, "work", "ja", "w0")
+        for i in range(50):
+            await peers.client_nc.publish(subject, pack({"job": "ja"}), reply=f"_INBOX.x.{i}")
+        await peers.client_nc.flush()
+
+        async def counted() -> bool:
+            return dropped() >= 40  # 1 in its handler, at most 5 held, the rest dropped
+
+        await async_wait_until(counted, 10, "the dropped requests to be counted")
+        release.set()
+        # Still serving: nothing was cut off.
+        answer = await as_worker(peers.client_nc, "ja", "w1").call(
+            server.service, "work", {"job": "ja"}
+        )
+    finally:
+        await server.stop()
+        await bus.close()
+
+    assert answer == {"job": "ja"}
+    assert dropped() <= 50
