@@ -86,8 +86,8 @@ class Budgets(Generic[K]):
     """A token bucket per key, with at most `max_keys` kept.
 
     A full bucket is the same as no bucket, so when there are too many, the full ones are
-    forgotten; if every one is in use, the least recently created goes (its caller gets a full
-    budget again: a bound on memory matters more than that key's exactness).
+    forgotten; if most are in use, the oldest go until a quarter is free (their callers get a
+    full budget again: a bound on memory matters more than those keys' exactness).
     """
 
     def __init__(self, rate: float, burst: int, max_keys: int) -> None:
@@ -108,10 +108,13 @@ class Budgets(Generic[K]):
         return bucket.take(now)
 
     def _forget(self, now: float) -> None:
+        # Down to three quarters at once, so that a stream of new keys (made-up worker ids)
+        # pays for one scan per max_keys/4 of them, not one per key.
+        target = self.max_keys - max(1, self.max_keys // 4)
         idle = [key for key, bucket in self._buckets.items() if bucket.full(now)]
         for key in idle:
             del self._buckets[key]
-        while len(self._buckets) >= self.max_keys:
+        while len(self._buckets) > target:
             del self._buckets[next(iter(self._buckets))]
 
 
