@@ -259,3 +259,40 @@ async def test_past_the_subscriptions_pending_bound_requests_are_dropped_and_cou
 
     assert answer == {"job": "ja"}
     assert dropped() <= 50
+
+
+async def test_busy_is_retried_for_an_idempotent_call_only(peers: Peers) -> None:
+    release = asyncio.Event()
+
+    async def work(request: JobRequest) -> dict[str, str]:
+        await release.wait()
+        return {"job": request.job}
+
+    limits = AdmissionLimits(worker_rate=1_000, worker_burst=1_000, job_pending=1)
+    server = await serving(peers.server_nc, limits, work)
+    try:
+        client = as_worker(peers.client_nc, "ja", "w0")
+        held = [
+            asyncio.ensure_future(client.call(server.service, "work", {"job": "ja"}))
+            for _ in range(2)
+        ]
+
+        async def full() -> bool:  # one in its handler, one waiting: the job's queue is full
+            return server._queue.queued("ja") == 1
+
+        await async_wait_until(full, 10, "the job's queue to fill")
+        with pytest.raises(Busy):
+            await client.call(server.service, "work", {"job": "ja"}, retry_for=30.0)
+        retried = asyncio.ensure_future(
+            client.call(server.service, "work", {"job": "ja"}, retry_for=30.0, idempotent=True)
+        )
+
+        async def refused_again() -> bool:
+            return server.rejected["busy"] >= 2
+
+        await async_wait_until(refused_again, 10, "the idempotent call to be refused once")
+        release.set()
+        assert await retried == {"job": "ja"}
+        await asyncio.gather(*held)
+    finally:
+        await server.stop()
