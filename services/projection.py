@@ -23,7 +23,7 @@ import nats.errors
 import structlog
 from nats.js.api import PubAck
 from nats.js.kv import KeyValue
-from strata.bus import Bus, Delivered, EventFeed
+from strata.bus import Bus, Delivered, EventFeed, RpcServer
 from strata.bus.connection import backoff_delays, retry_transient
 from strata.bus.publish import MSG_ID
 from strata.bus.snapshots import load_snapshot, save_snapshot, snapshot_bucket
@@ -85,6 +85,18 @@ class Projection(Generic[S]):
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         """Subscriptions, RPC routes and tasks, once the state is rebuilt."""
+
+    def rpc_server(self, bus: Bus, settings: Settings, *, concurrency: int) -> RpcServer:
+        """This service's request server, with the admission control and pending bounds the
+        settings give (`STRATA_RPC_*`, docs/operations.md)."""
+        return RpcServer(
+            bus.nc,
+            self.name,
+            concurrency=concurrency,
+            admission=settings.admission_limits(),
+            pending_msgs=settings.rpc_sub_pending_msgs,
+            pending_bytes=settings.rpc_sub_pending_mb * 1024 * 1024,
+        )
 
     async def on_applied(self, event: Event) -> None:
         """Called after an event was folded in (for reactions such as re-planning)."""

@@ -12,8 +12,9 @@ from typing import Final, Literal
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from strata.admission import AdmissionLimits
 from strata.errors import ConfigError
-from strata.events.models import MAX_RANK
+from strata.events.models import MAX_RANK, MAX_SHARDS
 
 
 class Env:
@@ -47,6 +48,18 @@ class Env:
     REPLAY_SNAPSHOT_MB: Final = "STRATA_REPLAY_SNAPSHOT_MB"
     ACK_JOURNAL: Final = "STRATA_ACK_JOURNAL"
     BARRIER_RECORD_ARRIVALS_S: Final = "STRATA_BARRIER_RECORD_ARRIVALS_S"
+    RPC_ADMISSION: Final = "STRATA_RPC_ADMISSION"
+    RPC_JOB_RATE: Final = "STRATA_RPC_JOB_RATE"
+    RPC_JOB_BURST: Final = "STRATA_RPC_JOB_BURST"
+    RPC_WORKER_RATE: Final = "STRATA_RPC_WORKER_RATE"
+    RPC_WORKER_BURST: Final = "STRATA_RPC_WORKER_BURST"
+    RPC_JOB_PENDING: Final = "STRATA_RPC_JOB_PENDING"
+    RPC_MAX_PENDING: Final = "STRATA_RPC_MAX_PENDING"
+    RPC_JOB_INFLIGHT: Final = "STRATA_RPC_JOB_INFLIGHT"
+    RPC_SUB_PENDING_MSGS: Final = "STRATA_RPC_SUB_PENDING_MSGS"
+    RPC_SUB_PENDING_MB: Final = "STRATA_RPC_SUB_PENDING_MB"
+    MAX_DATASETS_PER_JOB: Final = "STRATA_MAX_DATASETS_PER_JOB"
+    MAX_SHARDS_PER_DATASET: Final = "STRATA_MAX_SHARDS_PER_DATASET"
 
 
 LogFormat = Literal["auto", "json", "console"]
@@ -103,6 +116,40 @@ class Settings(BaseSettings):
     barrier_record_arrivals_s: float = Field(default=1.0, ge=0, le=3600)
     """How long the barrier service may hold `barrier.arrived` events (the record of who waits,
     not needed for a release) before writing them; a generation's conclusion writes them at once."""
+
+    # Admission control of every service's requests (`strata.bus.admission`): defaults sized for
+    # a 1,000-worker job; see docs/operations.md, "Limits".
+    rpc_admission: bool = True
+    """False takes every request as it comes (one FIFO, no budgets): for benchmarks only."""
+    rpc_job_rate: float = Field(default=AdmissionLimits.job_rate, gt=0, le=10_000_000)
+    rpc_job_burst: int = Field(default=AdmissionLimits.job_burst, ge=1, le=10_000_000)
+    rpc_worker_rate: float = Field(default=AdmissionLimits.worker_rate, gt=0, le=10_000_000)
+    rpc_worker_burst: int = Field(default=AdmissionLimits.worker_burst, ge=1, le=10_000_000)
+    rpc_job_pending: int = Field(default=AdmissionLimits.job_pending, ge=1, le=10_000_000)
+    rpc_max_pending: int = Field(default=AdmissionLimits.max_pending, ge=1, le=10_000_000)
+    rpc_job_inflight: int = Field(default=AdmissionLimits.job_inflight, ge=1, le=1_000_000)
+    rpc_sub_pending_msgs: int = Field(default=65_536, ge=1, le=10_000_000)
+    """Requests the NATS client holds for a service before it drops (and counts) the next."""
+    rpc_sub_pending_mb: int = Field(default=64, ge=1, le=65_536)
+    """MiB of requests the NATS client holds for a service before it drops (and counts) more."""
+    max_datasets_per_job: int = Field(default=256, ge=1, le=100_000)
+    """Datasets one job may register (`quota_exceeded` past it)."""
+    max_shards_per_dataset: int = Field(default=MAX_SHARDS, ge=1, le=MAX_SHARDS)
+    """Shards one dataset may have (`quota_exceeded` past it: use larger shards)."""
+
+    def admission_limits(self) -> AdmissionLimits | None:
+        """The services' admission limits; None when admission control is off."""
+        if not self.rpc_admission:
+            return None
+        return AdmissionLimits(
+            job_rate=self.rpc_job_rate,
+            job_burst=self.rpc_job_burst,
+            worker_rate=self.rpc_worker_rate,
+            worker_burst=self.rpc_worker_burst,
+            job_pending=self.rpc_job_pending,
+            max_pending=self.rpc_max_pending,
+            job_inflight=self.rpc_job_inflight,
+        )
 
     @field_validator("nats_url")
     @classmethod

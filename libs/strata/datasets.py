@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from strata._checks import check_id, check_int
-from strata.errors import StrataError, ValidationError
+from strata.errors import ConflictError, StrataError, ValidationError
 from strata.events import ShardPlanChanged, decode_event, subjects
 from strata.events.models import (
     MAX_EPOCH,
@@ -61,6 +61,8 @@ __all__ = [
 SERVICE: Final = "sharding"
 RPC_TIMEOUT_S: Final = 5.0
 RETRY_FOR_S: Final = 30.0
+PAGED_READ_ATTEMPTS: Final = 5
+"""Times a paged read of a worker's shards starts again when the plan changed under it."""
 """How long a call keeps retrying while no sharding service answers: long enough for a restart."""
 MAX_SEED: Final = 2**63 - 1
 _R = TypeVar("_R", bound=pydantic.BaseModel)
@@ -240,7 +242,9 @@ class AsyncDatasetRegistry:
 
         The first request of an epoch plans it over the live workers. Raises `strata.NotFound`
         for a dataset never registered, or a worker that is not a live member of the job, and
-        `strata.StaleLease` when `lease` (default: this worker's current one) has ended.
+        `strata.StaleLease` when `lease` (default: this worker's current one) has ended. The
+        service answers at most `SHARDS_PER_REPLY` shards at a time; more are read page by page
+        (all from the same plan version) and returned as one assignment.
         """
         check_id("dataset_id", dataset_id)
         worker = self._worker.id if worker_id is None else check_id("worker_id", worker_id)
@@ -252,11 +256,26 @@ class AsyncDatasetRegistry:
             job=self._worker.job, dataset_id=dataset_id, worker_id=worker, epoch=epoch, lease=lease
         )
         asked_at = time.monotonic()
-        assignment = await self._call("get_shards", request, ShardAssignment)
-        # The sharding service checked the lease against the membership it had caught up with.
-        self._worker._lease_verified(lease, asked_at)
-        self._saw_version(dataset_id, epoch, assignment.plan_version)
-        return assignment
+        for _ in range(PAGED_READ_ATTEMPTS):
+            first = await self._call("get_shards", request, ShardAssignment)
+            # The sharding service checked the lease against the membership it had caught up with.
+            self._worker._lease_verified(lease, asked_at)
+            self._saw_version(dataset_id, epoch, first.plan_version)
+            shards, page = list(first.shards), first
+            while page.next_offset is not None:
+                following = request.model_copy(update={"offset": page.next_offset})
+                page = await self._call("get_shards", following, ShardAssignment)
+                self._saw_version(dataset_id, epoch, page.plan_version)
+                if page.plan_version != first.plan_version:
+                    break  # re-planned between two pages: read the new plan from its start
+                shards.extend(page.shards)
+            else:
+                return first.model_copy(update={"shards": shards, "next_offset": None})
+        raise ConflictError(
+            f"the plan of epoch {epoch} of {dataset_id!r} changed while its {first.total_shards} "
+            f"shards were read in pages, {PAGED_READ_ATTEMPTS} times in a row; ask again once "
+            "the job's membership has settled"
+        )
 
     async def get_shard_for_worker(
         self, dataset_id: str, worker_id: str | None = None, epoch: int = 0

@@ -29,7 +29,9 @@ turns a reply back into the matching subclass with `error_from_code`.
     ├── StorageError           the checkpoint store failed             storage_error
     ├── LimitExceeded          a configured bound was reached          limit_exceeded
     │   ├── TooLarge           a request would take in too much        too_large
+    │   ├── QuotaExceeded      a job's share of a resource is used up  quota_exceeded
     │   └── Busy               too many such requests at once          busy
+    │       └── RateLimited    a caller sends faster than its budget   rate_limited
     └── DeadlineExceeded       work not finished by its deadline       deadline_exceeded
 """
 
@@ -203,10 +205,24 @@ class TooLarge(LimitExceeded):
     code = "too_large"
 
 
+class QuotaExceeded(LimitExceeded):
+    """A job holds as much of a resource (datasets, shards, ...) as one job may: retrying does
+    not help; the message names the quota and the setting that raises it."""
+
+    code = "quota_exceeded"
+
+
 class Busy(LimitExceeded):
     """Retry later: the bound is on work in progress, not on the request itself."""
 
     code = "busy"
+
+
+class RateLimited(Busy):
+    """The caller (its job, or its worker) sent more requests than its budget allows; the
+    request was refused before any work was done, so sending it again later is always safe."""
+
+    code = "rate_limited"
 
 
 class DeadlineExceeded(StrataError):
@@ -242,7 +258,9 @@ _BY_CODE: dict[str, type[StrataError]] = {
         StorageError,
         LimitExceeded,
         TooLarge,
+        QuotaExceeded,
         Busy,
+        RateLimited,
         DeadlineExceeded,
     )
 }

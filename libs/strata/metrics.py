@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Final, Protocol, get_args
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,6 +41,23 @@ MESSAGES_REJECTED: Final = Counter(
     "strata_messages_rejected_total",
     "Messages refused or dropped (malformed, invalid, no reply subject), by reason code.",
     ["consumer", "code"],
+)
+RPC_REFUSED: Final = Counter(
+    "strata_rpc_refused_total",
+    "Requests refused by admission control before any work (rate_limited, busy), by the caller's "
+    "job's standing (the code) only: job names stay out of the probes.",
+    ["service", "code"],
+)
+RPC_DROPPED: Final = Counter(
+    "strata_rpc_dropped_total",
+    "Requests dropped unanswered: no reply subject (nobody could read an answer), or more than "
+    "the subscription's pending limits (slow_consumer).",
+    ["service", "reason"],
+)
+RPC_QUEUED: Final = Gauge(
+    "strata_rpc_queued",
+    "Admitted requests waiting for a handler, all jobs together.",
+    ["service"],
 )
 EVENTS_CONSUMED: Final = Counter(
     "strata_events_consumed_total",

@@ -5,10 +5,13 @@ over, and `evolve` recomputes the plan with the pure planner (`strata.sharding`)
 and every replay agrees. Membership comes from the registry's worker events. No I/O, no clock reads:
 the time is passed in (`now_ns`). The snapshot of the state (`snapshot`, `restore`) is here too.
 
-What a worker can make the service keep is bounded: a job registers at most `MAX_DATASETS`
-datasets, and each keeps the plans of its `EPOCHS_KEPT` newest epochs only. A request may plan an
-epoch from the oldest kept to one past the latest, so epochs are planned in order; going back
-further, or jumping ahead, is a restore (`restore_progress`), which replaces the later plans.
+What a worker can make the service keep, and the work one request may cost, are bounded: a job
+registers at most `ShardingLimits.max_datasets` datasets of at most `max_shards` shards each
+(`quota_exceeded` past either), each keeps the plans of its `EPOCHS_KEPT` newest epochs only, and a
+`get_shards` answer holds at most `SHARDS_PER_REPLY` shards (the rest are further pages). A
+request may plan an epoch from the oldest kept to one past the latest, so epochs are planned in
+order; going back further, or jumping ahead, is a restore (`restore_progress`), which replaces
+the later plans.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import numpy as np
 from strata.errors import (
     ConflictError,
     EpochOutOfRange,
-    LimitExceeded,
     NotFound,
+    QuotaExceeded,
     StrataError,
     ValidationError,
 )
@@ -39,7 +42,9 @@ from strata.events import (
     WorkerRegistered,
 )
 from strata.events.ids import event_id
+from strata.events.models import MAX_SHARDS
 from strata.events.requests import (
+    SHARDS_PER_REPLY,
     DatasetInfo,
     GetShardsRequest,
     Lease,
@@ -64,7 +69,18 @@ VERSIONS_REMEMBERED: Final = 64
 """Epochs on either side of the newest plan whose dropped plan's version is remembered, so a plan
 made again goes on with newer versions (and new event ids); further ones are forgotten."""
 MAX_DATASETS: Final = 256
-"""Datasets one job may register."""
+"""Datasets one job may register, by default (`STRATA_MAX_DATASETS_PER_JOB`)."""
+
+
+@dataclass(frozen=True)
+class ShardingLimits:
+    """What one job may make the service hold (the `STRATA_MAX_*` settings)."""
+
+    max_datasets: int = MAX_DATASETS
+    max_shards: int = MAX_SHARDS
+
+
+DEFAULT_LIMITS: Final = ShardingLimits()
 
 
 @dataclass
@@ -249,16 +265,29 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
 
 
 def register_dataset(
-    state: ShardingState, request: RegisterDatasetRequest, now_ns: int
+    state: ShardingState,
+    request: RegisterDatasetRequest,
+    now_ns: int,
+    limits: ShardingLimits = DEFAULT_LIMITS,
 ) -> Decision[None]:
     wanted = _spec(request)
     datasets = state.jobs.get(request.job, JobSharding(request.job)).datasets
     existing = datasets.get(request.dataset_id)
-    if existing is None and len(datasets) >= MAX_DATASETS:
+    if existing is None and len(datasets) >= limits.max_datasets:
         return Decision(
-            error=LimitExceeded(
+            error=QuotaExceeded(
                 f"job {request.job!r} has registered {len(datasets)} datasets, the most one job "
-                "may; reuse one of them (the same id and parameters), or run another job"
+                "may; reuse one of them (the same id and parameters), or raise "
+                "STRATA_MAX_DATASETS_PER_JOB on the sharding service"
+            )
+        )
+    if existing is None and wanted.num_shards > limits.max_shards:
+        return Decision(
+            error=QuotaExceeded(
+                f"dataset {request.dataset_id!r} of job {request.job!r} would have "
+                f"{wanted.num_shards} shards ({request.total_samples} samples of "
+                f"{request.shard_size}); one dataset may have at most {limits.max_shards}: use "
+                "larger shards, or raise STRATA_MAX_SHARDS_PER_DATASET on the sharding service"
             )
         )
     if existing is not None:
@@ -404,7 +433,17 @@ def get_shards(state: ShardingState, request: GetShardsRequest, now_ns: int) -> 
     return Decision([event] if event else [])
 
 
+def plan_of(state: ShardingState, request: GetShardsRequest) -> Plan | None:
+    """The plan a `get_shards` request reads, if its epoch is planned."""
+    job = state.jobs.get(request.job)
+    epoch_plan = job.plans.get((request.dataset_id, request.epoch)) if job else None
+    return epoch_plan.plan if epoch_plan is not None else None
+
+
 def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignment:
+    """One page of a worker's shards: from `request.offset` in reading order, at most
+    `request.limit` (and `SHARDS_PER_REPLY`) of them. Only the page's spans are built, so the
+    answer's size is bounded before it is made, however many shards the worker has."""
     job = state.job(request.job)
     epoch_plan = job.plans.get((request.dataset_id, request.epoch))
     if epoch_plan is None:
@@ -415,18 +454,31 @@ def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignme
             "restore of the job's progress; ask for the shards of the restored epoch"
         )
     plan = epoch_plan.plan
-    spans = []
-    for shard in plan.shards_of(request.worker_id):
-        shard_range = plan.dataset.shard_range(shard)
-        spans.append(
-            ShardSpan(
-                shard_id=shard,
-                start=shard_range.start,
-                end=shard_range.end,
-                done=bool(plan.done[shard]),
-                offset=epoch_plan.offsets.get(shard, 0),
-            )
+    mine = plan.ordered_shards(request.worker_id)
+    total = int(mine.size)
+    if request.offset > total:
+        raise ValidationError(
+            f"offset {request.offset} is past the {total} shards of worker "
+            f"{request.worker_id!r} in epoch {request.epoch} of {request.dataset_id!r}",
+            field="offset",
         )
+    size = min(request.limit or SHARDS_PER_REPLY, SHARDS_PER_REPLY)
+    page = mine[request.offset : request.offset + size].tolist()
+    shard_size = plan.dataset.shard_size
+    total_samples = plan.dataset.total_samples
+    done = plan.done
+    offsets = epoch_plan.offsets
+    spans = [
+        ShardSpan(
+            shard_id=shard,
+            start=shard * shard_size,
+            end=min(total_samples, (shard + 1) * shard_size),
+            done=bool(done[shard]),
+            offset=offsets.get(shard, 0),
+        )
+        for shard in page
+    ]
+    end = request.offset + len(page)
     return ShardAssignment(
         job=request.job,
         dataset_id=request.dataset_id,
@@ -435,6 +487,9 @@ def assignment(state: ShardingState, request: GetShardsRequest) -> ShardAssignme
         plan_version=plan.version,
         world_size=len(plan.members),
         shards=spans,
+        offset=request.offset,
+        total_shards=total,
+        next_offset=end if end < total else None,
     )
 
 
@@ -643,10 +698,15 @@ Command = RegisterDatasetRequest | GetShardsRequest | ReportProgressRequest | Re
 """The requests this service decides: each names its job and dataset."""
 
 
-def decide(state: ShardingState, command: Command, now_ns: int) -> Decision[None]:
+def decide(
+    state: ShardingState,
+    command: Command,
+    now_ns: int,
+    limits: ShardingLimits = DEFAULT_LIMITS,
+) -> Decision[None]:
     """The events of one request, or its error."""
     if isinstance(command, RegisterDatasetRequest):
-        return register_dataset(state, command, now_ns)
+        return register_dataset(state, command, now_ns, limits)
     if isinstance(command, GetShardsRequest):
         return get_shards(state, command, now_ns)
     if isinstance(command, ReportProgressRequest):
@@ -655,7 +715,10 @@ def decide(state: ShardingState, command: Command, now_ns: int) -> Decision[None
 
 
 def decide_all(
-    state: ShardingState, commands: Sequence[Command], now_ns: int
+    state: ShardingState,
+    commands: Sequence[Command],
+    now_ns: int,
+    limits: ShardingLimits = DEFAULT_LIMITS,
 ) -> list[Decision[None]]:
     """Decide `commands` in order, each against the state the previous ones' events make: one
     batch of a group commit. `state` itself is left as it is (it changes only by folding what the
@@ -670,7 +733,7 @@ def decide_all(
             scratch.jobs[name] = scratch.jobs[name].fork(dataset_ids)
     decisions: list[Decision[None]] = []
     for command in commands:
-        decision = decide(scratch, command, now_ns)
+        decision = decide(scratch, command, now_ns, limits)
         for event in decision.events:
             evolve(scratch, event)
         decisions.append(decision)

@@ -10,6 +10,7 @@ re-plan the latest epoch of every dataset of the job at once, not on the next re
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import structlog
@@ -64,18 +65,23 @@ class Sharding(Projection[ShardingState]):
         """`max_batch=1` decides and stores one request at a time (the benchmark's baseline)."""
         super().__init__()
         self._rpc: RpcServer | None = None
+        self.limits = domain.DEFAULT_LIMITS
         self.commits: GroupCommit[Command, Decision[None]] = GroupCommit(
             self, self._decide_all, max_batch=max_batch, prepare=self._catch_up
         )
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
+        self.limits = domain.ShardingLimits(
+            max_datasets=settings.max_datasets_per_job,
+            max_shards=settings.max_shards_per_dataset,
+        )
         # Membership may have changed while this service was down.
         async with self.lock:
             for job in list(self.state.jobs):
                 now_ns = self.now_ns()
                 await self._apply(domain.replan_after_membership_change(self.state, job, now_ns))
         self.spawn(self.commits.run(), "commits")
-        self._rpc = RpcServer(bus.nc, self.name, concurrency=RPC_CONCURRENCY)
+        self._rpc = self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER_DATASET, self._register_dataset)
         self._rpc.serve(GET_SHARDS, self._get_shards)
         self._rpc.serve(REPORT_PROGRESS, self._report_progress)
@@ -100,7 +106,7 @@ class Sharding(Projection[ShardingState]):
         await self.publish_all(events)
 
     def _decide_all(self, commands: list[Command]) -> list[Decision[None]]:
-        decisions = domain.decide_all(self.state, commands, self.now_ns())
+        decisions = domain.decide_all(self.state, commands, self.now_ns(), self.limits)
         for decision in decisions:
             for event in decision.events:
                 _log_plan(event)
@@ -121,7 +127,12 @@ class Sharding(Projection[ShardingState]):
         return await self.commits.submit(request, answer)
 
     async def _get_shards(self, request: GetShardsRequest) -> ShardAssignment:
-        return await self.commits.submit(request, lambda _: domain.assignment(self.state, request))
+        plan = await self.commits.submit(request, lambda _: domain.plan_of(self.state, request))
+        if plan is not None:
+            # A worker's reading order in a large plan is a sort of up to a million shards:
+            # made in a thread (numpy lets go of the GIL), the other jobs' requests go on.
+            await asyncio.to_thread(plan.ordered_shards, request.worker_id)
+        return domain.assignment(self.state, request)
 
     async def _report_progress(self, request: ReportProgressRequest) -> ProgressResult:
         return await self.commits.submit(request, lambda _: self._progress(request))

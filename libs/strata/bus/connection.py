@@ -22,8 +22,34 @@ from nats.aio.client import DEFAULT_INBOX_PREFIX
 from nats.aio.client import Client as NATS
 
 from strata.errors import BusError, ConfigError
+from strata.logs import Throttle
+from strata.metrics import MESSAGES_REJECTED, RPC_DROPPED
 
 log = structlog.get_logger("strata.bus")
+
+_RPC_PREFIX = "strata.rpc."
+_slow_log = Throttle()
+
+
+def _slow_consumer(client: str | None, exc: nats.errors.SlowConsumerError) -> None:
+    """Count a message the client dropped because its subscription held as many as it may (one
+    warning per subscription every few seconds: a flood must not become one of log lines)."""
+    subject = exc.subject or ""
+    if subject.startswith(_RPC_PREFIX):
+        service = subject[len(_RPC_PREFIX) :].split(".", 1)[0][:64]
+        RPC_DROPPED.labels(service, "slow_consumer").inc()
+        key: tuple[str | None, str] = (client, f"rpc.{service}")
+    else:
+        MESSAGES_REJECTED.labels(client or "nats", "slow_consumer").inc()
+        key = (client, "")
+    held_back = _slow_log(key)
+    if held_back is not None:
+        log.warning(
+            "nats_slow_consumer_dropped",
+            client=client,
+            subject=subject[:200],
+            held_back=held_back,
+        )
 
 
 @dataclass(frozen=True)
@@ -132,6 +158,9 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         nonlocal errors_seen, last_seen
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            _slow_consumer(opts.name, exc)
+            return
         errors_seen += 1
         last_seen = exc
         # Before the first connection every failed attempt ends in one BusError that says it

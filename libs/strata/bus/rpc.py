@@ -31,12 +31,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 import strata
+from strata.admission import OPERATOR, Admission, AdmissionLimits, FairQueue, Refusal
 from strata.bus.connection import backoff_delays
 from strata.errors import (
     BusError,
+    Busy,
     CodecError,
     Forbidden,
     InvalidRequest,
+    RateLimited,
     RpcTimeout,
     ServiceUnavailable,
     StrataError,
@@ -46,9 +49,22 @@ from strata.events import subjects
 from strata.events.codec import pack, unpack, validation_error
 from strata.events.rpc import STATUS_INTERVAL_S, PingRequest, PingResult, RpcEndpoint, Scope
 from strata.logs import Throttle
-from strata.metrics import MESSAGES_REJECTED, RPC_LATENCY, RPC_REQUESTS
+from strata.metrics import (
+    MESSAGES_REJECTED,
+    RPC_DROPPED,
+    RPC_LATENCY,
+    RPC_QUEUED,
+    RPC_REFUSED,
+    RPC_REQUESTS,
+)
 
 log = structlog.get_logger("strata.rpc")
+
+DEFAULT_PENDING_MSGS = 65_536
+"""Requests the NATS client holds for a service that it has not looked at yet (the
+`STRATA_RPC_SUB_PENDING_MSGS` setting); past it, it drops them, counted."""
+DEFAULT_PENDING_BYTES = 64 * 1024 * 1024
+"""The same bound in bytes (`STRATA_RPC_SUB_PENDING_MB`)."""
 
 Req = TypeVar("Req", bound=pydantic.BaseModel)
 Res = TypeVar("Res", bound=pydantic.BaseModel)
@@ -61,6 +77,28 @@ class Caller:
 
     job: str
     worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A refusal's answer and counters, made once: a flood repeats the same few."""
+
+    reply: bytes
+    refused: Any
+    requests: Any
+    rejected: Any
+
+
+_REFUSALS_KEPT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """A request taken in, waiting in its job's queue for a handler."""
+
+    msg: Msg
+    address: subjects.RpcAddress
+    arrived: float
 
 
 @dataclass(frozen=True)
@@ -81,25 +119,60 @@ def _error(code: str, message: str) -> bytes:
 
 
 class RpcServer:
-    """Answers every request on `strata.rpc.<service>.*`; `ping` is built in."""
+    """Answers every request on `strata.rpc.<service>.*`; `ping` is built in.
 
-    def __init__(self, nc: NATS, service: str, *, concurrency: int = 1) -> None:
+    With `admission` (the `STRATA_RPC_*` settings), a request is taken or refused from its subject
+    alone, before its body is decoded (`strata.admission`): its caller's budgets are charged, and
+    what is admitted waits in its job's queue, the queues served round robin by up to
+    `concurrency` handlers at once (`job_inflight` of one job). A refusal is answered at once
+    (`rate_limited`, `busy`) and counted. Without it (a benchmark's baseline), requests are
+    handled in arrival order as they come. Either way, a request without a reply subject is
+    dropped before any work, and the subscription holds at most `pending_msgs` requests
+    (`pending_bytes`) that were not looked at yet: past those the NATS client drops and counts
+    (`strata_rpc_dropped_total`), so a flood never makes the server cut the service off as a slow
+    consumer.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        service: str,
+        *,
+        concurrency: int = 1,
+        admission: AdmissionLimits | None = None,
+        pending_msgs: int = DEFAULT_PENDING_MSGS,
+        pending_bytes: int = DEFAULT_PENDING_BYTES,
+    ) -> None:
         self._nc = nc
         self.service = service
         self.instance = uuid.uuid4().hex[:12]
         self._routes: dict[str, _Route[Any]] = {}
         self._sub: Subscription | None = None
         self._started = time.monotonic()
+        self._concurrency = max(1, concurrency)
         self._gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
+        self._pending_msgs = pending_msgs
+        self._pending_bytes = pending_bytes
         self._tasks: set[asyncio.Task[None]] = set()
         self._announcer: asyncio.Task[None] | None = None
         self.rejected: Counter[str] = Counter()
+        self.admission = Admission(service, admission) if admission is not None else None
+        limits = admission if admission is not None else AdmissionLimits()
+        self._queue: FairQueue[str, _Admitted] = FairQueue(limits.job_pending, limits.max_pending)
+        self._job_inflight = limits.job_inflight
+        self._inflight = 0
+        self._inflight_of: Counter[str] = Counter()
         # Metric children looked up once: a labels() call per request costs more than the handler.
         self._latency = RPC_LATENCY.labels(service)
+        self._queued = RPC_QUEUED.labels(service)
+        self._no_reply = RPC_DROPPED.labels(service, "no_reply_subject")
         self._counted: dict[tuple[str, str], Any] = {}
+        self._rejected_counters: dict[str, Any] = {}
+        self._refusals: dict[tuple[Refusal, str], _Refused] = {}
         # One warning per verb and caller every few seconds: forged requests come at their
         # sender's pace, log lines must not.
         self._forbidden_log = Throttle()
+        self._refused_log = Throttle()
         self.route("ping", PingRequest, self._ping, scope="open")
 
     def route(
@@ -145,7 +218,8 @@ class RpcServer:
             subjects.service_rpcs(self.service),
             queue=subjects.rpc_queue_group(self.service),
             cb=self._on_message,
-            pending_msgs_limit=262_144,
+            pending_msgs_limit=self._pending_msgs,
+            pending_bytes_limit=self._pending_bytes,
         )
         # Until the server has the SUB, callers get "no responders". nats-py writes flush()'s PING
         # straight to the socket, ahead of the still-buffered SUB, so one round trip is not proof;
@@ -176,6 +250,33 @@ class RpcServer:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _on_message(self, msg: Msg) -> None:
+        # nats-py awaits this for one message at a time: it must only sort, never do the work.
+        if not msg.reply:
+            # Nobody can read an answer: doing the work would only cost the other callers.
+            self._no_reply.inc()
+            self._count_reject("no_reply_subject")
+            return
+        admission = self.admission
+        if admission is None:
+            await self._in_arrival_order(msg)
+            return
+        arrived = time.perf_counter()
+        try:
+            address = subjects.parse_rpc_subject(msg.subject)
+        except ValueError as exc:
+            await self._answer(msg, "?", _error(InvalidRequest.code, str(exc)), InvalidRequest.code)
+            return
+        job = address.job or OPERATOR
+        refusal = admission.admit(address.job, address.worker, time.monotonic())
+        admitted = _Admitted(msg, address, arrived)
+        if refusal is None and not self._queue.push(job, admitted, bounded=job != OPERATOR):
+            refusal = admission.busy(job, self._queue.queued(job), len(self._queue))
+        if refusal is not None:
+            await self._refuse(msg, address, refusal)
+            return
+        self._pump()
+
+    async def _in_arrival_order(self, msg: Msg) -> None:
         if self._gate is None:
             await self._serve(msg)
             return
@@ -191,20 +292,96 @@ class RpcServer:
             assert self._gate is not None
             self._gate.release()
 
+    def _may_start(self, job: str) -> bool:
+        return job == OPERATOR or self._inflight_of[job] < self._job_inflight
+
+    def _pump(self) -> None:
+        """Start admitted requests, round robin between jobs, while handlers are free."""
+        queue = self._queue
+        while queue and self._inflight < self._concurrency:
+            popped = queue.pop(self._may_start)
+            if popped is None:
+                break
+            job, admitted = popped
+            self._inflight += 1
+            self._inflight_of[job] += 1
+            task = asyncio.create_task(self._serve_admitted(job, admitted))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._queued.set(len(queue))
+
+    async def _serve_admitted(self, job: str, admitted: _Admitted) -> None:
+        try:
+            await self._serve(admitted.msg, admitted.address, admitted.arrived)
+        finally:
+            self._inflight -= 1
+            left = self._inflight_of[job] - 1
+            if left:
+                self._inflight_of[job] = left
+            else:
+                del self._inflight_of[job]
+            self._pump()
+
+    async def _refuse(self, msg: Msg, address: subjects.RpcAddress, refusal: Refusal) -> None:
+        # The path a flood takes, once per message: everything it can reuse is looked up.
+        verb = address.verb if address.verb in self._routes else "?"
+        refused = self._refusals.get((refusal, verb))
+        if refused is None:
+            if len(self._refusals) >= _REFUSALS_KEPT:
+                self._refusals.clear()
+            refused = self._refusals[(refusal, verb)] = _Refused(
+                _error(refusal.code, refusal.message),
+                RPC_REFUSED.labels(self.service, refusal.code),
+                RPC_REQUESTS.labels(self.service, verb, refusal.code),
+                MESSAGES_REJECTED.labels(f"rpc.{self.service}", refusal.code),
+            )
+        refused.refused.inc()
+        refused.requests.inc()
+        refused.rejected.inc()
+        self.rejected[refusal.code] += 1
+        held_back = self._refused_log((refusal.code, address.job, address.worker))
+        if held_back is not None:
+            log.warning(
+                "rpc_refused",
+                service=self.service,
+                code=refusal.code,
+                caller_job=address.job,
+                caller_worker=address.worker,
+                held_back=held_back,
+            )
+        try:
+            await self._nc.publish(msg.reply, refused.reply)
+        except nats.errors.Error as exc:
+            log.warning("rpc_reply_failed", service=self.service, error=str(exc))
+
     def _count_reject(self, code: str) -> None:
         self.rejected[code] += 1
-        MESSAGES_REJECTED.labels(f"rpc.{self.service}", code).inc()
+        counter = self._rejected_counters.get(code)
+        if counter is None:
+            counter = MESSAGES_REJECTED.labels(f"rpc.{self.service}", code)
+            self._rejected_counters[code] = counter
+        counter.inc()
 
-    async def _serve(self, msg: Msg) -> None:
-        started = time.perf_counter()
-        try:
-            address = subjects.parse_rpc_subject(msg.subject)
-        except ValueError as exc:
-            verb = "?"
-            reply, outcome = _error(InvalidRequest.code, str(exc)), InvalidRequest.code
-        else:
-            verb = address.verb
-            reply, outcome = await self._reply_for(msg, address)
+    async def _serve(
+        self,
+        msg: Msg,
+        address: subjects.RpcAddress | None = None,
+        started: float | None = None,
+    ) -> None:
+        if started is None:
+            started = time.perf_counter()
+        if address is None:
+            try:
+                address = subjects.parse_rpc_subject(msg.subject)
+            except ValueError as exc:
+                reply = _error(InvalidRequest.code, str(exc))
+                await self._answer(msg, "?", reply, InvalidRequest.code)
+                return
+        reply, outcome = await self._reply_for(msg, address)
+        await self._answer(msg, address.verb, reply, outcome)
+        self._latency.observe(time.perf_counter() - started)
+
+    async def _answer(self, msg: Msg, verb: str, reply: bytes, outcome: str) -> None:
         key = (verb if verb in self._routes else "?", outcome)
         counter = self._counted.get(key)
         if counter is None:
@@ -212,9 +389,6 @@ class RpcServer:
         counter.inc()
         if outcome != "ok":
             self._count_reject(outcome)
-        if not msg.reply:
-            self._count_reject("no_reply_subject")
-            return
         limit = self._nc.max_payload
         if limit and len(reply) > limit:
             message = (
@@ -227,7 +401,6 @@ class RpcServer:
             await self._nc.publish(msg.reply, reply)
         except nats.errors.Error as exc:
             log.warning("rpc_reply_failed", service=self.service, verb=verb, error=str(exc))
-        self._latency.observe(time.perf_counter() - started)
 
     async def _reply_for(self, msg: Msg, address: subjects.RpcAddress) -> tuple[bytes, str]:
         verb = address.verb
@@ -352,8 +525,9 @@ class RpcClient:
     ) -> Any:
         """Send a request and return its result, or raise the error its reply carries.
 
-        With `retry_for`, a call that finds no responder (a service restarting) is retried with
-        backoff for that long; an `idempotent` call is also retried after a timeout.
+        With `retry_for`, a call that finds no responder (a service restarting) or is refused by
+        the service's admission control (`rate_limited`) is retried with backoff for that long;
+        an `idempotent` call is also retried after a timeout or a `busy` refusal.
         """
         caller = self.caller
         subject = (
@@ -375,6 +549,12 @@ class RpcClient:
                 return _parse_reply(subject, msg.data, result)
             except ServiceUnavailable as exc:
                 error = exc  # the service answered that it cannot serve yet: retry like silence
+            except RateLimited as exc:
+                error = exc  # refused before any work was done: sending it again is always safe
+            except Busy as exc:
+                error = exc  # a handler may refuse with `busy` after some work: idempotent only
+                if not idempotent:
+                    raise
             except nats.errors.NoRespondersError:
                 error = ServiceUnavailable(
                     f"no {service} service answers {subject}: is it running "

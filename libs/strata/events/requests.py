@@ -6,7 +6,7 @@ validate them. Each verb is declared in the RPC catalogue, so the AsyncAPI docum
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -212,6 +212,10 @@ class DatasetInfo(StrictModel):
     created: bool = Field(description="False when the same dataset was already registered.")
 
 
+SHARDS_PER_REPLY: Final = 10_000
+"""The most shards one `get_shards` answer holds; a worker with more reads them in pages."""
+
+
 class GetShardsRequest(StrictModel):
     """A worker's shards; `lease` is the requester's (it may ask for another member's)."""
 
@@ -222,6 +226,12 @@ class GetShardsRequest(StrictModel):
     lease: Lease | None = Field(
         default=None,
         description="The requesting worker's lease; required (`lease_required` without it).",
+    )
+    offset: Annotated[int, Field(ge=0, le=MAX_SHARDS)] = Field(
+        default=0, description="Where in the worker's shards (reading order) the page starts."
+    )
+    limit: Annotated[int, Field(ge=1, le=SHARDS_PER_REPLY)] | None = Field(
+        default=None, description=f"The most shards to answer with (at most {SHARDS_PER_REPLY})."
     )
 
 
@@ -242,7 +252,16 @@ class ShardAssignment(StrictModel):
     worker_id: Id
     plan_version: Annotated[int, Field(ge=0)]
     world_size: Annotated[int, Field(ge=1, le=MAX_WORKERS)]
+    # A reply holds at most SHARDS_PER_REPLY of them (the service pages); the SDK's assignment()
+    # joins the pages into one.
     shards: Annotated[list[ShardSpan], Field(max_length=MAX_SHARDS, fail_fast=True)]
+    offset: Annotated[int, Field(ge=0, le=MAX_SHARDS)] = 0
+    total_shards: Annotated[int, Field(ge=0, le=MAX_SHARDS)] = Field(
+        default=0, description="How many shards the worker has in all (every page together)."
+    )
+    next_offset: Annotated[int, Field(ge=0, le=MAX_SHARDS)] | None = Field(
+        default=None, description="Where the next page starts; null on the last page."
+    )
 
 
 class ReportProgressRequest(StrictModel):

@@ -89,6 +89,12 @@ class Plan:
     position: IndexArray
     version: int = 0
     done: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    # Each worker's shards in reading order, made on first use: a worker with many shards reads
+    # them in pages, and sorting a million shards again for each page would block its service
+    # for tens of milliseconds each time. Owners and positions never change in place.
+    _orders: dict[str, IndexArray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.done.shape != self.owner.shape:
@@ -96,12 +102,22 @@ class Plan:
 
     def shards_of(self, worker_id: str) -> list[int]:
         """Every shard of `worker_id` in reading order (done ones included)."""
+        return [int(s) for s in self.ordered_shards(worker_id)]
+
+    def ordered_shards(self, worker_id: str) -> IndexArray:
+        """`shards_of` as an array (do not change it): a page of it is sliced before any Python
+        int is made."""
+        ordered = self._orders.get(worker_id)
+        if ordered is not None:
+            return ordered
         try:
             index = self.members.index(worker_id)
         except ValueError:
-            return []
+            return np.empty(0, dtype=np.int64)
         mine = np.flatnonzero(self.owner == index)
-        return [int(s) for s in mine[np.argsort(self.position[mine], kind="stable")]]
+        ordered = mine[np.argsort(self.position[mine], kind="stable")]
+        self._orders[worker_id] = ordered
+        return ordered
 
     def ranges_of(self, worker_id: str) -> list[ShardRange]:
         return [self.dataset.shard_range(s) for s in self.shards_of(worker_id)]

@@ -200,7 +200,7 @@ def test_a_job_registers_a_bounded_number_of_datasets() -> None:
 
     refused = register("one-more").error
     assert isinstance(refused, LimitExceeded)
-    assert refused.code == "limit_exceeded"
+    assert refused.code == "quota_exceeded"  # a LimitExceeded: retrying does not help
     assert register("ds-0").error is None  # the same registration again is still fine
     other = RegisterDatasetRequest(
         job="another-job", dataset_id="ds", total_samples=10, shard_size=5, shuffle=False, seed=0

@@ -1,0 +1,230 @@
+"""What admission control costs a job on the normal path: the same requests to the same services
+with and without it.
+
+Two stacks (registry, sharding, barrier) run side by side, each on a nats-server of its own: one
+with the defaults (admission on), the baseline with `STRATA_RPC_ADMISSION=false` (requests taken
+as they come, one FIFO, no budgets). Rounds alternate between them; each round times, as workers
+of a job (subjects naming their caller, so every request is charged to a budget):
+
+- register: bursts of registrations of new workers at once (a job start), their wall time;
+- arrive: `--calls` barrier arrivals one after another (each releases at once), median latency;
+- get_shards: `--calls` shard reads one after another, median latency.
+
+Within a round the two stacks take turns in slices of each operation, so a change in this
+shared machine's load lands on both alike. Heartbeats are not requests (they never pass admission
+control) and are not measured. The figure is each operation's ratio with / without, its median
+over the rounds and its spread.
+
+    python bench/admission.py [--rounds 5] [--burst 600] [--calls 300] [--slices 6] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from strata.bus import Bus, Caller, RpcClient
+from strata.bus.server import NatsServer
+from strata.config import Env
+from strata.events.requests import (
+    ArriveRequest,
+    BarrierOutcome,
+    GetShardsRequest,
+    RegisterDatasetRequest,
+    RegisterRequest,
+    Registration,
+    ShardAssignment,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, or with -m
+from bench.barrier import ServiceProcess
+
+SERVICES = ("registry", "sharding", "barrier")
+CHECK_RATIO = 1.05
+TIMEOUT = 30.0
+
+
+class Stack:
+    """A nats-server and the services on it, with or without admission control."""
+
+    def __init__(self, label: str, base: Path, admission: bool) -> None:
+        self.label = label
+        self.server = NatsServer(store_dir=base / label / "nats")
+        self.services: list[ServiceProcess] = []
+        self.admission = admission
+        self.base = base / label
+        self.bus: Bus | None = None
+        self.job = f"bench-{uuid.uuid4().hex[:6]}"
+        self.barriers = 0
+
+    async def start(self) -> None:
+        self.server.start()
+        (self.base / "logs").mkdir(parents=True, exist_ok=True)
+        for name in SERVICES:
+            service = ServiceProcess(name, self.server.url, self.base / "logs")
+            service.env[Env.RPC_ADMISSION] = "true" if self.admission else "false"
+            service.start()
+            self.services.append(service)
+        self.bus = await Bus.connect(self.server.url, deadline=30)
+        rpc = self.rpc("b0")
+        await rpc.call(
+            "registry",
+            "register",
+            RegisterRequest(job=self.job, instance="p-b0", worker_id="b0"),
+            result=Registration,
+            retry_for=TIMEOUT,
+        )
+        await rpc.call(
+            "sharding",
+            "register_dataset",
+            RegisterDatasetRequest(
+                job=self.job, dataset_id="data", total_samples=100_000, shard_size=100
+            ),
+            retry_for=TIMEOUT,
+        )
+
+    def rpc(self, worker: str, job: str | None = None) -> RpcClient:
+        assert self.bus is not None
+        return RpcClient(self.bus.nc, timeout=TIMEOUT, caller=Caller(job or self.job, worker))
+
+    async def register_burst(self, count: int) -> float:
+        """Seconds for `count` new workers of a fresh job to register at once."""
+        job = f"burst-{uuid.uuid4().hex[:6]}"
+
+        async def one(i: int) -> None:
+            worker = f"w{i:05d}"
+            await self.rpc(worker, job).call(
+                "registry",
+                "register",
+                RegisterRequest(job=job, instance=f"p-{worker}", worker_id=worker),
+                result=Registration,
+            )
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(count)))
+        return time.perf_counter() - started
+
+    async def arrive(self) -> None:
+        self.barriers += 1
+        outcome = await self.rpc("b0").call(
+            "barrier",
+            "arrive",
+            ArriveRequest(
+                job=self.job,
+                name=f"step-{self.barriers}",
+                worker_id="b0",
+                arrival=0,
+                expected_count=1,
+            ),
+            result=BarrierOutcome,
+        )
+        assert outcome.status == "released", outcome
+
+    async def get_shards(self) -> None:
+        await self.rpc("b0").call(
+            "sharding",
+            "get_shards",
+            GetShardsRequest(job=self.job, dataset_id="data", worker_id="b0", epoch=0),
+            result=ShardAssignment,
+        )
+
+    async def stop(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
+        for service in self.services:
+            service.stop()
+        self.server.stop()
+
+
+async def latencies(call: Callable[[], Awaitable[None]], count: int) -> list[float]:
+    taken = []
+    for _ in range(count):
+        started = time.perf_counter()
+        await call()
+        taken.append(time.perf_counter() - started)
+    return taken
+
+
+async def one_round(
+    stacks: tuple[Stack, Stack], burst: int, calls: int, slices: int
+) -> dict[str, tuple[float, float]]:
+    """Each operation's figure (with, without) in one round. The two stacks take turns in
+    `slices` slices of each operation, so a change in the machine's load lands on both alike."""
+    bursts: dict[str, float] = {stack.label: 0.0 for stack in stacks}
+    arrive: dict[str, list[float]] = {stack.label: [] for stack in stacks}
+    shards: dict[str, list[float]] = {stack.label: [] for stack in stacks}
+    for index in range(slices):
+        order = stacks if index % 2 == 0 else stacks[::-1]
+        for stack in order:
+            bursts[stack.label] += await stack.register_burst(burst // slices)
+        for stack in order:
+            arrive[stack.label] += await latencies(stack.arrive, calls // slices)
+        for stack in order:
+            shards[stack.label] += await latencies(stack.get_shards, calls // slices)
+    on, off = (stack.label for stack in stacks)
+    return {
+        "register": (bursts[on], bursts[off]),
+        "arrive": (statistics.median(arrive[on]), statistics.median(arrive[off])),
+        "get_shards": (statistics.median(shards[on]), statistics.median(shards[off])),
+    }
+
+
+async def main(rounds: int, burst: int, calls: int, slices: int, check: bool) -> int:
+    with tempfile.TemporaryDirectory(prefix="strata-bench-admission-") as tmp:
+        base = Path(tmp)
+        with_it, without = Stack("admission", base, True), Stack("baseline", base, False)
+        try:
+            await with_it.start()
+            await without.start()
+            # Warm: connections, plans, code paths.
+            await one_round((with_it, without), burst // 5, calls // 5, 1)
+            figures: dict[str, list[tuple[float, float]]] = {}
+            for round_ in range(rounds):
+                got = await one_round((with_it, without), burst, calls, slices)
+                for op, pair in got.items():
+                    figures.setdefault(op, []).append(pair)
+                print(f"round {round_ + 1}/{rounds} done", flush=True)
+        finally:
+            await with_it.stop()
+            await without.stop()
+    print(f"\nadmission control on / off, {rounds} rounds of {slices} alternating slices")
+    print(f"{'operation':<12} {'with':>10} {'without':>10} {'ratio':>7}  spread")
+    worst = 0.0
+    for op, pairs in figures.items():
+        ratios = [a / b for a, b in pairs]
+        ratio = statistics.median(ratios)
+        worst = max(worst, ratio)
+        # The burst's wall time in s; the others' median latency in ms.
+        scale = 1.0 if op == "register" else 1e3
+        with_value = statistics.median(a for a, _ in pairs) * scale
+        without_value = statistics.median(b for _, b in pairs) * scale
+        print(
+            f"{op:<12} {with_value:>10.3f} {without_value:>10.3f} {ratio:>7.3f}  "
+            f"[{min(ratios):.3f}, {max(ratios):.3f}]"
+        )
+    print(
+        f"(register: {burst} per round, {burst // slices} at once, wall time in s; "
+        f"arrive, get_shards: {calls} per round in a row, p50 in ms)"
+    )
+    if check and worst > CHECK_RATIO:
+        print(f"FAIL: a ratio of {worst:.3f} is over {CHECK_RATIO}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--burst", type=int, default=600, help="registrations per round")
+    parser.add_argument("--calls", type=int, default=300, help="arrivals and shard reads")
+    parser.add_argument("--slices", type=int, default=6, help="alternations per round")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 over {CHECK_RATIO}")
+    args = parser.parse_args()
+    sys.exit(asyncio.run(main(args.rounds, args.burst, args.calls, args.slices, args.check)))

@@ -1,0 +1,249 @@
+"""A noisy neighbour cannot hurt another job: job A floods the real services while job B works.
+
+Job A, from a process of its own (`flood.py`), sends 100,000 `members` requests to the registry
+and 100,000 `ping`s to the barrier as one of its workers, and `get_shards` requests for its
+400,000-shard dataset with no reply subject. Job B meanwhile registers workers, meets at barriers
+and reads its shards; its latencies are measured before the flood (the baseline, in the same
+test) and during it. B loses nothing, A is told why it is refused (`rate_limited`, `busy`,
+`quota_exceeded`), and the services count what they refused and dropped on their `/metrics`.
+
+The bound asserted here is looser than the goal (max(2x, +50 ms) of the baseline): on a shared
+2-core machine the flooding process itself takes a core from the services. The figures are
+printed; bench/admission.py and docs/operations.md give them on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import strata
+from strata.bus import Bus, Caller, RpcClient
+from strata.bus.server import NatsServer
+from strata.config import Env
+from strata.datasets import AsyncDatasetRegistry
+from strata.errors import QuotaExceeded
+from strata.events.requests import (
+    ArriveRequest,
+    BarrierOutcome,
+    GetShardsRequest,
+    MembersResult,
+    RegisterDatasetRequest,
+    RegisterRequest,
+    Registration,
+    ShardAssignment,
+)
+
+from tests.support import ServiceProcess, new_job, running_services
+
+pytestmark = pytest.mark.nats
+
+FLOOD = Path(__file__).with_name("flood.py")
+FLOOD_COUNT = 100_000
+BIG_DATASET_SHARDS = 400_000
+BASELINE_ROUNDS = 30
+MIN_ROUNDS_DURING = 10
+CALL_TIMEOUT = 10.0
+SERVICES = ("registry", "sharding", "barrier")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def metric_total(service: ServiceProcess, name: str, **labels: str) -> float:
+    """The sum of a Prometheus counter's samples on a service's `/metrics` matching `labels`."""
+    url = f"http://127.0.0.1:{service.health_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class JobB:
+    """The quiet job: one live worker (b0) that meets at barriers and reads its shards, and
+    fresh registrations, each call timed."""
+
+    def __init__(self, bus: Bus, job: str) -> None:
+        self.bus = bus
+        self.job = job
+        self.rpc = RpcClient(bus.nc, timeout=CALL_TIMEOUT)
+        self.registered: list[str] = []
+        self.barriers = 0
+
+    async def timed_round(self) -> list[float]:
+        """One registration, one barrier, one get_shards; their latencies in seconds."""
+        latencies = []
+        worker = f"b-{uuid.uuid4().hex[:10]}"
+        started = time.perf_counter()
+        registration = await self.rpc.bound(Caller(self.job, worker)).call(
+            "registry",
+            "register",
+            RegisterRequest(job=self.job, instance=f"p-{worker}", worker_id=worker),
+            result=Registration,
+        )
+        latencies.append(time.perf_counter() - started)
+        assert registration.worker_id == worker
+        self.registered.append(worker)
+
+        self.barriers += 1
+        as_b0 = self.rpc.bound(Caller(self.job, "b0"))
+        started = time.perf_counter()
+        outcome = await as_b0.call(
+            "barrier",
+            "arrive",
+            ArriveRequest(
+                job=self.job,
+                name=f"step-{self.barriers}",
+                worker_id="b0",
+                arrival=0,
+                expected_count=1,
+                timeout_s=30,
+            ),
+            result=BarrierOutcome,
+        )
+        latencies.append(time.perf_counter() - started)
+        assert outcome.status == "released"
+
+        started = time.perf_counter()
+        shards = await as_b0.call(
+            "sharding",
+            "get_shards",
+            GetShardsRequest(job=self.job, dataset_id="small", worker_id="b0", epoch=0),
+            result=ShardAssignment,
+        )
+        latencies.append(time.perf_counter() - started)
+        assert shards.total_shards > 0
+        return latencies
+
+
+@pytest.fixture
+async def quiet_bus(own_nats_server: NatsServer) -> AsyncIterator[Bus]:
+    connected = await Bus.connect(own_nats_server.url, deadline=10)
+    try:
+        yield connected
+    finally:
+        await connected.close()
+
+
+async def test_a_flooding_job_does_not_slow_another_job_down(
+    own_nats_server: NatsServer,
+    quiet_bus: Bus,
+    workers: list[strata.aio.Worker],
+    tmp_path: Path,
+) -> None:
+    url = own_nats_server.url
+    # A long heartbeat timeout: B's one live worker must not be failed because this shared
+    # machine is busy, which would be a loss of B's for another reason than the flood.
+    env = {Env.HEARTBEAT_INTERVAL: "0.5", Env.HEARTBEAT_TIMEOUT: "30"}
+    with running_services(url, tmp_path / "logs", SERVICES, env=env) as services:
+        by_name = {service.name: service for service in services}
+        job_a, job_b = new_job("noisy"), new_job("quiet")
+
+        # Job A: one worker and a 400,000-shard dataset of its own.
+        noisy = strata.aio.Worker(job_a, url, worker_id="a0")
+        workers.append(noisy)
+        await noisy.start()
+        datasets_a = AsyncDatasetRegistry(noisy)
+        await datasets_a.register_dataset(
+            "huge", total_samples=BIG_DATASET_SHARDS, shard_size=1, shuffle=True, seed=1
+        )
+        # Its first read plans the epoch and is answered with one bounded page.
+        page = await datasets_a.assignment("huge")
+        assert len(page.shards) == BIG_DATASET_SHARDS  # the SDK joined every page
+        # A dataset past the per-dataset quota is refused, naming the setting.
+        with pytest.raises(QuotaExceeded, match="STRATA_MAX_SHARDS_PER_DATASET"):
+            await noisy.bus.rpc.call(
+                "sharding",
+                "register_dataset",
+                RegisterDatasetRequest(
+                    job=job_a, dataset_id="too-big", total_samples=2_000_000, shard_size=1
+                ),
+            )
+
+        # Job B: one live worker, a small dataset.
+        quiet = strata.aio.Worker(job_b, url, worker_id="b0")
+        workers.append(quiet)
+        await quiet.start()
+        await AsyncDatasetRegistry(quiet).register_dataset(
+            "small", total_samples=1_000, shard_size=10, shuffle=True, seed=2
+        )
+        job = JobB(quiet_bus, job_b)
+        await job.timed_round()  # warm: the epoch is planned, the connections are up
+
+        baseline: list[list[float]] = [await job.timed_round() for _ in range(BASELINE_ROUNDS)]
+
+        flood = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(FLOOD),
+            url,
+            job_a,
+            "a0",
+            "huge",
+            str(FLOOD_COUNT),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert flood.stdout is not None
+        assert (await flood.stdout.readline()).strip() == b"flooding"
+        sent = asyncio.ensure_future(flood.stdout.readline())
+        during: list[list[float]] = []
+        while not sent.done() or len(during) < MIN_ROUNDS_DURING:
+            during.append(await job.timed_round())
+        assert (await sent).strip() == b"sent"
+        outcomes = json.loads(await asyncio.wait_for(flood.stdout.readline(), 60))
+        assert await asyncio.wait_for(flood.wait(), 30) == 0
+
+        # Nothing of B's was lost: every registration is a member, every call was answered.
+        members = await RpcClient(quiet_bus.nc).call(
+            "registry", "members", {"job": job_b}, result=MembersResult
+        )
+        listed = {member.worker_id for member in members.members}
+        assert set(job.registered) <= listed
+
+        # A was told why: most of its flood refused with rate_limited (or busy), answered.
+        refused = outcomes.get("rate_limited", 0) + outcomes.get("busy", 0)
+        assert refused > FLOOD_COUNT, outcomes
+        assert set(outcomes) <= {"ok", "rate_limited", "busy"}, outcomes
+        # The services counted it: refusals, and the get_shards nobody could be answered.
+        registry_refused = metric_total(by_name["registry"], "strata_rpc_refused_total")
+        barrier_refused = metric_total(by_name["barrier"], "strata_rpc_refused_total")
+        assert registry_refused + barrier_refused >= refused
+        dropped = metric_total(
+            by_name["sharding"], "strata_rpc_dropped_total", reason="no_reply_subject"
+        )
+        assert dropped >= FLOOD_COUNT // 100
+
+        per_call = ("register", "barrier", "get_shards")
+        report = []
+        for index, name in enumerate(per_call):
+            before = [round_[index] for round_ in baseline]
+            under = [round_[index] for round_ in during]
+            p50_0, p99_0 = statistics.median(before), percentile(before, 0.99)
+            p50_1, p99_1 = statistics.median(under), percentile(under, 0.99)
+            report.append(
+                f"{name}: p50 {p50_0 * 1e3:.1f} -> {p50_1 * 1e3:.1f} ms, "
+                f"p99 {p99_0 * 1e3:.1f} -> {p99_1 * 1e3:.1f} ms"
+            )
+            # Goal: max(2x, +50 ms). Asserted with room for a machine other suites load too
+            # (the flood's own process takes a core of two): what it catches is the stall this
+            # was written against, B's calls timing out for seconds behind A's backlog.
+            assert p50_1 <= max(3 * p50_0, p50_0 + 1.0), report
+            assert p99_1 <= max(3 * p99_0, p99_0 + 5.0), report
+        print(
+            f"job B under a flood ({len(baseline)} rounds before, {len(during)} during; "
+            f"A's answers {outcomes}):\n  " + "\n  ".join(report)
+        )
