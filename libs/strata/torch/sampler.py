@@ -24,6 +24,7 @@ from strata.datasets import merge_cursors
 from strata.errors import ConflictError, ValidationError
 from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES, DataCursor, ShardOffset
 from strata.events.requests import PlanSummary, ProgressResult, ShardAssignment
+from strata.torch.wrapping import check_consumer
 
 __all__ = [
     "CURSOR_VERSION",
@@ -347,6 +348,8 @@ class ShardSampler(Sampler[int]):
     # -- iteration --------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
+        # Drained or re-sharded by a framework's wrapper, it would report what never trained.
+        check_consumer("ShardSampler")
         # What was handed out and never acknowledged was not consumed: it is handed out again.
         self._in_flight.clear()
         self._report()
