@@ -285,6 +285,11 @@ class ShardSampler(Sampler[int]):
         samples are read again there. Non-empty only when a plan changed under a slow report."""
         return list(self._lost)
 
+    @property
+    def held_shards(self) -> frozenset[int]:
+        """With `manual_ack=True`: shards with indices handed out and not yet acknowledged."""
+        return frozenset(run.shard_id for run in self._in_flight)
+
     def __len__(self) -> int:
         """Samples left to read as of the last fetch (fetching now if there was none)."""
         if self._remaining is None:
