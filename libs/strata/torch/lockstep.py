@@ -4,7 +4,7 @@ DDP needs every rank in every all-reduce, but after a re-plan (a failed worker's
 survivors) ranks hold different numbers of batches. `Lockstep` is an `IterableDataset` of `Step`s:
 while any rank has a batch, every rank yields one step, a rank with none left an empty batch (zero
 samples: its gradient is zero), each step carrying the number of samples all ranks train in it
-(`global_count`), so a loss summed over the batch and divided by it averages over the whole step.
+(`global_samples`), so a loss summed over the batch and divided by it averages over the whole step.
 The epoch ends on every rank at the same step, when no rank has a batch left and the sharding
 service says every shard is done or in a rank's hands.
 
@@ -44,17 +44,17 @@ WAIT_S: Final = 0.2
 
 class Step(NamedTuple):
     """One training step of this rank: `batch` (collated; empty when this rank has no sample in
-    the step), `count` samples of this rank, `global_count` samples of every rank together."""
+    the step), `samples` of this rank, `global_samples` samples of every rank together."""
 
     batch: Any
-    count: int
-    global_count: int
+    samples: int
+    global_samples: int
 
     @property
     def scale(self) -> float:
-        """`world size / global_count`: multiply a loss summed over this rank's batch by it and
+        """`world size / global_samples`: multiply a loss summed over this rank's batch by it and
         DDP's gradient average becomes the mean over every sample the step trained."""
-        return _world() / max(self.global_count, 1)
+        return _world() / max(self.global_samples, 1)
 
 
 def _world(group: Any = None) -> int:
@@ -94,9 +94,15 @@ class Lockstep(IterableDataset[Step]):
         self._batch_size = check_int("batch_size", batch_size, 1, 1 << 30)
         self._collate = collate_fn
         self._empty = empty
-        self._options = {"shuffle_within_shard": shuffle_within_shard, "seed": seed}
         self._group = group
-        self.sampler = ShardSampler(registry, dataset_id, epoch, manual_ack=True, **self._options)
+        self.sampler = ShardSampler(
+            registry,
+            dataset_id,
+            epoch,
+            manual_ack=True,
+            shuffle_within_shard=shuffle_within_shard,
+            seed=seed,
+        )
         self._held = 0
         """Samples handed out in steps not yet acknowledged."""
 
@@ -112,7 +118,7 @@ class Lockstep(IterableDataset[Step]):
 
     def trained(self, step: Step | int) -> None:
         """The loop is done with the oldest step not yet acknowledged (or this many samples)."""
-        count = step.count if isinstance(step, Step) else step
+        count = step.samples if isinstance(step, Step) else step
         if count:
             self.sampler.ack(count)
             self._held -= count

@@ -72,7 +72,7 @@ def test_the_epoch_waits_for_a_failed_workers_shards_then_ends() -> None:
             failed.set()
     failer.join(timeout=60)
     assert trained == Counter(range(SAMPLES))
-    assert all(step.count == step.global_count for step in steps)
+    assert all(step.samples == step.global_samples for step in steps)
     assert shards.plan_summary().done_shards == shards.plan_summary().total_shards
 
 
