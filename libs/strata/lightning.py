@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import re
 from argparse import Namespace
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -50,6 +49,7 @@ from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from torch.utils.data._utils.collate import default_collate  # noqa: E402
 
+from strata._metric_names import figures  # noqa: E402
 from strata.checkpoint import CheckpointManager  # noqa: E402
 from strata.config import Env  # noqa: E402
 from strata.datasets import DatasetRegistry  # noqa: E402
@@ -60,18 +60,10 @@ from strata.storage import manifest_key, open_storage  # noqa: E402
 from strata.torch.lockstep import Lockstep, Step  # noqa: E402
 from strata.worker import Worker  # noqa: E402
 
-__all__ = ["LATEST", "StrataCheckpointIO", "StrataFit", "StrataLogger", "metric_name"]
+__all__ = ["LATEST", "StrataCheckpointIO", "StrataFit", "StrataLogger"]
 
 LATEST: Final = "strata://latest"
 """The `ckpt_path` that names the job's latest complete checkpoint in Strata."""
-
-_NAME_BAD = re.compile(r"[^a-z0-9_]+")
-
-
-def metric_name(name: str) -> str | None:
-    """Lightning's metric name as a Strata one (`val/loss` -> `val_loss`); None if none fits."""
-    cleaned = _NAME_BAD.sub("_", name.lower()).strip("_")[:64]
-    return cleaned if cleaned[:1].isalpha() else None
 
 
 class StrataFit(Callback):
@@ -296,16 +288,11 @@ class StrataLogger(Logger):
         worker = self._worker()
         if worker is None:
             return
-        figures = {}
-        for key, value in metrics.items():
-            name = metric_name(key)
-            number = float(value)
-            if name is not None and number == number and abs(number) != float("inf"):
-                figures[name] = number
-        if figures:
+        kept = figures(metrics)
+        if kept:
             if step is not None:
                 worker.set_state("training", step=step)
-            worker.log_metrics(dict(list(figures.items())[:64]), step=step)
+            worker.log_metrics(kept, step=step)
 
 
 def _latest_in_storage(path: str | None) -> int | None:
