@@ -19,8 +19,6 @@ from tests.docs import write_example
 from tests.e2e.test_torchrun import Torchrun, committed_steps, verdict
 from tests.support import new_job, running_services, wait_until
 
-pytest.importorskip("lightning")
-
 RESUMED = re.compile(r"rank (\d+): resumed from step (\d+)")
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -32,11 +30,16 @@ def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
         yield own_nats_server.url
 
 
-def test_lightning_a_rank_killed_mid_epoch_resumes_and_every_sample_counts_once(
-    stack: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("framework", "example"),
+    [("lightning", "train_lightning.py"), ("accelerate", "train_accelerate.py")],
+)
+def test_a_rank_killed_mid_epoch_resumes_and_every_sample_counts_once(
+    stack: str, tmp_path: Path, framework: str, example: str
 ) -> None:
-    script = write_example("docs/frameworks.md", "train_lightning.py", tmp_path)
-    job = new_job("lightning")
+    pytest.importorskip(framework)
+    script = write_example("docs/frameworks.md", example, tmp_path)
+    job = new_job(framework)
     run = Torchrun(script, stack, job, tmp_path, procs=2)
     try:
         wait_until(lambda: bool(committed_steps(tmp_path, job)), 180, "a first checkpoint")
