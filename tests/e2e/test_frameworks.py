@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from strata.bus.server import NatsServer
+from strata.config import Env
 
 from tests.docs import write_example
 from tests.e2e.test_torchrun import Torchrun, committed_steps, verdict
@@ -58,3 +61,116 @@ def test_a_rank_killed_mid_epoch_resumes_and_every_sample_counts_once(
     step = next(iter(resumed.values()))
     assert step > 0
     assert step % 10 == 0
+
+
+# -- the frameworks' defaults ---------------------------------------------------------------------
+
+DEFAULTS_PRELUDE = """
+import torch
+import strata
+from strata.torch import ShardSampler
+from torch.utils.data import DataLoader, TensorDataset
+
+data = TensorDataset(torch.arange(400), torch.randn(400, 8), torch.randint(0, 2, (400,)))
+"""
+
+LIGHTNING_DEFAULTS = """
+import lightning as L
+import torch.nn.functional as F
+from torch import nn
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 2)
+
+    def training_step(self, batch, index):
+        ids, x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Data(L.LightningDataModule):
+    def train_dataloader(self):
+        rank = self.trainer.global_rank
+        worker = strata.Worker(worker_id=f"rank-{rank}", rank=rank).start()
+        registry = strata.DatasetRegistry(worker)
+        registry.register_dataset("points", total_samples=400, shard_size=25)
+        return DataLoader(data, batch_size=16, sampler=ShardSampler(registry, "points"))
+
+
+trainer = L.Trainer(max_epochs=1, accelerator="cpu", strategy="ddp", devices=2,
+                    enable_progress_bar=False, enable_checkpointing=False, logger=False)
+trainer.fit(Model(), datamodule=Data())
+"""
+
+ACCELERATE_DEFAULTS = """
+from accelerate import Accelerator
+from torch import nn
+
+accelerator = Accelerator(cpu=True)
+rank = accelerator.process_index
+worker = strata.Worker(worker_id=f"rank-{rank}", rank=rank).start()
+registry = strata.DatasetRegistry(worker)
+registry.register_dataset("points", total_samples=400, shard_size=25)
+model = nn.Linear(8, 2)
+optimiser = torch.optim.SGD(model.parameters(), lr=0.05)
+loader = DataLoader(data, batch_size=16, sampler=ShardSampler(registry, "points"))
+model, optimiser, loader = accelerator.prepare(model, optimiser, loader)
+for ids, x, y in loader:
+    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+    optimiser.step()
+"""
+
+DONE_SHARDS = """
+import strata
+
+with strata.Worker(worker_id="checker") as worker:
+    try:
+        plan = strata.DatasetRegistry(worker).plan("points", 0)
+    except strata.NotFound:
+        print("done 0: the epoch was never planned")
+    else:
+        print(f"done {plan.done_shards} of {plan.total_shards}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("framework", "source", "fix"),
+    [
+        ("lightning", LIGHTNING_DEFAULTS, "Trainer(use_distributed_sampler=False)"),
+        ("accelerate", ACCELERATE_DEFAULTS, "leave the DataLoader out of accelerator.prepare"),
+    ],
+)
+def test_a_frameworks_default_wrapping_stops_before_any_progress_is_recorded(
+    stack: str, tmp_path: Path, framework: str, source: str, fix: str
+) -> None:
+    pytest.importorskip(framework)
+    script = tmp_path / f"defaults_{framework}.py"
+    script.write_text(DEFAULTS_PRELUDE + source, encoding="utf-8")
+    job = new_job(framework)
+    run = Torchrun(script, stack, job, tmp_path, procs=2, max_restarts=0)
+    try:
+        assert run.wait(240) != 0, run.output()[-6000:]
+    finally:
+        run.kill_all()
+    output = run.output()
+    assert "[wrapped_data]" in output, output[-6000:]
+    assert fix in output
+    check = tmp_path / "done_shards.py"
+    check.write_text(DONE_SHARDS, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(check)],
+        env={**os.environ, Env.NATS_URL: stack, Env.JOB: job},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    # Nothing recorded as read: no shard done (or, refused before any shard was asked for, no
+    # plan of the epoch at all).
+    assert re.search(r"^done 0\b", done.stdout, re.M), done.stdout
