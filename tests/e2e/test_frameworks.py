@@ -19,7 +19,7 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import write_example
-from tests.e2e.test_torchrun import Torchrun, committed_steps, verdict
+from tests.e2e.test_torchrun import RESULT, Torchrun, committed_steps, verdict
 from tests.support import new_job, running_services, wait_until
 
 RESUMED = re.compile(r"rank (\d+): resumed from step (\d+)")
@@ -174,3 +174,58 @@ def test_a_frameworks_default_wrapping_stops_before_any_progress_is_recorded(
     # Nothing recorded as read: no shard done (or, refused before any shard was asked for, no
     # plan of the epoch at all).
     assert re.search(r"^done 0\b", done.stdout, re.M), done.stdout
+
+
+def test_lightning_under_its_own_launcher_gives_each_rank_its_torch_rank(
+    stack: str, tmp_path: Path
+) -> None:
+    """`python train_lightning.py` with devices=2: Lightning starts the second process itself
+    (no torchrun, no RANK in the environment); the workers are made after the process group,
+    with torch's global rank, and the job trains every sample once per epoch."""
+    pytest.importorskip("lightning")
+    script = write_example("docs/frameworks.md", "train_lightning.py", tmp_path)
+    job = new_job("lightning")
+    env = {
+        **os.environ,
+        Env.NATS_URL: stack,
+        Env.JOB: job,
+        Env.DATA_DIR: str(tmp_path),
+        "LOCAL_WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", Env.RANK):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    results = {int(m[1]): m for m in RESULT.finditer(output)}
+    assert sorted(results) == [0, 1], output[-6000:]
+    assert all(m[3] == "True" for m in results.values()), output[-6000:]
+    assert len({m[4] for m in results.values()}) == 1, "ranks ended with other weights"
+    check = tmp_path / "members.py"
+    check.write_text(
+        "import strata\n"
+        "with strata.Worker(worker_id='checker') as w:\n"
+        "    for m in w.members(include_gone=True).members:\n"
+        "        print('member', m.worker_id, m.rank)\n",
+        encoding="utf-8",
+    )
+    members = subprocess.run(
+        [sys.executable, str(check)],
+        env={**os.environ, Env.NATS_URL: stack, Env.JOB: job},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert members.returncode == 0, members.stderr
+    assert "member rank-0 0" in members.stdout, members.stdout
+    assert "member rank-1 1" in members.stdout, members.stdout
