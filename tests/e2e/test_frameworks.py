@@ -18,7 +18,7 @@ import pytest
 from strata.bus.server import NatsServer
 from strata.config import Env
 
-from tests.docs import write_example
+from tests.docs import example, write_example
 from tests.e2e.test_torchrun import RESULT, Torchrun, committed_steps, verdict
 from tests.support import new_job, running_services, wait_until
 
@@ -229,3 +229,45 @@ def test_lightning_under_its_own_launcher_gives_each_rank_its_torch_rank(
     assert members.returncode == 0, members.stderr
     assert "member rank-0 0" in members.stdout, members.stdout
     assert "member rank-1 1" in members.stdout, members.stdout
+
+
+def test_accelerate_launch_with_the_strata_rendezvous(stack: str, tmp_path: Path) -> None:
+    """docs/frameworks.md's `accelerate launch --multi_gpu --rdzv_backend strata` (torchrun
+    underneath; on CPU here, the script asks for `Accelerator(cpu=True)`): the rendezvous is
+    Strata's, for the job in STRATA_JOB (accelerate passes no --rdzv-id), and the job trains
+    every sample once per epoch."""
+    pytest.importorskip("accelerate")
+    write_example("docs/frameworks.md", "train_accelerate.py", tmp_path)
+    job = new_job("accelerate")
+    command = (
+        example("docs/frameworks.md", "accelerate-launch.sh")
+        .replace("nats://127.0.0.1:4222", stack)
+        .replace("accelerate-example", job)
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        Env.DATA_DIR: str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "LOGLEVEL": "INFO",  # torchrun's agent logs its launch configuration
+    }
+    done = subprocess.run(
+        ["bash", "-e", "-c", command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    # Strata's backend (not the standalone c10d one accelerate falls back to when its port is
+    # taken), under torchrun's default id, which Strata reads as the job in STRATA_JOB.
+    assert re.search(r"rdzv_backend\s*:\s*strata", output), output[-6000:]
+    assert re.search(r"run_id\s*:\s*none", output), output[-6000:]
+    results = {int(m[1]): m for m in RESULT.finditer(output)}
+    assert sorted(results) == [0, 1], output[-6000:]
+    assert all(m[3] == "True" for m in results.values()), output[-6000:]
+    assert len({m[4] for m in results.values()}) == 1, "ranks ended with other weights"
