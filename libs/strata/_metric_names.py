@@ -7,8 +7,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from strata._metrics import MAX_METRICS_PER_CALL
+
 _NAME_BAD = re.compile(r"[^a-z0-9_]+")
-MAX_FIGURES = 64
+MAX_FIGURES = MAX_METRICS_PER_CALL
 
 
 def metric_name(name: str) -> str | None:

@@ -63,6 +63,31 @@ def test_a_rank_killed_mid_epoch_resumes_and_every_sample_counts_once(
     assert step % 10 == 0
 
 
+@pytest.mark.parametrize(
+    ("framework", "example"),
+    [("lightning", "train_lightning.py"), ("accelerate", "train_accelerate.py")],
+)
+def test_a_two_rank_job_relaunched_as_one_process_goes_on_from_its_checkpoint(
+    stack: str, tmp_path: Path, framework: str, example: str
+) -> None:
+    pytest.importorskip(framework)
+    script = write_example("docs/frameworks.md", example, tmp_path)
+    job = new_job(framework)
+    first = Torchrun(script, stack, job, tmp_path, procs=2)
+    try:
+        wait_until(lambda: bool(committed_steps(tmp_path, job)), 180, "a first checkpoint")
+    finally:
+        first.kill_all()
+    assert not RESULT.search(first.output()), "the first run finished before it was killed"
+    second = Torchrun(script, stack, job, tmp_path, procs=1)
+    try:
+        assert second.wait(300) == 0, second.output()[-6000:]
+    finally:
+        second.kill_all()
+    verdict(second, ranks=1)
+    assert RESUMED.search(second.output()), "the one-process run did not resume"
+
+
 # -- the frameworks' defaults ---------------------------------------------------------------------
 
 DEFAULTS_PRELUDE = """
