@@ -22,6 +22,8 @@ EXTRA_MODULES: Final[Mapping[str, tuple[str, ...]]] = {
     "server": ("fastapi", "fastapi_offline", "uvicorn", "rich"),
     "s3": ("aioboto3",),
     "torch": ("torch",),
+    "lightning": ("torch", "lightning"),
+    "accelerate": ("torch", "accelerate"),
 }
 """The top-level modules each extra installs (a unit test holds this to pyproject.toml).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import inspect
 import os
@@ -56,10 +57,39 @@ def _stop_at_exit(ref: weakref.ReferenceType[Worker], pid: int) -> None:
     # A forked child inherits the hook but not the loop thread, nor the membership.
     if worker is None or os.getpid() != pid or not worker.started:
         return
+    # Pending checkpoint saves are waited for (up to the worker's saves_timeout), as at the end
+    # of a `with` block: a script that saves and simply ends must not abort its checkpoint.
+    bound = worker._aio._saves_timeout + EXIT_STOP_TIMEOUT_S
     try:
-        worker.stop(timeout=EXIT_STOP_TIMEOUT_S)
+        worker.stop(timeout=bound)
+    except StrataError as exc:
+        log.error(
+            "checkpoint_save_lost_at_exit",
+            worker=worker.id,
+            error=str(exc),
+            consequence="the step of that save aborts; the latest committed checkpoint is older",
+            fix="call CheckpointManager.wait() before the script ends, or raise saves_timeout",
+        )
     except Exception as exc:
-        log.warning("worker_stop_at_exit_failed", worker=worker.id, error=str(exc))
+        log.error("worker_stop_at_exit_failed", worker=worker.id, error=str(exc))
+
+
+def _register_exit_hook(hook: Callable[[], None]) -> None:
+    """Run `hook` when the interpreter exits, while threads can still be started.
+
+    Callbacks of `threading._register_atexit` run when the main thread ends, before the thread
+    pools shut down (and before `atexit` handlers, which run once pools refuse work). A pending
+    save still writes its files through a thread pool, so the wait for it goes there; the
+    `atexit` registration is kept for interpreters without that hook, and for a hook that could
+    not run (a stopped worker makes the second call a no-op).
+    """
+    import concurrent.futures.thread  # noqa: F401  (its own exit hook first, so ours runs before)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # already shutting down
+            register(hook)
+    atexit.register(hook)
 
 
 class Worker:
@@ -113,7 +143,7 @@ class Worker:
             raise
         if self._exit_hook is None:
             self._exit_hook = functools.partial(_stop_at_exit, weakref.ref(self), os.getpid())
-            atexit.register(self._exit_hook)
+            _register_exit_hook(self._exit_hook)
         _started[(self.job, self.id)] = self
         return self
 

@@ -44,7 +44,15 @@ def rank_of(pid: int) -> int | None:
 class Torchrun:
     """`torchrun --standalone` of the example, with its output kept for the verdict."""
 
-    def __init__(self, script: Path, nats_url: str, job: str, data_dir: Path, procs: int) -> None:
+    def __init__(
+        self,
+        script: Path,
+        nats_url: str,
+        job: str,
+        data_dir: Path,
+        procs: int,
+        max_restarts: int = 2,
+    ) -> None:
         self.log = data_dir / f"torchrun-{job}-{procs}-{time.monotonic_ns()}.log"
         env = {
             **os.environ,
@@ -62,7 +70,7 @@ class Torchrun:
                     "torch.distributed.run",
                     "--standalone",
                     f"--nproc-per-node={procs}",
-                    "--max-restarts=2",
+                    f"--max-restarts={max_restarts}",
                     "--monitor-interval=0.2",
                     str(script),
                 ],

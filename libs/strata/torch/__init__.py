@@ -1,4 +1,5 @@
 """PyTorch helpers: `ShardSampler` reads this worker's shards of an epoch through a DataLoader;
+`Lockstep` steps every rank's batches together under DDP, whatever the framework around it;
 `strata.torch.dcp` stores torch.distributed.checkpoint (DCP) checkpoints through Strata's commit;
 `strata.torch.rendezvous` is torchrun's `--rdzv-backend=strata`.
 
@@ -17,16 +18,22 @@ from strata.extras import require
 require("torch", what="strata.torch")
 
 if TYPE_CHECKING:
+    from strata.torch.lockstep import Lockstep, Step
     from strata.torch.sampler import ShardSampler, ShardSource, within_shard_order
 
-__all__ = ["ShardSampler", "ShardSource", "within_shard_order"]
+__all__ = ["Lockstep", "ShardSampler", "ShardSource", "Step", "within_shard_order"]
 
-_SAMPLER = frozenset(__all__)
+_SAMPLER = frozenset(["ShardSampler", "ShardSource", "within_shard_order"])
+_LOCKSTEP = frozenset(["Lockstep", "Step"])
 
 
 def __getattr__(name: str) -> object:
     if name in _SAMPLER:
         value = getattr(importlib.import_module("strata.torch.sampler"), name)
+        globals()[name] = value
+        return value
+    if name in _LOCKSTEP:
+        value = getattr(importlib.import_module("strata.torch.lockstep"), name)
         globals()[name] = value
         return value
     # `strata.torch.dcp` imports torch.distributed.checkpoint: only for those who use it.

@@ -134,11 +134,27 @@ def nats_servers(endpoint: str, settings: Settings) -> list[str]:
     return servers
 
 
+DEFAULT_RUN_ID = "none"
+"""The id torchrun (and `accelerate launch`, which has no option for it) gives without
+`--rdzv-id`: every such job would share one rendezvous, so it means the job in STRATA_JOB."""
+
+
 def _check_run_id(run_id: str) -> str:
+    import os
     import re
 
-    from strata.errors import InvalidArgument
+    from strata.config import Env
+    from strata.errors import ConfigError, InvalidArgument
     from strata.events.models import ID_PATTERN
+
+    if run_id == DEFAULT_RUN_ID:
+        job = os.environ.get(Env.JOB)
+        if not job:
+            raise ConfigError(
+                f"no rendezvous id: give --rdzv-id JOB, or set {Env.JOB} (accelerate launch "
+                "takes no --rdzv-id: set the variable)"
+            )
+        run_id = job
 
     if not re.match(ID_PATTERN, run_id):
         raise InvalidArgument(

@@ -31,6 +31,7 @@ from strata.errors import (
 )
 from strata.events.models import MAX_EPOCH, MAX_SHARDS, MAX_TOTAL_SAMPLES, DataCursor, ShardOffset
 from strata.events.requests import Lease, PlanSummary, ProgressResult, ShardAssignment
+from strata.torch.wrapping import check_consumer
 
 __all__ = [
     "CURSOR_VERSION",
@@ -332,6 +333,11 @@ class ShardSampler(Sampler[int]):
         samples are read again there. Non-empty only when a plan changed under a slow report."""
         return list(self._lost)
 
+    @property
+    def held_shards(self) -> frozenset[int]:
+        """With `manual_ack=True`: shards with indices handed out and not yet acknowledged."""
+        return frozenset(run.shard_id for run in self._in_flight)
+
     def __len__(self) -> int:
         """Samples left to read as of the last fetch (fetching now if there was none)."""
         if self._remaining is None:
@@ -395,6 +401,8 @@ class ShardSampler(Sampler[int]):
     # -- iteration --------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
+        # Drained or re-sharded by a framework's wrapper, it would report what never trained.
+        check_consumer("ShardSampler")
         # What was handed out and never acknowledged was not consumed: it is handed out again.
         self._in_flight.clear()
         epoch = self._epoch
