@@ -27,7 +27,8 @@ turns a reply back into the matching subclass with `error_from_code`.
     ├── StorageError           the checkpoint store failed             storage_error
     ├── LimitExceeded          a configured bound was reached          limit_exceeded
     │   ├── TooLarge           a request would take in too much        too_large
-    │   └── Busy               too many such requests at once          busy
+    │   ├── Busy               too many such requests at once          busy
+    │   └── QuotaExceeded      a job's share of a store is used up     quota_exceeded
     └── DeadlineExceeded       work not finished by its deadline       deadline_exceeded
 """
 
@@ -175,6 +176,14 @@ class Busy(LimitExceeded):
     code = "busy"
 
 
+class QuotaExceeded(LimitExceeded):
+    """A job used up its share of a resource every job shares (its rendezvous bucket's bytes,
+    keys or value size): only that job is refused; the message names the quota and the setting
+    that raises it."""
+
+    code = "quota_exceeded"
+
+
 class DeadlineExceeded(StrataError):
     code = "deadline_exceeded"
 
@@ -205,6 +214,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         LimitExceeded,
         TooLarge,
         Busy,
+        QuotaExceeded,
         DeadlineExceeded,
     )
 }

@@ -945,6 +945,28 @@ def test_the_gateway_asks_for_an_api_token_from_a_secret(render: Render) -> None
     assert "STRATA_API_TOKEN" not in _env(gateway)
 
 
+def test_the_services_get_the_rendezvous_quota_of_every_job(render: Render) -> None:
+    rendered = render(
+        "nats.auth.extraWorkerJobs={other}",
+        "nats.auth.workerUsers[0].job=solo",
+        "nats.auth.workerUsers[0].worker=w-1",
+        "nats.rendezvous.maxBytes=134217728",
+    )
+    (registry,) = _containers(rendered.get("Deployment", _name("registry")))
+    env = _env(registry)
+    assert env["STRATA_RENDEZVOUS_JOBS"] == "default,other,solo"
+    assert (
+        env["STRATA_RENDEZVOUS_MAX_BYTES"],
+        env["STRATA_RENDEZVOUS_MAX_KEYS"],
+        env["STRATA_RENDEZVOUS_MAX_VALUE_BYTES"],
+    ) == ("134217728", "100000", "1048576")
+    settings = load_settings(**{k.removeprefix("STRATA_").lower(): v for k, v in env.items()
+                                if k.startswith("STRATA_RENDEZVOUS")})
+    assert settings.rendezvous_max_bytes == 128 * 1024**2
+    (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
+    assert "STRATA_RENDEZVOUS_JOBS" not in _env(gateway)
+
+
 def test_the_gateway_gets_the_replay_bounds(render: Render) -> None:
     (gateway,) = _containers(render().get("Deployment", _name("gateway")))
     env = _env(gateway)
@@ -1056,6 +1078,7 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
     store.mkdir()
     (store / "auth.conf").write_text(auth_conf)
     bucket = subjects.RENDEZVOUS_BUCKET
+    victim_stream = subjects.rendezvous_stream_name("default")
 
     def key_subject(job: str) -> str:
         return subjects.kv_subject(bucket, subjects.rendezvous_state_key(job))
@@ -1079,7 +1102,11 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             )
         }
         try:
-            await services.ensure_streams(1)  # the services make the bucket
+            # The services make each job's bucket, from the settings the chart gives them.
+            (registry,) = _containers(rendered.get("Deployment", _name("registry")))
+            rendezvous_jobs = _env(registry)["STRATA_RENDEZVOUS_JOBS"]
+            assert rendezvous_jobs == "default,other"
+            await services.ensure_streams(1, load_settings(rendezvous_jobs=rendezvous_jobs))
             for user, job in (
                 ("strata-workers-default", "default"),
                 ("w-1@default", "default"),
@@ -1087,16 +1114,16 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             ):
                 nc = clients[user].nc
                 await nc.jetstream().publish(key_subject(job), user.encode())
-                read = subjects.rendezvous_read(subjects.rendezvous_state_key(job))
+                read = subjects.rendezvous_read(job, subjects.rendezvous_state_key(job))
                 assert (await nc.request(read, b"", 5)).data == user.encode(), user
             attacker = clients["strata-workers-other"]
             forbidden = [
                 key_subject("default"),
-                subjects.rendezvous_read(subjects.rendezvous_state_key("default")),
-                f"$JS.API.CONSUMER.CREATE.{subjects.RENDEZVOUS_STREAM}",
-                f"$JS.API.STREAM.INFO.{subjects.RENDEZVOUS_STREAM}",
-                f"$JS.API.STREAM.PURGE.{subjects.RENDEZVOUS_STREAM}",
-                f"$JS.API.STREAM.DELETE.{subjects.RENDEZVOUS_STREAM}",
+                subjects.rendezvous_read("default", subjects.rendezvous_state_key("default")),
+                f"$JS.API.CONSUMER.CREATE.{victim_stream}",
+                f"$JS.API.STREAM.INFO.{victim_stream}",
+                f"$JS.API.STREAM.PURGE.{victim_stream}",
+                f"$JS.API.STREAM.DELETE.{victim_stream}",
             ]
             for subject in forbidden:
                 await attacker.nc.publish(subject, b"{}")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -23,12 +25,14 @@ from torch._C._distributed_c10d import Store
 
 from strata._loop import LoopRunner
 from strata.bus.connection import ConnectOptions, connect, retry_transient
-from strata.bus.streams import ensure_stream, rendezvous_stream
-from strata.config import Settings
-from strata.errors import BusError, ConfigError
+from strata.bus.streams import RendezvousQuota, ensure_stream, rendezvous_stream
+from strata.config import Env, Settings
+from strata.errors import BusError, ConfigError, QuotaExceeded
 from strata.events import subjects
 
 __all__ = ["KVStore", "RendezvousBucket"]
+
+T = TypeVar("T")
 
 RECHECK_S = 1.0
 """While waiting for a key, how often it is read again in case its put was missed (a reconnect
@@ -40,13 +44,55 @@ PROBE_DEADLINE_S = 10.0
 drops a request its user may not send, and the client hears of it only as a timeout."""
 
 
-class RendezvousBucket:
-    """The rendezvous bucket on one NATS connection: state and store keys of any job the
-    connection's credential may reach (a worker credential: its own job's)."""
+QUOTA_REFUSALS = {
+    "maximum bytes exceeded": ("bytes", Env.RENDEZVOUS_MAX_BYTES),
+    "maximum messages exceeded": ("keys", Env.RENDEZVOUS_MAX_KEYS),
+    "message size exceeds maximum allowed": ("value size", Env.RENDEZVOUS_MAX_VALUE_BYTES),
+}
+"""What JetStream answers a write past one of the job's stream's limits, and the quota and the
+setting behind each."""
 
-    def __init__(self, nc: NATS, kv: KeyValue) -> None:
+
+def quota_refusal(exc: nats.js.errors.APIError, job: str, key: str) -> QuotaExceeded | None:
+    """The `quota_exceeded` error a refused write of `job`'s rendezvous `key` stands for, or None
+    when JetStream refused it for another reason."""
+    description = (exc.description or "").lower()
+    for text, (quota, setting) in QUOTA_REFUSALS.items():
+        if text in description:
+            return QuotaExceeded(
+                f"job {job!r} has reached its rendezvous {quota} quota writing key {key!r} "
+                f"({exc.description}): delete keys it no longer needs, or raise {setting} "
+                "(chart: nats.rendezvous) and restart the services, which apply it to the job's "
+                "bucket",
+                quota=f"rendezvous_{quota.replace(' ', '_')}",
+                setting=setting,
+            )
+    return None
+
+
+class RendezvousBucket:
+    """The rendezvous bucket of one job on one NATS connection: its state and store keys, within
+    the job's quota (`strata.bus.streams.RendezvousQuota`)."""
+
+    def __init__(self, nc: NATS, kv: KeyValue, job: str = "") -> None:
         self.nc = nc
         self.kv = kv
+        self.job = job
+
+    async def _write(self, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, a write of `key`, retried through transient failures; a refusal for the
+        job's quota is `QuotaExceeded`, at once (waiting frees nothing)."""
+
+        async def attempt() -> T:
+            try:
+                return await call()
+            except nats.js.errors.APIError as exc:
+                refusal = quota_refusal(exc, self.job, key)
+                if refusal is not None:
+                    raise refusal from None
+                raise
+
+        return await retry_transient(attempt, f"writing {key}")
 
     @classmethod
     async def open(
@@ -76,7 +122,7 @@ class RendezvousBucket:
         except BaseException:
             await nc.close()
             raise
-        return cls(nc, kv)
+        return cls(nc, kv, job)
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -95,7 +141,7 @@ class RendezvousBucket:
         return await retry_transient(get, f"reading rendezvous key {key}")
 
     async def put(self, key: str, value: bytes) -> int:
-        return await retry_transient(lambda: self.kv.put(key, value), f"writing {key}")
+        return await self._write(key, lambda: self.kv.put(key, value))
 
     async def swap(self, key: str, value: bytes, revision: int | None) -> int | None:
         """Write `value` if `key` is still at `revision` (None: if it does not exist); the new
@@ -109,12 +155,12 @@ class RendezvousBucket:
             except nats.js.errors.KeyWrongLastSequenceError:
                 return None
 
-        return await retry_transient(write, f"writing {key}")
+        return await self._write(key, write)
 
     async def delete(self, key: str) -> bool:
         if await self.read(key) is None:
             return False
-        await retry_transient(lambda: self.kv.delete(key), f"deleting {key}")
+        await self._write(key, lambda: self.kv.delete(key))
         return True
 
     async def wait_for(self, keys: list[str], timeout: float) -> dict[str, bytes]:
@@ -195,7 +241,7 @@ async def _bucket(nc: NATS, settings: Settings, job: str) -> KeyValue:
     bucket = subjects.RENDEZVOUS_BUCKET
     kv = KeyValue(
         name=bucket,
-        stream=subjects.RENDEZVOUS_STREAM,
+        stream=subjects.rendezvous_stream_name(job),
         pre=subjects.kv_subject(bucket, ""),
         js=js,
         direct=True,
@@ -213,7 +259,7 @@ async def _bucket(nc: NATS, settings: Settings, job: str) -> KeyValue:
         ) from None
     if exists:
         return kv
-    spec = rendezvous_stream(settings.stream_replicas)
+    spec = rendezvous_stream(job, settings.stream_replicas, RendezvousQuota.of(settings))
     try:
         # Retried through a leader election; a worker credential's request is dropped
         # unanswered, so it times out the same way.
@@ -222,9 +268,10 @@ async def _bucket(nc: NATS, settings: Settings, job: str) -> KeyValue:
         )
     except (BusError, nats.js.errors.APIError) as exc:
         raise ConfigError(
-            f"the rendezvous bucket {bucket} does not exist and NATS user "
+            f"the rendezvous bucket {bucket} of job {job!r} does not exist and NATS user "
             f"{settings.nats_user or '(none)'} could not make it ({type(exc).__name__}): start "
-            "Strata's services (strata up, or the chart) first, they provision it"
+            "Strata's services (strata up --secure --job, or the chart with the job in its "
+            "values) first, they provision it"
         ) from None
     return kv
 
@@ -233,7 +280,7 @@ async def _exists(nc: NATS, job: str) -> bool:
     """Whether the rendezvous bucket's stream answers a read of `job`'s state key."""
     try:
         await nc.request(
-            subjects.rendezvous_read(subjects.rendezvous_state_key(job)),
+            subjects.rendezvous_read(job, subjects.rendezvous_state_key(job)),
             b"",
             timeout=PROBE_TIMEOUT_S,
         )
