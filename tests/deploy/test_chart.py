@@ -25,6 +25,7 @@ import nats.errors
 import pytest
 import yaml
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 from strata import procutil, security
 from strata.bus import Bus, ConnectOptions, EventFeed
 from strata.bus import connect as connect_nats
@@ -960,8 +961,13 @@ def test_the_services_get_the_rendezvous_quota_of_every_job(render: Render) -> N
         env["STRATA_RENDEZVOUS_MAX_KEYS"],
         env["STRATA_RENDEZVOUS_MAX_VALUE_BYTES"],
     ) == ("134217728", "100000", "1048576")
-    settings = load_settings(**{k.removeprefix("STRATA_").lower(): v for k, v in env.items()
-                                if k.startswith("STRATA_RENDEZVOUS")})
+    settings = load_settings(
+        **{
+            k.removeprefix("STRATA_").lower(): v
+            for k, v in env.items()
+            if k.startswith("STRATA_RENDEZVOUS")
+        }
+    )
     assert settings.rendezvous_max_bytes == 128 * 1024**2
     (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
     assert "STRATA_RENDEZVOUS_JOBS" not in _env(gateway)
@@ -1133,13 +1139,18 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             await natsprobe.settled(attacker)
             assert {f.lower() for f in forbidden} <= attacker.refused["publish"]
             assert refused == {subjects.rendezvous_subjects("default")}
-            kv = await services.js.key_value(bucket)
+            kv = KeyValue(
+                name=bucket,
+                stream=victim_stream,
+                pre=subjects.kv_subject(bucket, ""),
+                js=services.js,
+                direct=True,
+            )
             assert (await kv.get(subjects.rendezvous_state_key("default"))).value == b"w-1@default"
         finally:
             for client in clients.values():
                 await client.close()
             await services.close()
-
 
 
 @pytest.mark.nats

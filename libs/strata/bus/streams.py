@@ -232,6 +232,8 @@ async def remove_shared_rendezvous(js: JetStreamContext) -> bool:
     """Delete the one rendezvous stream of every job that earlier releases made: its subjects
     overlap each job's own stream's, which JetStream would refuse to make beside it."""
     try:
+        # Looked up first: a reader (the gateway) may ask for a stream's info, not delete one.
+        await js.stream_info(subjects.SHARED_RENDEZVOUS_STREAM)
         await js.delete_stream(subjects.SHARED_RENDEZVOUS_STREAM)
     except NotFoundError:
         return False
