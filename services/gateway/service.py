@@ -14,6 +14,7 @@ from strata.config import Settings
 from strata.history import ReplayLimits
 from strata.services.gateway.app import API_TOKEN_ENV, DASHBOARD_DIST, GatewayState, create_app
 from strata.services.gateway.assets import missing_dashboard_message
+from strata.services.gateway.edge import EdgeGuard, guarded_protocol
 from strata.services.gateway.live import LiveModel
 from strata.services.readmodel import SnapshotStore
 
@@ -73,6 +74,9 @@ class Gateway:
             lifespan="off",
             # Push streams never end on their own: after this, stopping cuts them.
             timeout_graceful_shutdown=2,
+            http=guarded_protocol(
+                EdgeGuard(settings.gateway_header_timeout, settings.gateway_max_connections)
+            ),
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(), name="gateway-http")
