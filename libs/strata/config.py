@@ -51,6 +51,7 @@ class Env:
     JETSTREAM_MAX_FILE_STORE: Final = "STRATA_JETSTREAM_MAX_FILE_STORE"
     GATEWAY_HEADER_TIMEOUT: Final = "STRATA_GATEWAY_HEADER_TIMEOUT"
     GATEWAY_MAX_CONNECTIONS: Final = "STRATA_GATEWAY_MAX_CONNECTIONS"
+    GATEWAY_METRICS_MB: Final = "STRATA_GATEWAY_METRICS_MB"
     RENDEZVOUS_MAX_BYTES: Final = "STRATA_RENDEZVOUS_MAX_BYTES"
     RENDEZVOUS_MAX_KEYS: Final = "STRATA_RENDEZVOUS_MAX_KEYS"
     RENDEZVOUS_MAX_VALUE_BYTES: Final = "STRATA_RENDEZVOUS_MAX_VALUE_BYTES"
@@ -60,6 +61,10 @@ GATEWAY_HEADER_TIMEOUT_S: Final = 10.0
 """Seconds an HTTP connection to the gateway may take to send a request's headers."""
 GATEWAY_MAX_CONNECTIONS: Final = 2048
 """HTTP connections the gateway holds; past it, the oldest still sending its headers is closed."""
+
+GATEWAY_METRICS_MB: Final = 256
+"""MiB the gateway's training metric history may take, all jobs together: 1,000 workers with 5
+figures each, at 256 points per worker and figure."""
 
 RENDEZVOUS_MAX_BYTES: Final = 64 * 1024**2
 """A job's rendezvous keys together, reserved from the JetStream store per job. A 1,000-agent
@@ -129,6 +134,7 @@ class Settings(BaseSettings):
     job's bucket itself."""
     gateway_header_timeout: float = Field(default=GATEWAY_HEADER_TIMEOUT_S, gt=0, le=3600)
     gateway_max_connections: int = Field(default=GATEWAY_MAX_CONNECTIONS, ge=1, le=1_000_000)
+    gateway_metrics_mb: int = Field(default=GATEWAY_METRICS_MB, ge=1, le=1_000_000)
     jetstream_max_file_store: int = Field(default=8 * 1024**3, ge=64 * 1024**2)
     """The file store of `strata up`'s embedded nats-server, in bytes: the telemetry stream's
     and every rendezvous bucket's bytes are reserved from it, the event stream has the rest."""
