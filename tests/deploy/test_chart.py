@@ -973,6 +973,24 @@ def test_the_services_get_the_rendezvous_quota_of_every_job(render: Render) -> N
     assert "STRATA_RENDEZVOUS_JOBS" not in _env(gateway)
 
 
+def test_the_gateway_gets_its_edge_and_memory_bounds(render: Render) -> None:
+    (gateway,) = _containers(render().get("Deployment", _name("gateway")))
+    env = _env(gateway)
+    assert (
+        env["STRATA_GATEWAY_HEADER_TIMEOUT"],
+        env["STRATA_GATEWAY_MAX_CONNECTIONS"],
+        env["STRATA_GATEWAY_METRICS_MB"],
+    ) == ("10", "2048", "256")
+    settings = load_settings(
+        gateway_header_timeout=env["STRATA_GATEWAY_HEADER_TIMEOUT"],
+        gateway_max_connections=env["STRATA_GATEWAY_MAX_CONNECTIONS"],
+        gateway_metrics_mb=env["STRATA_GATEWAY_METRICS_MB"],
+    )
+    assert settings.gateway_max_connections == 2048
+    (registry,) = _containers(render().get("Deployment", _name("registry")))
+    assert "STRATA_GATEWAY_MAX_CONNECTIONS" not in _env(registry)
+
+
 def test_the_gateway_gets_the_replay_bounds(render: Render) -> None:
     (gateway,) = _containers(render().get("Deployment", _name("gateway")))
     env = _env(gateway)
