@@ -582,7 +582,8 @@ def test_external_nats_replaces_the_statefulset(render: Render) -> None:
     assert [c["metadata"]["name"] for c in rendered.of_kind("ConfigMap")] == [_name("nats-auth")]
     # The NATS credentials are the existing Secret's; the chart makes only the API token.
     assert [s["metadata"]["name"] for s in rendered.of_kind("Secret")] == [_name("api-token")]
-    assert not rendered.of_kind("NetworkPolicy")  # nothing of the chart's to guard
+    # No NATS of the chart's to guard: only the services' metrics port.
+    assert [p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")] == [_name("services")]
     assert all("nats" not in s["metadata"]["name"] for s in rendered.of_kind("Service"))
     for container in _strata_containers(rendered):
         env = _env(container)
@@ -874,7 +875,7 @@ def _pod_labels(workload: dict[str, Any]) -> dict[str, str]:
 
 def test_a_network_policy_lets_only_strata_pods_reach_nats(render: Render) -> None:
     rendered = render()
-    (policy,) = rendered.of_kind("NetworkPolicy")
+    policy = rendered.get("NetworkPolicy", _name("nats"))
     nats = rendered.get("StatefulSet", _name("nats"))
     assert _selects(policy["spec"]["podSelector"], _pod_labels(nats))
     assert policy["spec"]["policyTypes"] == ["Ingress"]
@@ -907,7 +908,7 @@ def test_a_network_policy_lets_only_strata_pods_reach_nats(render: Render) -> No
 
 def test_prometheus_and_outside_training_are_let_in_when_named(render: Render) -> None:
     rendered = render(*SCENARIOS["prometheus-and-outside-training"])
-    (policy,) = rendered.of_kind("NetworkPolicy")
+    policy = rendered.get("NetworkPolicy", _name("nats"))
     rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
     assert rules["monitor"]["from"] == [
         {
@@ -971,6 +972,22 @@ def test_the_services_get_the_rendezvous_quota_of_every_job(render: Render) -> N
     assert settings.rendezvous_max_bytes == 128 * 1024**2
     (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
     assert "STRATA_RENDEZVOUS_JOBS" not in _env(gateway)
+
+
+def test_the_services_metrics_port_admits_only_what_scrapes_it(render: Render) -> None:
+    """The services' /metrics name jobs: by default nothing but the node's probes reaches
+    their pods; `networkPolicy.metricsFrom` lets Prometheus in, on the health port only."""
+    policy = render().get("NetworkPolicy", _name("services"))
+    selected = policy["spec"]["podSelector"]["matchExpressions"][0]["values"]
+    assert set(selected) == {"registry", "sharding", "barrier", "checkpoint"}
+    assert policy["spec"]["ingress"] == []
+    scraped = render(
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"
+    ).get("NetworkPolicy", _name("services"))
+    (rule,) = scraped["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "health", "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
+    assert not render("networkPolicy.enabled=false").of_kind("NetworkPolicy")
 
 
 def test_the_gateway_gets_its_edge_and_memory_bounds(render: Render) -> None:
@@ -1450,7 +1467,7 @@ def test_registry_partitions_are_deployments_of_their_own_each_told_its_partitio
     }
     budgets = {b["metadata"]["name"] for b in rendered.of_kind("PodDisruptionBudget")}
     assert {_name("registry-1"), _name("registry-2")} <= budgets
-    (policy,) = rendered.of_kind("NetworkPolicy")
+    policy = rendered.get("NetworkPolicy", _name("nats"))
     client = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "client")
     (expression,) = client["from"][0]["podSelector"]["matchExpressions"]
     assert {"registry-1", "registry-2"} <= set(expression["values"])
