@@ -37,6 +37,7 @@ from strata.security import (
 from strata.torch import store as store_module
 from strata.torch.rendezvous import JetStreamRendezvousBackend, _inbox_prefix
 from strata.torch.store import KVStore, RendezvousBucket
+from structlog.testing import capture_logs
 
 from tests import natsprobe
 
@@ -455,3 +456,28 @@ async def _stream_names(bus: object) -> AsyncIterator[str]:
     assert isinstance(bus, Bus)
     for name in await bus.js.streams_info():
         yield name.config.name
+
+
+async def test_a_bucket_the_store_cannot_reserve_is_refused_and_the_others_are_made(
+    tmp_path: Path,
+) -> None:
+    """The store keeps what it reserved: a job's bucket that would not fit is not made (an
+    error in the log says which setting to change), and provisioning goes on."""
+    quota = RendezvousQuota(max_bytes=384 * 1024**2)
+    with NatsServer(
+        store_dir=tmp_path / "nats", max_file_store=TELEMETRY_MAX_BYTES + 512 * 1024**2
+    ) as server:
+        nc = await nats.connect(server.url)
+        try:
+            with capture_logs() as logs:
+                outcomes = await ensure_streams(
+                    nc.jetstream(), 1, rendezvous_jobs=("first", "second"), quota=quota
+                )
+            assert outcomes[subjects.rendezvous_stream_name("first")] == "created"
+            assert outcomes[subjects.rendezvous_stream_name("second")] == "refused"
+            assert outcomes[subjects.EVENTS_STREAM] == "created"
+            (refused,) = [e for e in logs if e["event"] == "rendezvous_bucket_refused"]
+            assert refused["job"] == "second"
+            assert "STRATA_RENDEZVOUS_MAX_BYTES" in refused["fix"]
+        finally:
+            await nc.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -71,7 +72,7 @@ class RendezvousQuota:
         )
 
 
-Outcome = Literal["created", "updated", "unchanged", "removed"]
+Outcome = Literal["created", "updated", "unchanged", "removed", "refused"]
 
 
 @dataclass(frozen=True)
@@ -263,5 +264,18 @@ async def ensure_streams(
         outcomes[subjects.SHARED_RENDEZVOUS_STREAM] = "removed"
     for job in rendezvous_jobs:
         spec = rendezvous_stream(job, replicas, quota)
-        outcomes[spec.name] = await ensure_stream(js, spec)
+        try:
+            outcomes[spec.name] = await ensure_stream(js, spec)
+        except nats.js.errors.APIError as exc:
+            if "insufficient" not in (exc.description or "").lower():
+                raise
+            # One job's bucket that does not fit the store must not keep the services down.
+            log.error(
+                "rendezvous_bucket_refused",
+                job=job,
+                error=exc.description,
+                fix="raise the JetStream store (nats.jetstream.maxFileStore, "
+                "STRATA_JETSTREAM_MAX_FILE_STORE) or lower STRATA_RENDEZVOUS_MAX_BYTES",
+            )
+            outcomes[spec.name] = "refused"
     return outcomes
