@@ -405,7 +405,10 @@ def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
             store_dir=tmp_path / "nats", extra_config=authorization_config(credentials)
         ) as server,
         running_services(
-            server.url, tmp_path / "logs", env=by_role(credentials, "services")[0].env()
+            server.url,
+            tmp_path / "logs",
+            # The services make the job's rendezvous bucket: its credentials may not.
+            env={**by_role(credentials, "services")[0].env(), Env.RENDEZVOUS_JOBS: job},
         ),
     ):
         scripts = [
