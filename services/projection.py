@@ -26,7 +26,16 @@ from nats.js.kv import KeyValue
 from strata.bus import Bus, Delivered, EventFeed, RpcServer
 from strata.bus.connection import backoff_delays, retry_transient
 from strata.bus.publish import MSG_ID
-from strata.bus.snapshots import load_snapshot, save_snapshot, snapshot_bucket
+from strata.bus.snapshots import (
+    SNAPSHOT_HEADROOM,
+    JobSnapshots,
+    load_job_snapshots,
+    load_snapshot,
+    save_job_snapshots,
+    save_snapshot,
+    snapshot_bucket,
+)
+from strata.bus.streams import MAX_MSG_SIZE
 from strata.config import Settings
 from strata.errors import BusError, ServiceUnavailable, StrataError
 from strata.events import encode_event, subject_for, subjects
@@ -65,6 +74,8 @@ class Projection(Generic[S]):
         self.live = False
         # A service without reactions does not pay a queued no-op per event it folds.
         self._reacts = type(self).on_applied is not Projection.on_applied
+        self._restored: JobSnapshots | None = None
+        """The per-job snapshot restored, while the feed is still below what it covers."""
         self._unconfirmed: set[str] = set()
         """Ids of events published without an ack, until the feed delivers them (`publish_all`)."""
 
@@ -125,16 +136,35 @@ class Projection(Generic[S]):
             functools.partial(snapshot_bucket, bus.js, settings.stream_replicas),
             "opening the snapshot bucket",
         )
-        data = await retry_transient(
-            functools.partial(load_snapshot, kv, self.name), f"loading the {self.name} snapshot"
+        parts = await retry_transient(
+            functools.partial(load_job_snapshots, kv, self.name),
+            f"loading the {self.name} snapshot",
         )
-        if data is not None:
-            try:
+        # A snapshot of an earlier release: one value for every job.
+        data = None
+        if parts is None:
+            data = await retry_transient(
+                functools.partial(load_snapshot, kv, self.name),
+                f"loading the {self.name} snapshot",
+            )
+        try:
+            if parts is not None:
+                self.state = self.restore(parts.data)
+                self.last_seq = parts.start_seq - 1
+                self._restored = parts
+                if parts.replay:
+                    log.warning(
+                        "snapshot_jobs_replayed",
+                        service=self.name,
+                        jobs=sorted(parts.replay)[:20],
+                        reason="their part of the snapshot was too large or unreadable",
+                    )
+            elif data is not None:
                 self.state = self.restore(data)
                 self.last_seq = int(data["last_seq"])
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                log.warning("snapshot_ignored", service=self.name, error=str(exc))
-                self.state, self.last_seq = self.initial_state(), 0
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            log.warning("snapshot_ignored", service=self.name, error=str(exc))
+            self.state, self.last_seq, self._restored = self.initial_state(), 0, None
         restored_at = self.last_seq
         # Everything stored before the feed starts is folded in before going live.
         info = await retry_transient(
@@ -194,6 +224,16 @@ class Projection(Generic[S]):
     async def _follow(self, feed: EventFeed) -> None:
         async for delivered in feed:
             self.folding_seq = delivered.seq
+            restored = self._restored
+            if restored is not None:
+                if delivered.seq > restored.last_seq and delivered.seq > max(
+                    restored.covered.values(), default=0
+                ):
+                    self._restored = None
+                elif delivered.seq <= restored.floor(delivered.event.job):
+                    # Folded already into the job's part of the snapshot.
+                    self.last_seq = delivered.seq
+                    continue
             try:
                 self.state = self.evolve(self.state, delivered.event)
             except Exception:  # one event the domain cannot take must not stop the projection
@@ -338,6 +378,10 @@ class Projection(Generic[S]):
         if data is None:
             return
         try:
-            await save_snapshot(self._kv, self.name, {**data, "last_seq": self.last_seq})
+            if isinstance(data.get("jobs"), list):
+                limit = min(MAX_MSG_SIZE, self.bus.nc.max_payload) - SNAPSHOT_HEADROOM
+                await save_job_snapshots(self._kv, self.name, data, self.last_seq, limit)
+            else:
+                await save_snapshot(self._kv, self.name, {**data, "last_seq": self.last_seq})
         except (StrataError, Exception) as exc:  # a failed snapshot only slows the next start
             log.warning("snapshot_failed", service=self.name, error=str(exc))

@@ -78,7 +78,7 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
             # Every service provisions at start: several at once, or during an election, may
             # see a JetStream request go unanswered.
             await retry_transient(
-                functools.partial(bus.ensure_streams, settings.stream_replicas),
+                functools.partial(bus.ensure_streams, settings.stream_replicas, settings),
                 "provisioning the streams",
             )
         else:

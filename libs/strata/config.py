@@ -60,6 +60,31 @@ class Env:
     RPC_SUB_PENDING_MB: Final = "STRATA_RPC_SUB_PENDING_MB"
     MAX_DATASETS_PER_JOB: Final = "STRATA_MAX_DATASETS_PER_JOB"
     MAX_SHARDS_PER_DATASET: Final = "STRATA_MAX_SHARDS_PER_DATASET"
+    RENDEZVOUS_JOBS: Final = "STRATA_RENDEZVOUS_JOBS"
+    JETSTREAM_MAX_FILE_STORE: Final = "STRATA_JETSTREAM_MAX_FILE_STORE"
+    GATEWAY_HEADER_TIMEOUT: Final = "STRATA_GATEWAY_HEADER_TIMEOUT"
+    GATEWAY_MAX_CONNECTIONS: Final = "STRATA_GATEWAY_MAX_CONNECTIONS"
+    GATEWAY_METRICS_MB: Final = "STRATA_GATEWAY_METRICS_MB"
+    RENDEZVOUS_MAX_BYTES: Final = "STRATA_RENDEZVOUS_MAX_BYTES"
+    RENDEZVOUS_MAX_KEYS: Final = "STRATA_RENDEZVOUS_MAX_KEYS"
+    RENDEZVOUS_MAX_VALUE_BYTES: Final = "STRATA_RENDEZVOUS_MAX_VALUE_BYTES"
+
+
+GATEWAY_HEADER_TIMEOUT_S: Final = 10.0
+"""Seconds an HTTP connection to the gateway may take to send a request's headers."""
+GATEWAY_MAX_CONNECTIONS: Final = 2048
+"""HTTP connections the gateway holds; past it, the oldest still sending its headers is closed."""
+
+GATEWAY_METRICS_MB: Final = 256
+"""MiB the gateway's training metric history may take, all jobs together: 1,000 workers with 5
+figures each, at 256 points per worker and figure."""
+
+RENDEZVOUS_MAX_BYTES: Final = 64 * 1024**2
+"""A job's rendezvous keys together, reserved from the JetStream store per job. A 1,000-agent
+torchrun job keeps a state key of some 200 KB and a few small store keys per agent and round."""
+RENDEZVOUS_MAX_KEYS: Final = 100_000
+RENDEZVOUS_MAX_VALUE_BYTES: Final = 1024**2
+"""One rendezvous key's value: the state of 1,000 agents is some 200 KB."""
 
 
 LogFormat = Literal["auto", "json", "console"]
@@ -116,6 +141,21 @@ class Settings(BaseSettings):
     barrier_record_arrivals_s: float = Field(default=1.0, ge=0, le=3600)
     """How long the barrier service may hold `barrier.arrived` events (the record of who waits,
     not needed for a release) before writing them; a generation's conclusion writes them at once."""
+    rendezvous_jobs: str = ""
+    """Jobs (comma-separated) whose rendezvous bucket the services make at start: those whose
+    workers hold a credential, which may not make one. Without credentials an agent makes its
+    job's bucket itself."""
+    gateway_header_timeout: float = Field(default=GATEWAY_HEADER_TIMEOUT_S, gt=0, le=3600)
+    gateway_max_connections: int = Field(default=GATEWAY_MAX_CONNECTIONS, ge=1, le=1_000_000)
+    gateway_metrics_mb: int = Field(default=GATEWAY_METRICS_MB, ge=1, le=1_000_000)
+    jetstream_max_file_store: int = Field(default=8 * 1024**3, ge=64 * 1024**2)
+    """The file store of `strata up`'s embedded nats-server, in bytes: the telemetry stream's
+    and every rendezvous bucket's bytes are reserved from it, the event stream has the rest."""
+    rendezvous_max_bytes: int = Field(default=RENDEZVOUS_MAX_BYTES, ge=1024, le=1024**4)
+    rendezvous_max_keys: int = Field(default=RENDEZVOUS_MAX_KEYS, ge=1, le=100_000_000)
+    rendezvous_max_value_bytes: int = Field(
+        default=RENDEZVOUS_MAX_VALUE_BYTES, ge=1024, le=8 * 1024**2
+    )
 
     # Admission control of every service's requests (`strata.bus.admission`): defaults sized for
     # a 1,000-worker job; see docs/operations.md, "Limits".
@@ -184,6 +224,10 @@ class Settings(BaseSettings):
                 f"partitions are numbered 0 to {partitions - 1}"
             )
         return value
+
+    @property
+    def rendezvous_job_list(self) -> tuple[str, ...]:
+        return tuple(job.strip() for job in self.rendezvous_jobs.split(",") if job.strip())
 
     @property
     def nats_servers(self) -> list[str]:

@@ -206,8 +206,9 @@ class TooLarge(LimitExceeded):
 
 
 class QuotaExceeded(LimitExceeded):
-    """A job holds as much of a resource (datasets, shards, ...) as one job may: retrying does
-    not help; the message names the quota and the setting that raises it."""
+    """A job holds as much of a resource as one job may (datasets, shards, its rendezvous
+    bucket's bytes, keys or value size): only that job is refused, retrying does not help; the
+    message names the quota and the setting that raises it."""
 
     code = "quota_exceeded"
 

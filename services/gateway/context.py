@@ -46,6 +46,10 @@ API_TOKEN_ENV: Final = Env.API_TOKEN
 """When set, `/api/*` answers only requests with `Authorization: Bearer <token>`."""
 REPLAY_RETRY_AFTER_S: Final = 1
 MAX_PAGE: Final = 1000
+MAX_SEQ: Final = 2**63 - 1
+"""The largest stream sequence or nanosecond time a parameter may name (JetStream's sequences
+are 64-bit): a larger one is a 422, not an overflow further down."""
+MAX_OFFSET: Final = 100_000_000
 
 JobId = Annotated[str, Query(pattern=ID_PATTERN, description="Job id")]
 JobInPath = Annotated[str, PathParam(pattern=ID_PATTERN, description="Job id")]

@@ -129,6 +129,7 @@ class LiveModel:
         self,
         clock: Callable[[], float] = time.time,
         snapshots: SnapshotStore | None = None,
+        metric_history: MetricHistory | None = None,
     ) -> None:
         self.clock = clock
         self.model = ReadModel()
@@ -138,7 +139,7 @@ class LiveModel:
         self.signals: dict[str, ChangeSignal] = {}
         self.caught_up = asyncio.Event()
         """Set once every event stored when the gateway started is folded."""
-        self.metric_history = MetricHistory()
+        self.metric_history = metric_history if metric_history is not None else MetricHistory()
         self._static: dict[str, tuple[int, Dashboard]] = {}
         self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
         self._telemetry: JetStreamContext.PushSubscription | None = None
@@ -158,6 +159,13 @@ class LiveModel:
             consumer=CONSUMER,
         )
         self._spawn(self._follow_events(events), "events")
+        # Telemetry is kept only for registered workers, so it is read once the registrations
+        # stored before the start are folded.
+        self._spawn(self._follow_telemetry(bus), "telemetry")
+        return self
+
+    async def _follow_telemetry(self, bus: Bus) -> None:
+        await self.caught_up.wait()
         # The latest heartbeat of each worker, then every new one: a restarted gateway shows the
         # last sign of life of every worker at once, without replaying hours of telemetry.
         self._telemetry = await bus.js.subscribe(
@@ -169,8 +177,7 @@ class LiveModel:
             pending_msgs_limit=1_000_000,
         )
         self._spawn(self._follow_heartbeats(self._telemetry), "heartbeats")
-        self._spawn(follow_samples(bus, self.metric_history), "metrics")
-        return self
+        self._spawn(follow_samples(bus, self.metric_history, self.registered), "metrics")
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -239,7 +246,10 @@ class LiveModel:
         ):
             MESSAGES_REJECTED.labels(CONSUMER, "not_a_heartbeat").inc()
             return
-        self.model.job(event.job).apply_heartbeat(event)
+        state = self.model.jobs.get(event.job)
+        if state is None or not state.apply_heartbeat(event):
+            MESSAGES_REJECTED.labels(CONSUMER, "not_registered").inc()
+            return
         self._job_rates(event.job).heartbeats.add(int(meta.timestamp.timestamp() * 1e9))
         _FOLDED_HEARTBEATS.inc()
         self._changed(event.job)
@@ -253,6 +263,14 @@ class LiveModel:
 
     def job(self, job: str) -> JobState | None:
         return self.model.jobs.get(job)
+
+    def registered(self, job: str, worker: str) -> bool:
+        """Whether `worker` has registered in `job` (live or gone): whose samples are kept."""
+        state = self.model.jobs.get(job)
+        if state is None:
+            return False
+        registry_job = state.registry.jobs.get(job)
+        return registry_job is not None and worker in registry_job.members
 
     def static_dashboard(self, state: JobState) -> Dashboard:
         """The dashboard without live rates, rendered once per version of the job."""

@@ -2,38 +2,46 @@
 downsampled series per worker, served at `GET /api/jobs/{job}/metrics` for the dashboard's charts.
 
 The gateway follows the telemetry stream's samples from its first stored message, so a restarted
-gateway (or a reloaded page) shows the whole history the stream still holds. Each (job, metric) has
-one stride, in steps: a point is the mean of a worker's samples whose step falls in one bucket of
-`stride` steps. When any worker's series would exceed `MAX_POINTS`, the stride doubles and
-neighbouring buckets merge, for every worker of that metric alike, so the buckets of all ranks line
-up and the job's figures (mean and total over ranks) are computed per bucket when asked. Each
-bucket remembers when its newest sample was stored: time travel (`until_ns`) shows the buckets
-complete by then.
+gateway (or a reloaded page) shows the whole history the stream still holds. Only registered
+workers' samples are kept. Each worker's series of a metric has its own stride, in steps: a point
+is the mean of the worker's samples whose step falls in one bucket of `stride` steps; when the
+series would exceed `MAX_POINTS`, its stride doubles and neighbouring buckets merge. One rank
+logging at odd steps (a step of 2**53) coarsens its own series only. The job's figures (mean and
+total over ranks) are computed when asked, in buckets of the stride most workers have. Each bucket
+remembers when its newest sample was stored: time travel (`until_ns`) shows the buckets complete
+by then. All jobs' series together are held to a byte budget (`STRATA_GATEWAY_METRICS_MB`): past
+it, a sample that would open a bucket or a series is dropped and counted (`over_budget`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable
+from typing import Any, Final, Literal
 
 import nats.errors
 from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ConfigDict, Field
 from strata.bus import Bus
+from strata.config import GATEWAY_METRICS_MB
 from strata.errors import StrataError
 from strata.events import MetricSampled, decode_event, subjects
 from strata.events.provenance import refusal
 from strata.metrics import MESSAGES_REJECTED
 
-if TYPE_CHECKING:
-    pass
-
 CONSUMER: Final = "gateway-metrics"
 MAX_POINTS: Final = 256
-"""Points kept per worker and metric; past it, the stride doubles and neighbours merge."""
+"""Points kept per worker and metric; past it, the worker's stride doubles and neighbours merge."""
 MAX_METRICS_PER_JOB: Final = 64
 """Metric names kept per job; samples of further names are counted and dropped."""
 MAX_WORKERS_PER_METRIC: Final = 4096
+BUCKET_BYTES: Final = 200
+"""What one bucket takes in memory (the object, its dict entry, its numbers), measured
+(`tests/unit/test_metric_history.py`), for the budget."""
+SERIES_BYTES: Final = 800
+"""What one worker's series of one metric takes besides its buckets."""
+
+Outcome = Literal["kept", "too_many_metrics", "too_many_workers", "over_budget", "not_registered"]
 
 
 class _Bucket:
@@ -64,109 +72,176 @@ class _Bucket:
         return self.total / self.count
 
 
-class MetricSeries:
-    """One metric of one job: a series of buckets per worker, all with the same stride."""
+class _WorkerSeries:
+    """One worker's buckets of one metric, with its own stride."""
+
+    __slots__ = ("buckets", "stride")
 
     def __init__(self) -> None:
         self.stride = 1
-        self.workers: dict[str, dict[int, _Bucket]] = {}
+        self.buckets: dict[int, _Bucket] = {}
+
+    def coarsen(self) -> int:
+        """Double the stride, merging neighbours; how many buckets fewer there are."""
+        before = len(self.buckets)
+        self.stride *= 2
+        merged: dict[int, _Bucket] = {}
+        for key in sorted(self.buckets):
+            bucket = self.buckets[key]
+            into = merged.get(key // 2)
+            if into is None:
+                merged[key // 2] = bucket
+            else:
+                into.merge(bucket)
+        self.buckets = merged
+        return before - len(merged)
+
+
+class MetricSeries:
+    """One metric of one job: a series of buckets per worker, each with its own stride."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, _WorkerSeries] = {}
         self.samples = 0
 
-    def add(self, worker: str, value: float, step: int, stored_ns: int) -> bool:
-        """Fold one sample; False when the metric already has too many workers."""
-        buckets = self.workers.get(worker)
-        if buckets is None:
-            if len(self.workers) >= MAX_WORKERS_PER_METRIC:
-                return False
-            buckets = self.workers[worker] = {}
-        key = step // self.stride
-        bucket = buckets.get(key)
-        if bucket is None:
-            buckets[key] = _Bucket(value, step, stored_ns)
-            if len(buckets) > MAX_POINTS:
-                self._coarsen()
-        else:
-            bucket.add(value, step, stored_ns)
-        self.samples += 1
-        return True
+    @property
+    def stride(self) -> int:
+        """The stride most workers have (the median): the job's figures are in its buckets."""
+        strides = sorted(series.stride for series in self.workers.values())
+        return strides[len(strides) // 2] if strides else 1
 
-    def _coarsen(self) -> None:
-        self.stride *= 2
-        for worker, buckets in self.workers.items():
-            merged: dict[int, _Bucket] = {}
-            for key in sorted(buckets):
-                bucket = buckets[key]
-                into = merged.get(key // 2)
-                if into is None:
-                    merged[key // 2] = bucket
-                else:
-                    into.merge(bucket)
-            self.workers[worker] = merged
+    def add(
+        self, worker: str, value: float, step: int, stored_ns: int, room: bool = True
+    ) -> tuple[Outcome, int, int]:
+        """Fold one sample: (outcome, buckets added (or removed), series added). Without
+        `room` (the budget is spent), a sample that would open a bucket or a series is dropped."""
+        series = self.workers.get(worker)
+        opened = 0
+        if series is None:
+            if len(self.workers) >= MAX_WORKERS_PER_METRIC:
+                return "too_many_workers", 0, 0
+            if not room:
+                return "over_budget", 0, 0
+            series = self.workers[worker] = _WorkerSeries()
+            opened = 1
+        key = step // series.stride
+        bucket = series.buckets.get(key)
+        if bucket is not None:
+            bucket.add(value, step, stored_ns)
+            self.samples += 1
+            return "kept", 0, opened
+        if not room and not opened:
+            return "over_budget", 0, 0
+        series.buckets[key] = _Bucket(value, step, stored_ns)
+        added = 1
+        while len(series.buckets) > MAX_POINTS:
+            added -= series.coarsen()
+        self.samples += 1
+        return "kept", added, opened
 
     def view(self, until_ns: int | None, ranks: dict[str, int]) -> dict[str, Any]:
         """The series as plain columns: per worker (rank order), and the job's mean and total
-        over the workers that have a point in each bucket."""
+        over the workers that have a point in each bucket of the common stride."""
+        stride = self.stride
         per_worker: list[dict[str, Any]] = []
-        by_key: dict[int, list[_Bucket]] = {}
-        for worker, buckets in self.workers.items():
+        # Common bucket -> worker -> (sum of the worker's means, how many, newest step).
+        by_key: dict[int, dict[str, list[float]]] = {}
+        for worker, series in self.workers.items():
             steps: list[int] = []
             values: list[float] = []
-            for key in sorted(buckets):
-                bucket = buckets[key]
+            for key in sorted(series.buckets):
+                bucket = series.buckets[key]
                 if until_ns is not None and bucket.stored_ns > until_ns:
                     continue
                 steps.append(bucket.step)
                 values.append(bucket.mean)
-                by_key.setdefault(key, []).append(bucket)
+                common = by_key.setdefault(bucket.step // stride, {})
+                entry = common.get(worker)
+                if entry is None:
+                    common[worker] = [bucket.total, float(bucket.count), float(bucket.step)]
+                else:
+                    entry[0] += bucket.total
+                    entry[1] += bucket.count
+                    entry[2] = max(entry[2], float(bucket.step))
             if steps:
                 per_worker.append(
-                    {"worker": worker, "rank": ranks.get(worker), "steps": steps, "values": values}
+                    {
+                        "worker": worker,
+                        "rank": ranks.get(worker),
+                        "stride": series.stride,
+                        "steps": steps,
+                        "values": values,
+                    }
                 )
         per_worker.sort(key=lambda w: (w["rank"] is None, w["rank"] or 0, w["worker"]))
         job_steps: list[int] = []
         means: list[float] = []
         totals: list[float] = []
         for key in sorted(by_key):
-            ranks_in_bucket = by_key[key]
-            total = sum(b.mean for b in ranks_in_bucket)
-            job_steps.append(max(b.step for b in ranks_in_bucket))
+            entries = by_key[key].values()
+            total = sum(e[0] / e[1] for e in entries)
+            job_steps.append(int(max(e[2] for e in entries)))
             totals.append(total)
-            means.append(total / len(ranks_in_bucket))
+            means.append(total / len(entries))
         return {
-            "stride": self.stride,
+            "stride": stride,
             "job": {"steps": job_steps, "mean": means, "total": totals},
             "workers": per_worker,
         }
 
 
 class MetricHistory:
-    """Every job's metric series, folded from the telemetry stream's samples."""
+    """Every job's metric series, folded from the telemetry stream's samples, within a byte
+    budget for all jobs together."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_bytes: int = GATEWAY_METRICS_MB * 1024 * 1024) -> None:
         self.jobs: dict[str, dict[str, MetricSeries]] = {}
         self.last_seq = 0
         self.version = 0
         self.dropped = 0
+        self.budget_bytes = budget_bytes
+        self.buckets = 0
+        self.series = 0
+        self.unregistered = 0
+        """Samples of workers that had not registered, left out."""
 
-    def fold(self, sample: MetricSampled, stored_ns: int, seq: int = 0) -> bool:
-        """One sample that passed the provenance rule (it is its worker's own); False when it
-        was dropped: its job already has `MAX_METRICS_PER_JOB` metrics, or its metric
-        `MAX_WORKERS_PER_METRIC` workers."""
+    @property
+    def bytes(self) -> int:
+        """What the series take, as the budget counts it."""
+        return self.buckets * BUCKET_BYTES + self.series * SERIES_BYTES
+
+    def fold(self, sample: MetricSampled, stored_ns: int, seq: int = 0) -> Outcome:
+        """One sample that passed the provenance rule (it is its worker's own) from a registered
+        worker; anything but "kept" when it was dropped: its job already has
+        `MAX_METRICS_PER_JOB` metrics, its metric `MAX_WORKERS_PER_METRIC` workers, or the
+        budget is spent."""
         self.last_seq = max(self.last_seq, seq)
-        metrics = self.jobs.setdefault(sample.job, {})
-        series = metrics.get(sample.name)
+        room = self.bytes + BUCKET_BYTES + SERIES_BYTES <= self.budget_bytes
+        metrics = self.jobs.get(sample.job)
+        series = None if metrics is None else metrics.get(sample.name)
         if series is None:
-            if len(metrics) >= MAX_METRICS_PER_JOB:
+            if metrics is not None and len(metrics) >= MAX_METRICS_PER_JOB:
                 self.dropped += 1
-                return False
+                return "too_many_metrics"
+            if not room:
+                self.dropped += 1
+                return "over_budget"
+            metrics = self.jobs.setdefault(sample.job, {})
             series = metrics[sample.name] = MetricSeries()
         worker = sample.worker_id or sample.source
         step = sample.step if sample.step is not None else 0
-        if not series.add(worker, sample.value, step, stored_ns):
+        outcome, buckets, opened = series.add(worker, sample.value, step, stored_ns, room)
+        if outcome != "kept":
             self.dropped += 1
-            return False
+            if not series.workers and metrics is not None:
+                del metrics[sample.name]
+                if not metrics:
+                    del self.jobs[sample.job]
+            return outcome
+        self.buckets += buckets
+        self.series += opened
         self.version += 1
-        return True
+        return "kept"
 
     def view(
         self,
@@ -191,8 +266,13 @@ class MetricHistory:
         }
 
 
-async def follow_samples(bus: Bus, history: MetricHistory) -> None:
-    """Fold every sample stored on the telemetry stream, from the first one, until cancelled."""
+async def follow_samples(
+    bus: Bus,
+    history: MetricHistory,
+    registered: Callable[[str, str], bool] = lambda job, worker: True,
+) -> None:
+    """Fold every sample stored on the telemetry stream, from the first one, until cancelled:
+    those of workers `registered(job, worker)` says have registered."""
     sub = await bus.js.subscribe(
         subjects.all_metrics(),
         stream=subjects.TELEMETRY_STREAM,
@@ -215,10 +295,15 @@ async def follow_samples(bus: Bus, history: MetricHistory) -> None:
             if refused is not None:
                 MESSAGES_REJECTED.labels(CONSUMER, refused.code).inc()
                 continue
+            if not registered(event.job, event.worker_id or event.source):
+                history.unregistered += 1
+                MESSAGES_REJECTED.labels(CONSUMER, "not_registered").inc()
+                continue
             meta = message.metadata
             stored_ns = int(meta.timestamp.timestamp() * 1e9)
-            if not history.fold(event, stored_ns, meta.sequence.stream):
-                MESSAGES_REJECTED.labels(CONSUMER, "over_limit").inc()
+            outcome = history.fold(event, stored_ns, meta.sequence.stream)
+            if outcome != "kept":
+                MESSAGES_REJECTED.labels(CONSUMER, outcome).inc()
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
@@ -240,12 +325,15 @@ class JobSeries(_Shape):
 class WorkerSeries(_Shape):
     worker: str
     rank: int | None = Field(description="Its rank in the job (None: not registered)")
+    stride: int = Field(description="Steps per bucket of this worker's series")
     steps: list[int]
     values: list[float] = Field(description="Mean of the worker's samples in each bucket")
 
 
 class MetricView(_Shape):
-    stride: int = Field(description="Steps per bucket (doubles as the history grows)")
+    stride: int = Field(
+        description="Steps per bucket of the job's figures: the stride most workers have"
+    )
     job: JobSeries
     workers: list[WorkerSeries]
 

@@ -14,7 +14,9 @@ from strata.config import Settings
 from strata.history import ReplayLimits
 from strata.services.gateway.app import API_TOKEN_ENV, DASHBOARD_DIST, GatewayState, create_app
 from strata.services.gateway.assets import missing_dashboard_message
+from strata.services.gateway.edge import EdgeGuard, guarded_protocol
 from strata.services.gateway.live import LiveModel
+from strata.services.gateway.metrics_history import MetricHistory
 from strata.services.readmodel import SnapshotStore
 
 log = structlog.get_logger("strata.gateway")
@@ -55,7 +57,8 @@ class Gateway:
         self.state.streams_ready = True  # the runtime provisions the streams before start()
         await self.state.listen_for_status(bus)
         snapshots = SnapshotStore(budget_bytes=settings.replay_snapshot_mb * 1024 * 1024)
-        self.live = await LiveModel(snapshots=snapshots).start(bus)
+        history = MetricHistory(budget_bytes=settings.gateway_metrics_mb * 1024 * 1024)
+        self.live = await LiveModel(snapshots=snapshots, metric_history=history).start(bus)
         self.state.live = self.live
         token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)
         self.app = create_app(
@@ -73,6 +76,9 @@ class Gateway:
             lifespan="off",
             # Push streams never end on their own: after this, stopping cuts them.
             timeout_graceful_shutdown=2,
+            http=guarded_protocol(
+                EdgeGuard(settings.gateway_header_timeout, settings.gateway_max_connections)
+            ),
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(), name="gateway-http")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import pickle
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -40,7 +41,7 @@ SNAPSHOT_EVERY_EVENTS: Final = 2048
 SNAPSHOT_COST_FACTOR: Final = 3.0
 SNAPSHOT_BUDGET_BYTES: Final = 256 * 1024 * 1024
 
-_LEFT_OUT: Final = frozenset({"beats", "_evolvers", "_routes", "_recent_rows"})
+_LEFT_OUT: Final = frozenset({"beats", "unclaimed", "_evolvers", "_routes", "_recent_rows"})
 """What a snapshot does not keep: the heartbeats (not those of the past point), and what
 `thaw` makes again (the domains' wiring, the cache of rendered rows)."""
 
@@ -49,6 +50,7 @@ def freeze(state: JobState) -> bytes:
     """The events' part of `state`, serialized: what `thaw` restores."""
     kept: dict[str, Any] = {k: v for k, v in vars(state).items() if k not in _LEFT_OUT}
     kept["heartbeats"] = 0
+    kept["beats_ignored"] = 0
     kept["version"] = state.events
     return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -59,6 +61,7 @@ def thaw(blob: bytes) -> JobState:
     with collector_paused():  # a restore makes some 100,000 objects at once, cycles none
         vars(state).update(pickle.loads(blob))  # only bytes this process wrote
     state.beats = {}
+    state.unclaimed = OrderedDict()
     state._recent_rows = {}
     state._connect_domains()
     return state

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import gc
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, Final, NamedTuple
@@ -48,6 +48,10 @@ from strata.services.sharding import domain as sharding_domain
 
 RECENT_EVENTS: Final = 200
 RELEASES_KEPT: Final = 1000
+UNCLAIMED_BEATS: Final = 4096
+"""Beats kept per job of processes the registry has not recorded (yet): a heartbeat may be folded
+before its worker's registration (the gateway reads the two streams apart). Past it, the oldest
+goes: a flood of made-up instances costs the job a bounded amount."""
 LISTED_CHECKPOINTS: Final = 100
 LISTED_BARRIERS: Final = 100
 GONE: Final = registry_domain.GONE
@@ -112,7 +116,11 @@ class LiveRates(NamedTuple):
 class JobState:
     """Everything known about one job, folded from its events and heartbeats.
 
-    Heartbeats keep the latest beat of each (worker, instance); they never change a worker's status
+    Heartbeats keep the latest beat of each registered worker, from the process the registry
+    recorded for it (its `instance`); the beats of a worker or process the registry does not know
+    (yet) wait among at most `UNCLAIMED_BEATS`, so what heartbeats can make the gateway keep is
+    bounded by the job's registrations, whatever a worker sends. They never change a worker's
+    status
     (the registry announces every change as an event). So the state after a set of events and
     heartbeats does not depend on how the two streams interleaved, and a replay of the history
     gives exactly what the live gateway shows.
@@ -143,7 +151,12 @@ class JobState:
         self.recent: deque[tuple[int, AnyEvent]] = deque(maxlen=RECENT_EVENTS)
         self._recent_rows: dict[int, RecentEvent] = {}
         """Rendered rows of `recent` by sequence: an event is summarised once, not per render."""
-        self.beats: dict[tuple[str, str], Beat] = {}
+        self.beats: dict[str, tuple[str, Beat]] = {}
+        """Worker id -> (its registered instance, its latest beat)."""
+        self.unclaimed: OrderedDict[tuple[str, str], Beat] = OrderedDict()
+        """(worker id, instance) -> latest beat, for processes not registered when it came."""
+        self.beats_ignored = 0
+        """Heartbeats of a worker or instance not registered when they were folded."""
         self.release_ms: deque[float] = deque(maxlen=RELEASES_KEPT)
         self._latency: dict[str, tuple[int, float]] = {}
         """Barrier name -> (generation, release latency in ms) of its latest release."""
@@ -215,12 +228,22 @@ class JobState:
             return event.last_arrival_to_release_ms
         return max(0.0, (stored_ns - arrival[1]) / 1e6)
 
-    def apply_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
-        self.beats[(heartbeat.worker_id, heartbeat.instance)] = Beat(
-            heartbeat.ts, heartbeat.step, heartbeat.epoch
-        )
+    def apply_heartbeat(self, heartbeat: WorkerHeartbeat) -> bool:
+        """Keep the beat if its worker is registered with its instance; False when it is not."""
+        beat = Beat(heartbeat.ts, heartbeat.step, heartbeat.epoch)
+        member = self._registry_job().members.get(heartbeat.worker_id)
+        if member is None or member.instance != heartbeat.instance:
+            self.beats_ignored += 1
+            key = (heartbeat.worker_id, heartbeat.instance)
+            self.unclaimed[key] = beat
+            self.unclaimed.move_to_end(key)
+            if len(self.unclaimed) > UNCLAIMED_BEATS:
+                self.unclaimed.popitem(last=False)
+            return False
+        self.beats[heartbeat.worker_id] = (heartbeat.instance, beat)
         self.heartbeats += 1
         self.version += 1
+        return True
 
     def _note_checkpoint(self, event: Event) -> None:
         """Keep what the checkpoint domain forgets but the dashboard shows; runs before evolve."""
@@ -266,7 +289,11 @@ class JobState:
         rows: list[WorkerView] = []
         members = self._registry_job().members.values()
         for member in sorted(members, key=lambda m: (m.rank, m.status in GONE, m.worker_id)):
-            beat = beats.get((member.worker_id, member.instance))
+            kept = beats.get(member.worker_id)
+            if kept is not None and kept[0] == member.instance:
+                beat: Beat | None = kept[1]
+            else:
+                beat = self.unclaimed.get((member.worker_id, member.instance))
             rows.append(
                 {
                     "id": member.worker_id,

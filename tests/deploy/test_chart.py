@@ -25,6 +25,7 @@ import nats.errors
 import pytest
 import yaml
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 from strata import procutil, security
 from strata.bus import Bus, ConnectOptions, EventFeed
 from strata.bus import connect as connect_nats
@@ -592,7 +593,8 @@ def test_external_nats_replaces_the_statefulset(render: Render) -> None:
     assert [c["metadata"]["name"] for c in rendered.of_kind("ConfigMap")] == [_name("nats-auth")]
     # The NATS credentials are the existing Secret's; the chart makes only the API token.
     assert [s["metadata"]["name"] for s in rendered.of_kind("Secret")] == [_name("api-token")]
-    assert not rendered.of_kind("NetworkPolicy")  # nothing of the chart's to guard
+    # No NATS of the chart's to guard: only the services' metrics port.
+    assert [p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")] == [_name("services")]
     assert all("nats" not in s["metadata"]["name"] for s in rendered.of_kind("Service"))
     for container in _strata_containers(rendered):
         env = _env(container)
@@ -884,7 +886,7 @@ def _pod_labels(workload: dict[str, Any]) -> dict[str, str]:
 
 def test_a_network_policy_lets_only_strata_pods_reach_nats(render: Render) -> None:
     rendered = render()
-    (policy,) = rendered.of_kind("NetworkPolicy")
+    policy = rendered.get("NetworkPolicy", _name("nats"))
     nats = rendered.get("StatefulSet", _name("nats"))
     assert _selects(policy["spec"]["podSelector"], _pod_labels(nats))
     assert policy["spec"]["policyTypes"] == ["Ingress"]
@@ -917,7 +919,7 @@ def test_a_network_policy_lets_only_strata_pods_reach_nats(render: Render) -> No
 
 def test_prometheus_and_outside_training_are_let_in_when_named(render: Render) -> None:
     rendered = render(*SCENARIOS["prometheus-and-outside-training"])
-    (policy,) = rendered.of_kind("NetworkPolicy")
+    policy = rendered.get("NetworkPolicy", _name("nats"))
     rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
     assert rules["monitor"]["from"] == [
         {
@@ -954,6 +956,67 @@ def test_the_gateway_asks_for_an_api_token_from_a_secret(render: Render) -> None
     open_gateway = render("coordinator.apiToken.enabled=false")
     (gateway,) = _containers(open_gateway.get("Deployment", _name("gateway")))
     assert "STRATA_API_TOKEN" not in _env(gateway)
+
+
+def test_the_services_get_the_rendezvous_quota_of_every_job(render: Render) -> None:
+    rendered = render(
+        "nats.auth.extraWorkerJobs={other}",
+        "nats.auth.workerUsers[0].job=solo",
+        "nats.auth.workerUsers[0].worker=w-1",
+        "nats.rendezvous.maxBytes=134217728",
+    )
+    (registry,) = _containers(rendered.get("Deployment", _name("registry")))
+    env = _env(registry)
+    assert env["STRATA_RENDEZVOUS_JOBS"] == "default,other,solo"
+    assert (
+        env["STRATA_RENDEZVOUS_MAX_BYTES"],
+        env["STRATA_RENDEZVOUS_MAX_KEYS"],
+        env["STRATA_RENDEZVOUS_MAX_VALUE_BYTES"],
+    ) == ("134217728", "100000", "1048576")
+    settings = load_settings(
+        **{
+            k.removeprefix("STRATA_").lower(): v
+            for k, v in env.items()
+            if k.startswith("STRATA_RENDEZVOUS")
+        }
+    )
+    assert settings.rendezvous_max_bytes == 128 * 1024**2
+    (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
+    assert "STRATA_RENDEZVOUS_JOBS" not in _env(gateway)
+
+
+def test_the_services_metrics_port_admits_only_what_scrapes_it(render: Render) -> None:
+    """The services' /metrics name jobs: by default nothing but the node's probes reaches
+    their pods; `networkPolicy.metricsFrom` lets Prometheus in, on the health port only."""
+    policy = render().get("NetworkPolicy", _name("services"))
+    selected = policy["spec"]["podSelector"]["matchExpressions"][0]["values"]
+    assert set(selected) == {"registry", "sharding", "barrier", "checkpoint"}
+    assert policy["spec"]["ingress"] == []
+    scraped = render(
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"
+    ).get("NetworkPolicy", _name("services"))
+    (rule,) = scraped["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "health", "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
+    assert not render("networkPolicy.enabled=false").of_kind("NetworkPolicy")
+
+
+def test_the_gateway_gets_its_edge_and_memory_bounds(render: Render) -> None:
+    (gateway,) = _containers(render().get("Deployment", _name("gateway")))
+    env = _env(gateway)
+    assert (
+        env["STRATA_GATEWAY_HEADER_TIMEOUT"],
+        env["STRATA_GATEWAY_MAX_CONNECTIONS"],
+        env["STRATA_GATEWAY_METRICS_MB"],
+    ) == ("10", "2048", "256")
+    settings = load_settings(
+        gateway_header_timeout=env["STRATA_GATEWAY_HEADER_TIMEOUT"],
+        gateway_max_connections=env["STRATA_GATEWAY_MAX_CONNECTIONS"],
+        gateway_metrics_mb=env["STRATA_GATEWAY_METRICS_MB"],
+    )
+    assert settings.gateway_max_connections == 2048
+    (registry,) = _containers(render().get("Deployment", _name("registry")))
+    assert "STRATA_GATEWAY_MAX_CONNECTIONS" not in _env(registry)
 
 
 def test_the_gateway_gets_the_replay_bounds(render: Render) -> None:
@@ -1067,6 +1130,7 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
     store.mkdir()
     (store / "auth.conf").write_text(auth_conf)
     bucket = subjects.RENDEZVOUS_BUCKET
+    victim_stream = subjects.rendezvous_stream_name("default")
 
     def key_subject(job: str) -> str:
         return subjects.kv_subject(bucket, subjects.rendezvous_state_key(job))
@@ -1090,7 +1154,11 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             )
         }
         try:
-            await services.ensure_streams(1)  # the services make the bucket
+            # The services make each job's bucket, from the settings the chart gives them.
+            (registry,) = _containers(rendered.get("Deployment", _name("registry")))
+            rendezvous_jobs = _env(registry)["STRATA_RENDEZVOUS_JOBS"]
+            assert rendezvous_jobs == "default,other"
+            await services.ensure_streams(1, load_settings(rendezvous_jobs=rendezvous_jobs))
             for user, job in (
                 ("strata-workers-default", "default"),
                 ("w-1@default", "default"),
@@ -1098,16 +1166,16 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             ):
                 nc = clients[user].nc
                 await nc.jetstream().publish(key_subject(job), user.encode())
-                read = subjects.rendezvous_read(subjects.rendezvous_state_key(job))
+                read = subjects.rendezvous_read(job, subjects.rendezvous_state_key(job))
                 assert (await nc.request(read, b"", 5)).data == user.encode(), user
             attacker = clients["strata-workers-other"]
             forbidden = [
                 key_subject("default"),
-                subjects.rendezvous_read(subjects.rendezvous_state_key("default")),
-                f"$JS.API.CONSUMER.CREATE.{subjects.RENDEZVOUS_STREAM}",
-                f"$JS.API.STREAM.INFO.{subjects.RENDEZVOUS_STREAM}",
-                f"$JS.API.STREAM.PURGE.{subjects.RENDEZVOUS_STREAM}",
-                f"$JS.API.STREAM.DELETE.{subjects.RENDEZVOUS_STREAM}",
+                subjects.rendezvous_read("default", subjects.rendezvous_state_key("default")),
+                f"$JS.API.CONSUMER.CREATE.{victim_stream}",
+                f"$JS.API.STREAM.INFO.{victim_stream}",
+                f"$JS.API.STREAM.PURGE.{victim_stream}",
+                f"$JS.API.STREAM.DELETE.{victim_stream}",
             ]
             for subject in forbidden:
                 await attacker.nc.publish(subject, b"{}")
@@ -1117,7 +1185,13 @@ async def test_a_jobs_users_use_its_rendezvous_keys_only_on_a_real_nats_server(
             await natsprobe.settled(attacker)
             assert {f.lower() for f in forbidden} <= attacker.refused["publish"]
             assert refused == {subjects.rendezvous_subjects("default")}
-            kv = await services.js.key_value(bucket)
+            kv = KeyValue(
+                name=bucket,
+                stream=victim_stream,
+                pre=subjects.kv_subject(bucket, ""),
+                js=services.js,
+                direct=True,
+            )
             assert (await kv.get(subjects.rendezvous_state_key("default"))).value == b"w-1@default"
         finally:
             for client in clients.values():
@@ -1404,7 +1478,7 @@ def test_registry_partitions_are_deployments_of_their_own_each_told_its_partitio
     }
     budgets = {b["metadata"]["name"] for b in rendered.of_kind("PodDisruptionBudget")}
     assert {_name("registry-1"), _name("registry-2")} <= budgets
-    (policy,) = rendered.of_kind("NetworkPolicy")
+    policy = rendered.get("NetworkPolicy", _name("nats"))
     client = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "client")
     (expression,) = client["from"][0]["podSelector"]["matchExpressions"]
     assert {"registry-1", "registry-2"} <= set(expression["values"])

@@ -253,6 +253,39 @@ def test_secure_up_keeps_every_secret_in_files_only_their_owner_reads(stack: Sta
     assert sorted(map(str, holding)) == ["api-token", "credentials.json", "nats/nats-server.conf"]
 
 
+@pytest.mark.parametrize("stack", [True], indirect=True, ids=["secure"])
+def test_secure_up_makes_its_jobs_rendezvous_bucket_within_a_bounded_store(stack: Stack) -> None:
+    """The job's workers may not make their rendezvous bucket: `strata up --secure` has the
+    services make it, with the job's quota, in a store whose size is set."""
+    import asyncio
+
+    import nats
+    from strata.bus.streams import RendezvousQuota
+    from strata.config import load_settings
+    from strata.events import subjects
+
+    credentials = json.loads((stack.data_dir / "credentials.json").read_text())
+    (job,) = {c["user"].split("@")[1] for c in credentials if "@" in c["user"]}
+    services = next(c for c in credentials if c["role"] == "services")
+    conf = (stack.data_dir / "nats" / "nats-server.conf").read_text()
+    assert f"max_file_store: {load_settings().jetstream_max_file_store}" in conf
+
+    async def bucket() -> tuple[int, int, int]:
+        nc = await nats.connect(
+            f"nats://127.0.0.1:{stack.nats_port}",
+            user=services["user"],
+            password=services["password"],
+        )
+        try:
+            info = await nc.jetstream().stream_info(subjects.rendezvous_stream_name(job))
+        finally:
+            await nc.close()
+        return info.config.max_bytes, info.config.max_msgs, info.config.max_msg_size
+
+    quota = RendezvousQuota()
+    assert asyncio.run(bucket()) == (quota.max_bytes, quota.max_keys, quota.max_value_bytes)
+
+
 def test_no_child_outlives_a_sigkilled_up(stack: Stack) -> None:
     children = _descendants(stack.proc.pid)
     assert children

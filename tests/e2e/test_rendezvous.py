@@ -57,7 +57,6 @@ pytestmark = pytest.mark.timeout(600)
 SUM = re.compile(r"rank (\d+) of (\d+): sum (\d+), Strata worker (\S+) rank (\d+)")
 WORLD = re.compile(r"rank (\d+): world (\d+) restart (\d+)")
 STOPPED = re.compile(r"rank (\d+): stopped after (\d+) steps in a world of (\d+)")
-KV_STREAM = f"KV_{subjects.RENDEZVOUS_BUCKET}"
 
 
 def host_port(url: str) -> str:
@@ -327,11 +326,12 @@ def test_the_rendezvous_survives_its_nats_leader_being_killed(
     endpoint, run_id = nats_cluster.url, new_job("rdzv")
     with elastic_nodes(elastic_dir, endpoint, run_id, env) as nodes:
         wait_until(lambda: worlds_formed(nodes, 4) >= 1, 180, "a world of 4")
-        leader = nats_cluster.wait_for_stream_leader(KV_STREAM, timeout=30)
+        kv_stream = subjects.rendezvous_stream_name(run_id)
+        leader = nats_cluster.wait_for_stream_leader(kv_stream, timeout=30)
         index = next(i for i, n in enumerate(nats_cluster.nodes) if n.name == leader)
         nats_cluster.kill(index)
         wait_until(
-            lambda: nats_cluster.stream_leader(KV_STREAM) not in (None, leader),
+            lambda: nats_cluster.stream_leader(kv_stream) not in (None, leader),
             60,
             "a new leader of the rendezvous bucket",
         )
@@ -405,7 +405,10 @@ def test_with_worker_credentials_a_finished_run_id_is_used_again_at_once(
             store_dir=tmp_path / "nats", extra_config=authorization_config(credentials)
         ) as server,
         running_services(
-            server.url, tmp_path / "logs", env=by_role(credentials, "services")[0].env()
+            server.url,
+            tmp_path / "logs",
+            # The services make the job's rendezvous bucket: its credentials may not.
+            env={**by_role(credentials, "services")[0].env(), Env.RENDEZVOUS_JOBS: job},
         ),
     ):
         scripts = [

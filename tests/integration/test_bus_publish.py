@@ -34,7 +34,7 @@ pytestmark = pytest.mark.nats
 
 EVENTS = subjects.EVENTS_STREAM
 TELEMETRY = subjects.TELEMETRY_STREAM
-RENDEZVOUS = subjects.RENDEZVOUS_STREAM
+RENDEZVOUS = subjects.SHARED_RENDEZVOUS_STREAM
 
 
 def new_job() -> str:
@@ -113,14 +113,12 @@ async def test_provisioning_twice_changes_nothing(own_bus: Bus) -> None:
     assert await own_bus.ensure_streams() == {
         EVENTS: "created",
         TELEMETRY: "created",
-        RENDEZVOUS: "created",
     }
     before = {name: (await own_bus.js.stream_info(name)).config for name in (EVENTS, TELEMETRY)}
 
     assert await own_bus.ensure_streams() == {
         EVENTS: "unchanged",
         TELEMETRY: "unchanged",
-        RENDEZVOUS: "unchanged",
     }
     after = {name: (await own_bus.js.stream_info(name)).config for name in (EVENTS, TELEMETRY)}
 
@@ -179,7 +177,6 @@ async def test_drifted_stream_is_brought_back(own_bus: Bus) -> None:
     assert await own_bus.ensure_streams() == {
         EVENTS: "updated",
         TELEMETRY: "unchanged",
-        RENDEZVOUS: "unchanged",
     }
 
     restored = (await own_bus.js.stream_info(EVENTS)).config
@@ -188,19 +185,34 @@ async def test_drifted_stream_is_brought_back(own_bus: Bus) -> None:
     assert set((await own_bus.ensure_streams()).values()) == {"unchanged"}
 
 
-async def test_a_rendezvous_bucket_of_an_earlier_release_is_brought_to_its_settings(
+async def test_the_one_rendezvous_bucket_of_an_earlier_release_gives_way_to_each_jobs_own(
     own_bus: Bus,
 ) -> None:
-    # What the first release made: nats-py's defaults for a bucket, rollups and message TTLs on.
+    # What the first release made: nats-py's defaults for a bucket, rollups and message TTLs on,
+    # on the subjects of every job's keys.
     await own_bus.js.create_key_value(
         bucket=subjects.RENDEZVOUS_BUCKET, history=1, ttl=RENDEZVOUS_MAX_AGE_S
     )
-    assert (await own_bus.ensure_streams())[RENDEZVOUS] == "updated"
-    config = (await own_bus.js.stream_info(RENDEZVOUS)).config
-    # A message on a job's key cannot roll the bucket up; reads by subject are served.
-    assert (config.allow_rollup_hdrs, config.deny_purge, config.allow_direct) == (False, True, True)
-    assert config.allow_msg_ttl  # which JetStream cannot turn off again
-    assert (await own_bus.ensure_streams())[RENDEZVOUS] == "unchanged"
+    settings = load_settings(rendezvous_jobs="job-a,job.b")
+    outcomes = await own_bus.ensure_streams(1, settings)
+    assert outcomes[RENDEZVOUS] == "removed"
+    for job in ("job-a", "job.b"):
+        name = subjects.rendezvous_stream_name(job)
+        assert outcomes[name] == "created"
+        config = (await own_bus.js.stream_info(name)).config
+        # A message on a job's key cannot roll the bucket up; reads by subject are served.
+        assert (config.allow_rollup_hdrs, config.deny_purge, config.allow_direct) == (
+            False,
+            True,
+            True,
+        )
+        assert config.subjects == [subjects.rendezvous_subjects(job)]
+        assert (config.max_bytes, config.max_msg_size) == (
+            settings.rendezvous_max_bytes,
+            settings.rendezvous_max_value_bytes,
+        )
+    again = await own_bus.ensure_streams(1, settings)
+    assert set(again.values()) == {"unchanged"}
 
 
 async def test_stream_with_the_wrong_storage_is_refused_not_replaced(own_bus: Bus) -> None:

@@ -68,7 +68,6 @@ async def test_publisher_rides_through_the_stream_leader_being_killed(
         assert await bus.ensure_streams(replicas=3) == {
             EVENTS: "created",
             subjects.TELEMETRY_STREAM: "created",
-            subjects.RENDEZVOUS_STREAM: "created",
         }
         leader = await asyncio.to_thread(cluster.wait_for_stream_leader, EVENTS, 10.0)
         killed = cluster.nodes.index(cluster.node_by_name(leader))

@@ -18,9 +18,10 @@ import nats.js.errors
 import pytest
 import torch.distributed as dist
 from nats.js.errors import KeyDeletedError
+from nats.js.kv import KeyValue
 from strata._loop import LoopRunner
 from strata.bus.server import NatsServer
-from strata.bus.streams import ensure_streams
+from strata.bus.streams import TELEMETRY_MAX_BYTES, RendezvousQuota, ensure_streams
 from strata.config import load_settings
 from strata.errors import BusError, ConfigError
 from strata.events import subjects
@@ -36,6 +37,7 @@ from strata.security import (
 from strata.torch import store as store_module
 from strata.torch.rendezvous import JetStreamRendezvousBackend, _inbox_prefix
 from strata.torch.store import KVStore, RendezvousBucket
+from structlog.testing import capture_logs
 
 from tests import natsprobe
 from tests.rendezvous import rendezvous_state
@@ -43,8 +45,11 @@ from tests.rendezvous import rendezvous_state
 pytestmark = pytest.mark.nats
 
 ATTACKER, VICTIM = "job-a", "job-b"
-STREAM = subjects.RENDEZVOUS_STREAM
+STREAM = subjects.rendezvous_stream_name(VICTIM)
+"""The victim job's own stream of the bucket: each job's keys are kept in a stream of its own."""
 BUCKET = subjects.RENDEZVOUS_BUCKET
+QUOTA = RendezvousQuota(max_bytes=256 * 1024, max_keys=200, max_value_bytes=16 * 1024)
+"""Small, so that a test reaches each bound in a few writes."""
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +85,7 @@ async def services(secured: NatsServer, credentials: list[Credential]) -> AsyncI
     """The services' connection, which provisions the streams and the rendezvous bucket."""
     cred = by_role(credentials, "services")[0]
     nc = await nats.connect(secured.url, user=cred.user, password=cred.password)
-    await ensure_streams(nc.jetstream(), 1)
+    await ensure_streams(nc.jetstream(), 1, rendezvous_jobs=(ATTACKER, VICTIM), quota=QUOTA)
     yield nc
     await nc.close()
 
@@ -117,9 +122,9 @@ async def victim_keys(services: nats.NATS) -> dict[str, bytes]:
     # The stream's own list of subjects, not `kv.keys()`: that one watches the bucket through a
     # consumer and may answer NoKeysError when its first look finds nothing pending yet.
     js = services.jetstream()
-    kv = await js.key_value(BUCKET)
     prefix = subjects.kv_subject(BUCKET, "")
-    info = await js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{prefix}{VICTIM}.>")
+    kv = KeyValue(name=BUCKET, stream=STREAM, pre=prefix, js=js, direct=True)
+    info = await js.stream_info(STREAM, subjects_filter=f"{prefix}{VICTIM}.>")
     found: dict[str, bytes] = {}
     for subject in sorted((info.state.subjects or {}).keys()):
         key = subject.removeprefix(prefix)
@@ -173,9 +178,11 @@ async def test_another_jobs_credential_cannot_read_write_watch_or_list_its_keys(
         store_subject,
         subjects.kv_subject(BUCKET, ">"),
         # Read them: by subject, or naming them in the body, or by sequence.
-        subjects.rendezvous_read(subjects.rendezvous_state_key(VICTIM)),
+        subjects.rendezvous_read(VICTIM, subjects.rendezvous_state_key(VICTIM)),
         subjects.rendezvous_reads(VICTIM),
-        subjects.rendezvous_read(">"),
+        subjects.rendezvous_read(VICTIM, ">"),
+        # ... or through its own job's stream, which holds none of them.
+        subjects.rendezvous_read(ATTACKER, subjects.rendezvous_state_key(VICTIM)),
         f"$JS.API.DIRECT.GET.{STREAM}",
         f"$JS.API.STREAM.MSG.GET.{STREAM}",
         # List or watch them: stream info lists subjects, a consumer delivers them, even one
@@ -254,7 +261,9 @@ async def test_headers_on_its_own_keys_reach_no_other_key(
         assert VICTIM.encode() not in answer.data
         # Its own keys it may use.
         await js.publish(own, b"mine")
-        reply = await nc.request(subjects.rendezvous_read(subjects.rendezvous_state_key(ATTACKER)))
+        reply = await nc.request(
+            subjects.rendezvous_read(ATTACKER, subjects.rendezvous_state_key(ATTACKER))
+        )
         assert reply.data == b"mine"
     finally:
         await nc.close()
@@ -326,3 +335,150 @@ async def test_a_credential_refused_the_jobs_keys_is_told_so(
         await RendezvousBucket.open(
             [secured.url], settings, VICTIM, inbox_prefix=_inbox_prefix(ATTACKER, cred.user)
         )
+
+
+# -- quotas ---------------------------------------------------------------------------------------
+
+
+async def test_a_job_past_its_rendezvous_quota_is_refused_and_no_other_job_notices(
+    tmp_path: Path, credentials: list[Credential]
+) -> None:
+    """Job A's credential writes its own keys past each bound of its quota: each write past it is
+    refused with `quota_exceeded` (naming the quota and its setting), while job B's agent keeps
+    writing its keys and the services keep recording events, on a store sized as `strata up`
+    sizes it (the telemetry's and each bucket's bytes reserved)."""
+    from strata.bus import Bus
+    from strata.config import Env
+    from strata.errors import QuotaExceeded
+    from strata.events import WorkerLeft
+
+    store_bytes = 2 * 1024**3
+    with NatsServer(
+        store_dir=tmp_path / "nats",
+        extra_config=authorization_config(credentials),
+        max_file_store=store_bytes,
+    ) as server:
+        cred = by_role(credentials, "services")[0]
+        services = Bus(await nats.connect(server.url, user=cred.user, password=cred.password))
+        try:
+            outcomes = await ensure_streams(
+                services.js, 1, rendezvous_jobs=(ATTACKER, VICTIM), quota=QUOTA
+            )
+            assert outcomes[subjects.rendezvous_stream_name(ATTACKER)] == "created"
+            attacker = Agent(server, of_job(credentials, ATTACKER), ATTACKER)
+            victim = Agent(server, of_job(credentials, VICTIM), VICTIM)
+            try:
+                # One value past the value-size bound.
+                with pytest.raises(QuotaExceeded) as too_big:
+                    attacker.store.set("big", b"x" * (QUOTA.max_value_bytes + 1))
+                assert too_big.value.code == "quota_exceeded"
+                assert Env.RENDEZVOUS_MAX_VALUE_BYTES in too_big.value.message
+                # Keys of 8 KiB until the bytes bound refuses one.
+                written = 0
+
+                def fill() -> None:
+                    nonlocal written
+                    while written <= QUOTA.max_bytes // 8192:
+                        attacker.store.set(f"fill-{written}", b"x" * 8192)
+                        written += 1
+
+                with pytest.raises(QuotaExceeded) as full:
+                    fill()
+                assert Env.RENDEZVOUS_MAX_BYTES in full.value.message
+                assert f"job {ATTACKER!r}" in full.value.message
+                assert 0 < written < QUOTA.max_bytes // 8192
+                # A key it holds may still be rewritten in place: its old value makes room.
+                attacker.store.set("fill-0", b"y" * 8192)
+                assert attacker.store.get("fill-0") == b"y" * 8192
+                # Job B writes as before, and so do the services.
+                victim.backend.set_state(b"victim-state")
+                for i in range(20):
+                    victim.store.set(f"key-{i}", b"v" * 8192)
+                assert victim.store.get("key-19") == b"v" * 8192
+                event = WorkerLeft(
+                    job=VICTIM, source="registry", worker_id="w-1", rank=0, membership_epoch=1
+                )
+                assert (await services.publish(event)).seq > 0
+            finally:
+                attacker.close()
+                victim.close()
+            # The key count bound, on a job with only small keys.
+            counted = Agent(server, of_job(credentials, VICTIM), VICTIM)
+            try:
+
+                def count() -> None:
+                    for i in range(QUOTA.max_keys + 1):
+                        counted.store.set(f"n-{i}", b"1")
+
+                with pytest.raises(QuotaExceeded) as many:
+                    count()
+                assert Env.RENDEZVOUS_MAX_KEYS in many.value.message
+            finally:
+                counted.close()
+            # What the store keeps for the event stream: all that the telemetry and the
+            # buckets did not reserve, which no worker's write can take.
+            reserved = 0
+            async for name in _stream_names(services):
+                reserved += max((await services.js.stream_info(name)).config.max_bytes or 0, 0)
+            assert reserved == TELEMETRY_MAX_BYTES + 2 * QUOTA.max_bytes < store_bytes
+        finally:
+            await services.close()
+
+
+async def test_the_services_replace_the_one_bucket_of_earlier_releases(
+    secured: NatsServer, credentials: list[Credential]
+) -> None:
+    """A data directory of an earlier release holds one rendezvous stream for every job, on
+    subjects each job's own stream needs: the services remove it and make the jobs' own."""
+    cred = by_role(credentials, "services")[0]
+    nc = await nats.connect(secured.url, user=cred.user, password=cred.password)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(
+            name=subjects.SHARED_RENDEZVOUS_STREAM,
+            subjects=[subjects.kv_subject(BUCKET, ">")],
+            max_msgs_per_subject=1,
+        )
+        outcomes = await ensure_streams(js, 1, rendezvous_jobs=(VICTIM,), quota=QUOTA)
+        assert outcomes[subjects.SHARED_RENDEZVOUS_STREAM] == "removed"
+        info = await js.stream_info(STREAM)
+        assert (info.config.max_bytes, info.config.max_msgs, info.config.max_msg_size) == (
+            QUOTA.max_bytes,
+            QUOTA.max_keys,
+            QUOTA.max_value_bytes,
+        )
+    finally:
+        await nc.close()
+
+
+async def _stream_names(bus: object) -> AsyncIterator[str]:
+    from strata.bus import Bus
+
+    assert isinstance(bus, Bus)
+    for name in await bus.js.streams_info():
+        yield name.config.name
+
+
+async def test_a_bucket_the_store_cannot_reserve_is_refused_and_the_others_are_made(
+    tmp_path: Path,
+) -> None:
+    """The store keeps what it reserved: a job's bucket that would not fit is not made (an
+    error in the log says which setting to change), and provisioning goes on."""
+    quota = RendezvousQuota(max_bytes=384 * 1024**2)
+    with NatsServer(
+        store_dir=tmp_path / "nats", max_file_store=TELEMETRY_MAX_BYTES + 512 * 1024**2
+    ) as server:
+        nc = await nats.connect(server.url)
+        try:
+            with capture_logs() as logs:
+                outcomes = await ensure_streams(
+                    nc.jetstream(), 1, rendezvous_jobs=("first", "second"), quota=quota
+                )
+            assert outcomes[subjects.rendezvous_stream_name("first")] == "created"
+            assert outcomes[subjects.rendezvous_stream_name("second")] == "refused"
+            assert outcomes[subjects.EVENTS_STREAM] == "created"
+            (refused,) = [e for e in logs if e["event"] == "rendezvous_bucket_refused"]
+            assert refused["job"] == "second"
+            assert "STRATA_RENDEZVOUS_MAX_BYTES" in refused["fix"]
+        finally:
+            await nc.close()

@@ -59,13 +59,13 @@ def bucket(nats_url: str, runner: LoopRunner) -> Iterator[RendezvousBucket]:
 
 @pytest.fixture
 def store(bucket: RendezvousBucket, runner: LoopRunner) -> KVStore:
-    return KVStore(bucket, runner, new_job("store"), timeout=timedelta(seconds=5))
+    return KVStore(bucket, runner, bucket.job, timeout=timedelta(seconds=5))
 
 
 def test_state_is_created_once_then_written_only_with_the_current_token(
     bucket: RendezvousBucket, runner: LoopRunner
 ) -> None:
-    backend = JetStreamRendezvousBackend(bucket, runner, new_job("rdzv"))
+    backend = JetStreamRendezvousBackend(bucket, runner, bucket.job)
     assert backend.name == "strata"
     assert backend.get_state() is None
 
@@ -91,7 +91,7 @@ def test_state_is_created_once_then_written_only_with_the_current_token(
 def test_racing_writers_with_one_token_exactly_one_wins(
     bucket: RendezvousBucket, runner: LoopRunner
 ) -> None:
-    backend = JetStreamRendezvousBackend(bucket, runner, new_job("rdzv"))
+    backend = JetStreamRendezvousBackend(bucket, runner, bucket.job)
     _, token, _ = backend.set_state(rendezvous_state(0))  # type: ignore[misc]
     results: list[bool] = []
 
@@ -239,7 +239,7 @@ def _closed_state(round_: int, beats: dict[_NodeDesc, datetime]) -> bytes:
 def test_a_finished_run_reads_as_a_new_rendezvous_one_new_agent_takes_over(
     bucket: RendezvousBucket, runner: LoopRunner
 ) -> None:
-    job = new_job("reuse")
+    job = bucket.job
     # Every agent of the finished run closed the rendezvous and left it.
     first, second = (JetStreamRendezvousBackend(bucket, runner, job) for _ in range(2))
     written = first.set_state(_closed_state(3, {}))
@@ -266,7 +266,7 @@ def test_a_finished_run_reads_as_a_new_rendezvous_one_new_agent_takes_over(
 def test_a_closed_run_with_a_live_agent_stays_closed_until_it_leaves(
     bucket: RendezvousBucket, runner: LoopRunner
 ) -> None:
-    job = new_job("reuse")
+    job = bucket.job
     expiry = timedelta(seconds=15)
     backend = JetStreamRendezvousBackend(bucket, runner, job, keep_alive_expiry=expiry)
     straggler, dead = _NodeDesc("node-a", 1, 0), _NodeDesc("node-b", 2, 0)

@@ -73,7 +73,7 @@ def test_a_worker_may_use_its_jobs_rendezvous_keys_and_no_other_jetstream_api() 
     # does not share it.
     assert mine.publish_allow == (
         "$KV.STRATA_RENDEZVOUS.job=a.>",
-        "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS.$KV.STRATA_RENDEZVOUS.job=a.>",
+        "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS_job=a.$KV.STRATA_RENDEZVOUS.job=a.>",
     )
     assert mine.subscribe_allow == ("$KV.STRATA_RENDEZVOUS.job=a.>",)
     for key in (

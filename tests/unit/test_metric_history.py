@@ -3,10 +3,17 @@ every rank aligned so the job's mean and total are per bucket, and time travel b
 
 from __future__ import annotations
 
+import tracemalloc
+
 from hypothesis import given
 from hypothesis import strategies as st
 from strata.events import MetricSampled
-from strata.services.gateway.metrics_history import MAX_POINTS, MetricHistory
+from strata.services.gateway.metrics_history import (
+    BUCKET_BYTES,
+    MAX_POINTS,
+    SERIES_BYTES,
+    MetricHistory,
+)
 
 JOB = "job-1"
 
@@ -63,3 +70,59 @@ def test_time_travel_shows_the_buckets_stored_by_then() -> None:
     assert view["metrics"]["loss"]["workers"][0]["steps"] == [0, 1, 2]
     assert history.view("other-job") is None
     assert history.view(JOB, names={"nope"}) == {"job": JOB, "until_ns": None, "metrics": {}}
+
+
+def test_a_rank_logging_at_huge_steps_coarsens_its_own_series_only() -> None:
+    history = MetricHistory()
+    for step in range(300):
+        if step < 200:
+            for worker in ("w0", "w2"):
+                history.fold(sample(worker, "loss", float(step), step), stored_ns=step)
+        history.fold(sample("w1", "loss", 1.0, step * 2**53), stored_ns=step)
+    view = history.view(JOB, ranks={"w0": 0, "w1": 1, "w2": 2})
+    assert view is not None
+    loss = view["metrics"]["loss"]
+    first, odd, third = loss["workers"]
+    for normal in (first, third):
+        assert normal["stride"] == 1
+        assert normal["steps"] == list(range(200))
+    assert odd["stride"] >= 2**53
+    assert len(odd["steps"]) <= MAX_POINTS
+    # The job's figures are in the stride most workers have: a point per step still.
+    assert loss["stride"] == 1
+    assert loss["job"]["steps"][:200] == list(range(200))
+    assert loss["job"]["mean"][:200] == [float(step) for step in range(200)]
+
+
+def test_every_job_together_stays_within_the_byte_budget() -> None:
+    budget = 64 * 1024
+    history = MetricHistory(budget_bytes=budget)
+    outcomes: dict[str, int] = {}
+    for i in range(20_000):
+        outcome = history.fold(sample(f"w{i % 500}", "loss", 1.0, i), stored_ns=i)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert history.bytes <= budget
+    assert outcomes["over_budget"] > 0
+    assert outcomes["kept"] > 0
+    # A sample that falls in a bucket already kept is still folded past the budget.
+    worker = next(iter(history.jobs[JOB]["loss"].workers))
+    key_step = next(iter(history.jobs[JOB]["loss"].workers[worker].buckets))
+    assert history.fold(sample(worker, "loss", 3.0, key_step), stored_ns=1) == "kept"
+
+
+def test_the_budget_counts_at_least_what_the_buckets_take() -> None:
+    """`BUCKET_BYTES` and `SERIES_BYTES`, measured: the budget is not an understatement."""
+    history = MetricHistory()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for w in range(50):
+            for step in range(MAX_POINTS):
+                history.fold(sample(f"w{w}", "loss", 1.0, step), stored_ns=step)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    taken = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert history.buckets == 50 * MAX_POINTS
+    assert taken <= history.bytes, (taken, history.bytes)
+    assert history.bytes == 50 * MAX_POINTS * BUCKET_BYTES + 50 * SERIES_BYTES

@@ -97,7 +97,7 @@ export interface JobSummary {
 }
 
 export interface MetricView {
-  /** Steps per bucket (doubles as the history grows) */
+  /** Steps per bucket of the job's figures: the stride most workers have */
   readonly stride: number;
   readonly job: JobSeries;
   readonly workers: ReadonlyArray<WorkerSeries>;
@@ -146,6 +146,8 @@ export interface WorkerSeries {
   readonly worker: string;
   /** Its rank in the job (None: not registered) */
   readonly rank: number | null;
+  /** Steps per bucket of this worker's series */
+  readonly stride: number;
   readonly steps: ReadonlyArray<number>;
   /** Mean of the worker's samples in each bucket */
   readonly values: ReadonlyArray<number>;

@@ -24,7 +24,13 @@ from strata.bus.publish import (
     publish_telemetry,
 )
 from strata.bus.rpc import Caller, RpcClient, RpcServer
-from strata.bus.streams import StreamSpec, ensure_stream, ensure_streams, strata_streams
+from strata.bus.streams import (
+    RendezvousQuota,
+    StreamSpec,
+    ensure_stream,
+    ensure_streams,
+    strata_streams,
+)
 from strata.config import Settings
 from strata.events import subjects
 from strata.events.models import Event
@@ -110,8 +116,18 @@ class Bus:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def ensure_streams(self, replicas: int = 1) -> dict[str, Any]:
-        return await ensure_streams(self.js, replicas)
+    async def ensure_streams(
+        self, replicas: int = 1, settings: Settings | None = None
+    ) -> dict[str, Any]:
+        """The streams, and the rendezvous buckets of `settings`' jobs within its quota."""
+        if settings is None:
+            return await ensure_streams(self.js, replicas)
+        return await ensure_streams(
+            self.js,
+            replicas,
+            rendezvous_jobs=settings.rendezvous_job_list,
+            quota=RendezvousQuota.of(settings),
+        )
 
     async def publish(
         self,

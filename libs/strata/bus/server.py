@@ -100,6 +100,7 @@ class NatsServer:
         extra_config: str = "",
         log_file: Path | None = None,
         jetstream: bool = True,
+        max_file_store: int | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -114,6 +115,8 @@ class NatsServer:
         self.extra_config = extra_config
         self.log_file = log_file if log_file is not None else self.store_dir / "nats-server.log"
         self.jetstream = jetstream
+        self.max_file_store = max_file_store
+        """JetStream's file store in bytes (None: the server's default, most of the disk)."""
         self.config_file = self.store_dir / "nats-server.conf"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -159,7 +162,10 @@ class NatsServer:
             f"max_payload: {MAX_PAYLOAD}",
         ]
         if self.jetstream:
-            lines += ["jetstream {", f"  store_dir: {_quote(str(self.store_dir))}", "}"]
+            lines += ["jetstream {", f"  store_dir: {_quote(str(self.store_dir))}"]
+            if self.max_file_store is not None:
+                lines.append(f"  max_file_store: {self.max_file_store}")
+            lines.append("}")
         if self.cluster_name is not None:
             lines += [
                 "cluster {",

@@ -11,7 +11,10 @@ the services record their decisions and nothing else is written, keeps the rest 
 
 The torchrun rendezvous bucket is provisioned here too, so that an agent with a worker credential,
 which may not create streams, finds it; its settings are those that let such a credential be
-confined to its own job's keys (`rendezvous_stream`).
+confined to its own job's keys (`rendezvous_stream`). It is one stream per job, each with its own
+quota of bytes, keys and value size (`RendezvousQuota`): JetStream bounds a stream, not a subject
+prefix, so a stream per job is what lets one job fill its share and no more. Each stream's bytes
+are reserved from the store when it is made, as the telemetry's are.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import nats.js.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from strata.config import (
+    RENDEZVOUS_MAX_BYTES,
+    RENDEZVOUS_MAX_KEYS,
+    RENDEZVOUS_MAX_VALUE_BYTES,
+    Settings,
+)
 from strata.errors import ConfigError
 from strata.events import subjects
+
+log = structlog.get_logger("strata.bus.streams")
 
 DUPLICATE_WINDOW_S = 120.0
 MAX_MSG_SIZE = 8 * 1024 * 1024
@@ -41,7 +54,25 @@ RENDEZVOUS_MAX_AGE_S = 7 * 24 * 3600.0
 again at every keep-alive and each round's store keys are read when the round starts, so only
 finished (or long abandoned) jobs' keys go; the bucket does not grow with every job ever run."""
 
-Outcome = Literal["created", "updated", "unchanged"]
+
+@dataclass(frozen=True)
+class RendezvousQuota:
+    """What one job may keep in its rendezvous bucket (`STRATA_RENDEZVOUS_MAX_*`)."""
+
+    max_bytes: int = RENDEZVOUS_MAX_BYTES
+    max_keys: int = RENDEZVOUS_MAX_KEYS
+    max_value_bytes: int = RENDEZVOUS_MAX_VALUE_BYTES
+
+    @classmethod
+    def of(cls, settings: Settings) -> RendezvousQuota:
+        return cls(
+            max_bytes=settings.rendezvous_max_bytes,
+            max_keys=settings.rendezvous_max_keys,
+            max_value_bytes=settings.rendezvous_max_value_bytes,
+        )
+
+
+Outcome = Literal["created", "updated", "unchanged", "removed", "refused"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +85,7 @@ class StreamSpec:
     duplicate_window: float = DUPLICATE_WINDOW_S
     max_msg_size: int = MAX_MSG_SIZE
     max_bytes: int = -1
+    max_msgs: int = -1
     max_msgs_per_subject: int = -1
     description: str = ""
     discard: DiscardPolicy = DiscardPolicy.OLD
@@ -76,6 +108,7 @@ class StreamSpec:
             duplicate_window=self.duplicate_window,
             max_msg_size=self.max_msg_size,
             max_bytes=self.max_bytes,
+            max_msgs=self.max_msgs,
             max_msgs_per_subject=self.max_msgs_per_subject,
             allow_direct=self.allow_direct,
             allow_rollup_hdrs=self.allow_rollup_hdrs,
@@ -111,28 +144,36 @@ def strata_streams(
     ]
 
 
-def rendezvous_stream(replicas: int = 1) -> StreamSpec:
-    """The key-value bucket of torchrun's rendezvous (`strata.torch.store`), one key per value.
+def rendezvous_stream(
+    job: str, replicas: int = 1, quota: RendezvousQuota | None = None
+) -> StreamSpec:
+    """The stream of `job`'s keys in the key-value bucket of torchrun's rendezvous
+    (`strata.torch.store`), one key per value, within the job's quota.
 
     A worker credential may write its job's keys and read them by subject only (direct gets),
     and what it sends in a message's headers no permission can check, so the stream itself
     refuses what would reach beyond one key: no rollup headers (a `Nats-Rollup: all` would purge
-    every job's keys), and no purge or delete of messages by the API. Atomic batches are allowed
-    (a store's `multi_set` writes all its keys or none): each message of a batch is checked
-    against the publisher's permissions like any other.
+    the job's keys), and no purge or delete of messages by the API. A write past the quota is
+    refused (discard new), never made room for by dropping another key. Atomic batches are
+    allowed (a store's `multi_set` writes all its keys or none): each message of a batch is
+    checked against the publisher's permissions like any other.
     """
+    quota = quota or RendezvousQuota()
     return StreamSpec(
-        name=subjects.RENDEZVOUS_STREAM,
-        subjects=(subjects.kv_subject(subjects.RENDEZVOUS_BUCKET, ">"),),
+        name=subjects.rendezvous_stream_name(job),
+        subjects=(subjects.rendezvous_subjects(job),),
         replicas=replicas,
         max_age=RENDEZVOUS_MAX_AGE_S,
+        max_bytes=quota.max_bytes,
+        max_msgs=quota.max_keys,
+        max_msg_size=quota.max_value_bytes,
         max_msgs_per_subject=1,
         discard=DiscardPolicy.NEW,
         allow_direct=True,
         deny_delete=True,
         deny_purge=True,
         allow_atomic=True,
-        description="torchrun rendezvous state and torch.distributed store keys, per job.",
+        description=f"torchrun rendezvous state and torch.distributed store keys of job {job}.",
     )
 
 
@@ -150,6 +191,7 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
         "duplicate_window",
         "max_msg_size",
         "max_bytes",
+        "max_msgs",
         "max_msgs_per_subject",
         "discard",
         "storage",
@@ -166,7 +208,7 @@ def _differences(current: StreamConfig, wanted: StreamConfig) -> list[str]:
             have, want = sorted(have or []), sorted(want or [])
         elif name in ("max_age", "duplicate_window"):
             have, want = round(float(have or 0), 3), round(float(want or 0), 3)
-        elif name in ("max_bytes", "max_msgs_per_subject"):
+        elif name in ("max_bytes", "max_msgs", "max_msgs_per_subject"):
             # The server reports "no limit" as -1; an unset field reads back as None.
             have, want = have if have is not None else -1, want if want is not None else -1
         elif name in _FLAGS:
@@ -208,7 +250,53 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Outcome:
     return "updated"
 
 
-async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> dict[str, Outcome]:
-    """Provision every Strata stream and the rendezvous bucket; returns what happened to each."""
-    specs = [*strata_streams(replicas), rendezvous_stream(replicas)]
-    return {spec.name: await ensure_stream(js, spec) for spec in specs}
+async def remove_shared_rendezvous(js: JetStreamContext) -> bool:
+    """Delete the one rendezvous stream of every job that earlier releases made: its subjects
+    overlap each job's own stream's, which JetStream would refuse to make beside it."""
+    try:
+        # Looked up first: a reader (the gateway) may ask for a stream's info, not delete one.
+        await js.stream_info(subjects.SHARED_RENDEZVOUS_STREAM)
+        await js.delete_stream(subjects.SHARED_RENDEZVOUS_STREAM)
+    except NotFoundError:
+        return False
+    log.warning(
+        "shared_rendezvous_removed",
+        stream=subjects.SHARED_RENDEZVOUS_STREAM,
+        reason="each job has its own rendezvous stream now; a rendezvous open at the upgrade "
+        "starts again",
+    )
+    return True
+
+
+async def ensure_streams(
+    js: JetStreamContext,
+    replicas: int = 1,
+    *,
+    rendezvous_jobs: tuple[str, ...] = (),
+    quota: RendezvousQuota | None = None,
+) -> dict[str, Outcome]:
+    """Provision every Strata stream and the rendezvous stream of each of `rendezvous_jobs`
+    (those whose workers may not make their own: the jobs with a worker credential); returns
+    what happened to each."""
+    outcomes: dict[str, Outcome] = {
+        spec.name: await ensure_stream(js, spec) for spec in strata_streams(replicas)
+    }
+    if await remove_shared_rendezvous(js):
+        outcomes[subjects.SHARED_RENDEZVOUS_STREAM] = "removed"
+    for job in rendezvous_jobs:
+        spec = rendezvous_stream(job, replicas, quota)
+        try:
+            outcomes[spec.name] = await ensure_stream(js, spec)
+        except nats.js.errors.APIError as exc:
+            if "insufficient" not in (exc.description or "").lower():
+                raise
+            # One job's bucket that does not fit the store must not keep the services down.
+            log.error(
+                "rendezvous_bucket_refused",
+                job=job,
+                error=exc.description,
+                fix="raise the JetStream store (nats.jetstream.maxFileStore, "
+                "STRATA_JETSTREAM_MAX_FILE_STORE) or lower STRATA_RENDEZVOUS_MAX_BYTES",
+            )
+            outcomes[spec.name] = "refused"
+    return outcomes

@@ -122,7 +122,7 @@ def _check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 async def _provision(url: str, settings: Settings) -> None:
     async with await Bus.connect(url, settings=settings, name="strata-up", deadline=15.0) as bus:
-        await bus.ensure_streams(settings.stream_replicas)
+        await bus.ensure_streams(settings.stream_replicas, settings)
 
 
 def _credentials(data_dir: Path, workers: int, job: str) -> list[Credential]:
@@ -180,6 +180,8 @@ class LocalStack:
         _check_port_free(host, nats_port, "NATS", "--nats-port")
         _check_port_free(host, self.http_port, "HTTP", "--http-port")
         self.credentials = _credentials(self.data_dir, worker_credentials, job) if secure else []
+        own = {k: v for k, v in (env or {}).items() if k.startswith("STRATA_")}
+        settings = load_settings(**_lower(own))
         self.api_token = api_token(self.data_dir / API_TOKEN_FILE) if secure else None
         self.nats = NatsServer(
             store_dir=self.data_dir / "nats",
@@ -187,12 +189,19 @@ class LocalStack:
             port=nats_port,
             log_file=self.data_dir / "logs" / "nats-server.log",
             extra_config=authorization_config(self.credentials) if secure else "",
+            max_file_store=settings.jetstream_max_file_store,
         )
         self._extra_env = env or {}
         self.children: list[Child] = []
 
     def role_env(self, role: Role) -> dict[str, str]:
         return by_role(self.credentials, role)[0].env() if self.secure else {}
+
+    @property
+    def rendezvous_jobs(self) -> list[str]:
+        """The jobs whose workers hold a credential, which may not make their rendezvous bucket:
+        the services make it, within the job's quota."""
+        return sorted({c.job for c in self.credentials if c.role == "worker" and c.job})
 
     @property
     def dashboard_url(self) -> str:
@@ -203,6 +212,8 @@ class LocalStack:
 
         self.nats.start()
         service_env = self.role_env("services")
+        if self.rendezvous_jobs:
+            service_env = {**service_env, Env.RENDEZVOUS_JOBS: ",".join(self.rendezvous_jobs)}
         asyncio.run(
             _provision(self.nats.url, load_settings(nats_url=self.nats.url, **_lower(service_env)))
         )

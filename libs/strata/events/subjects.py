@@ -28,7 +28,9 @@ EVENTS_STREAM: Final = "STRATA_EVENTS"
 TELEMETRY_STREAM: Final = "STRATA_TELEMETRY"
 SNAPSHOT_BUCKET: Final = "STRATA_SNAPSHOTS"
 RENDEZVOUS_BUCKET: Final = "STRATA_RENDEZVOUS"
-RENDEZVOUS_STREAM: Final = f"KV_{RENDEZVOUS_BUCKET}"
+SHARED_RENDEZVOUS_STREAM: Final = f"KV_{RENDEZVOUS_BUCKET}"
+"""The one rendezvous stream of every job that earlier releases kept; each job has its own now
+(`rendezvous_stream_name`), on the same subjects."""
 
 ROOT: Final = "strata"
 EVENTS: Final = f"{ROOT}.evt"
@@ -430,13 +432,21 @@ def rendezvous_subjects(job: str) -> str:
     return kv_subject(RENDEZVOUS_BUCKET, rendezvous_keys(job))
 
 
-def rendezvous_read(key: str) -> str:
-    """The JetStream direct get of a rendezvous key's value, by subject (`key` may be a pattern):
-    the only read of the bucket whose permission can be bound to the keys read (the others name
-    them in the request's body)."""
-    return f"$JS.API.DIRECT.GET.{RENDEZVOUS_STREAM}.{kv_subject(RENDEZVOUS_BUCKET, key)}"
+def rendezvous_stream_name(job: str) -> str:
+    """The stream that keeps `job`'s rendezvous keys, and only them: one per job, so that each
+    job's bytes and keys are bounded by its own stream's limits. Its subjects are the job's keys
+    in the `STRATA_RENDEZVOUS` bucket (`rendezvous_subjects`)."""
+    return f"{SHARED_RENDEZVOUS_STREAM}_{_rendezvous_prefix(job)}"
+
+
+def rendezvous_read(job: str, key: str) -> str:
+    """The JetStream direct get of a rendezvous key of `job`, by subject (`key` may be a
+    pattern): the only read of the bucket whose permission can be bound to the keys read (the
+    others name them in the request's body)."""
+    stream = rendezvous_stream_name(job)
+    return f"$JS.API.DIRECT.GET.{stream}.{kv_subject(RENDEZVOUS_BUCKET, key)}"
 
 
 def rendezvous_reads(job: str) -> str:
     """The direct gets of every rendezvous key of a job."""
-    return rendezvous_read(rendezvous_keys(job))
+    return rendezvous_read(job, rendezvous_keys(job))

@@ -18,7 +18,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -31,9 +31,9 @@ from torch._C._distributed_c10d import Store
 
 from strata._loop import LoopRunner
 from strata.bus.connection import ConnectOptions, connect, retry_transient
-from strata.bus.streams import ensure_stream, rendezvous_stream
-from strata.config import Settings
-from strata.errors import BusError, ConfigError
+from strata.bus.streams import RendezvousQuota, ensure_stream, rendezvous_stream
+from strata.config import Env, Settings
+from strata.errors import BusError, ConfigError, QuotaExceeded
 from strata.events import subjects
 
 __all__ = ["KVStore", "RendezvousBucket"]
@@ -58,19 +58,61 @@ PROBE_DEADLINE_S = 10.0
 drops a request its user may not send, and the client hears of it only as a timeout."""
 
 
-class RendezvousBucket:
-    """The rendezvous bucket on one NATS connection: state and store keys of any job the
-    connection's credential may reach (a worker credential: its own job's)."""
+QUOTA_REFUSALS = {
+    "maximum bytes exceeded": ("bytes", Env.RENDEZVOUS_MAX_BYTES),
+    "maximum messages exceeded": ("keys", Env.RENDEZVOUS_MAX_KEYS),
+    "message size exceeds maximum allowed": ("value size", Env.RENDEZVOUS_MAX_VALUE_BYTES),
+}
+"""What JetStream answers a write past one of the job's stream's limits, and the quota and the
+setting behind each."""
 
-    def __init__(self, nc: NATS, kv: KeyValue) -> None:
+
+def quota_refusal(exc: nats.js.errors.APIError, job: str, key: str) -> QuotaExceeded | None:
+    """The `quota_exceeded` error a refused write of `job`'s rendezvous `key` stands for, or None
+    when JetStream refused it for another reason."""
+    description = (exc.description or "").lower()
+    for text, (quota, setting) in QUOTA_REFUSALS.items():
+        if text in description:
+            return QuotaExceeded(
+                f"job {job!r} has reached its rendezvous {quota} quota writing key {key!r} "
+                f"({exc.description}): delete keys it no longer needs, or raise {setting} "
+                "(chart: nats.rendezvous) and restart the services, which apply it to the job's "
+                "bucket",
+                quota=f"rendezvous_{quota.replace(' ', '_')}",
+                setting=setting,
+            )
+    return None
+
+
+class RendezvousBucket:
+    """The rendezvous bucket of one job on one NATS connection: its state and store keys, within
+    the job's quota (`strata.bus.streams.RendezvousQuota`)."""
+
+    def __init__(self, nc: NATS, kv: KeyValue, job: str = "") -> None:
         self.nc = nc
         self.kv = kv
+        self.job = job
         self._atomic: bool | None = None
         """Whether the bucket takes atomic batches (None: not tried yet)."""
         self._known: dict[str, tuple[bytes, int]] = {}
         """The value and revision of each key as this connection last wrote or read it: a
         read-modify-write first tries its write on it, which costs one round trip where it is
         still current and is refused (then read afresh) where another writer came between."""
+
+    async def _write(self, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, a write of `key`, retried through transient failures; a refusal for the
+        job's quota is `QuotaExceeded`, at once (waiting frees nothing)."""
+
+        async def attempt() -> T:
+            try:
+                return await call()
+            except nats.js.errors.APIError as exc:
+                refusal = quota_refusal(exc, self.job, key)
+                if refusal is not None:
+                    raise refusal from None
+                raise
+
+        return await retry_transient(attempt, f"writing {key}")
 
     @classmethod
     async def open(
@@ -102,7 +144,7 @@ class RendezvousBucket:
         except BaseException:
             await nc.close()
             raise
-        return cls(nc, kv)
+        return cls(nc, kv, job)
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -132,7 +174,7 @@ class RendezvousBucket:
         return list(await asyncio.gather(*(self.read(key) for key in keys)))
 
     async def put(self, key: str, value: bytes) -> int:
-        revision = await retry_transient(lambda: self.kv.put(key, value), f"writing {key}")
+        revision = await self._write(key, lambda: self.kv.put(key, value))
         self._known[key] = value, revision
         return revision
 
@@ -144,7 +186,7 @@ class RendezvousBucket:
         latest = dict(items)
         if 1 < len(latest) <= MAX_BATCH and self._atomic is not False:
             try:
-                await retry_transient(lambda: self._put_batch(latest), "writing keys at once")
+                await self._write(", ".join(sorted(latest)), lambda: self._put_batch(latest))
                 return
             except nats.js.errors.APIError as exc:
                 if exc.err_code != ATOMIC_DISABLED:
@@ -215,12 +257,12 @@ class RendezvousBucket:
             self._known[key] = value, written
             return written
 
-        return await retry_transient(write, f"writing {key}")
+        return await self._write(key, write)
 
     async def delete(self, key: str) -> bool:
         if await self.read(key) is None:
             return False
-        await retry_transient(lambda: self.kv.delete(key), f"deleting {key}")
+        await self._write(key, lambda: self.kv.delete(key))
         self._known.pop(key, None)
         return True
 
@@ -311,7 +353,7 @@ async def _bucket(nc: NATS, settings: Settings, job: str, deadline: float) -> Ke
     bucket = subjects.RENDEZVOUS_BUCKET
     kv = KeyValue(
         name=bucket,
-        stream=subjects.RENDEZVOUS_STREAM,
+        stream=subjects.rendezvous_stream_name(job),
         pre=subjects.kv_subject(bucket, ""),
         js=js,
         direct=True,
@@ -329,7 +371,7 @@ async def _bucket(nc: NATS, settings: Settings, job: str, deadline: float) -> Ke
         ) from None
     if exists:
         return kv
-    spec = rendezvous_stream(settings.stream_replicas)
+    spec = rendezvous_stream(job, settings.stream_replicas, RendezvousQuota.of(settings))
     try:
         # Retried through a leader election; a worker credential's request is dropped
         # unanswered, so it times out the same way.
@@ -338,9 +380,10 @@ async def _bucket(nc: NATS, settings: Settings, job: str, deadline: float) -> Ke
         )
     except (BusError, nats.js.errors.APIError) as exc:
         raise ConfigError(
-            f"the rendezvous bucket {bucket} does not exist and NATS user "
+            f"the rendezvous bucket {bucket} of job {job!r} does not exist and NATS user "
             f"{settings.nats_user or '(none)'} could not make it ({type(exc).__name__}): start "
-            "Strata's services (strata up, or the chart) first, they provision it"
+            "Strata's services (strata up --secure --job, or the chart with the job in its "
+            "values) first, they provision it"
         ) from None
     return kv
 
@@ -349,7 +392,7 @@ async def _exists(nc: NATS, job: str) -> bool:
     """Whether the rendezvous bucket's stream answers a read of `job`'s state key."""
     try:
         await nc.request(
-            subjects.rendezvous_read(subjects.rendezvous_state_key(job)),
+            subjects.rendezvous_read(job, subjects.rendezvous_state_key(job)),
             b"",
             timeout=PROBE_TIMEOUT_S,
         )

@@ -15,6 +15,7 @@ from strata.history import ReplayLimits, job_history, stream_records, summarize,
 from strata.services.gateway.api import Dashboard, EventPage
 from strata.services.gateway.context import (
     MAX_PAGE,
+    MAX_SEQ,
     JobId,
     JobInPath,
     ReplaySlots,
@@ -33,7 +34,7 @@ router = APIRouter(tags=["history"])
 async def events(
     request: Request,
     job: JobInPath,
-    after_seq: Annotated[int, Query(ge=0)] = 0,
+    after_seq: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 200,
     type: Annotated[
         str | None, Query(max_length=64, description="Event type prefix, e.g. 'barrier.'")
@@ -67,9 +68,12 @@ async def events(
 async def replay(
     request: Request,
     job: JobId,
-    seq: Annotated[int | None, Query(ge=0, description="Fold events up to this seq")] = None,
+    seq: Annotated[
+        int | None, Query(ge=0, le=MAX_SEQ, description="Fold events up to this seq")
+    ] = None,
     at: Annotated[
-        int | None, Query(ge=0, description="Fold what was stored at or before (ns)")
+        int | None,
+        Query(ge=0, le=MAX_SEQ, description="Fold what was stored at or before (ns)"),
     ] = None,
     telemetry: Annotated[
         bool, Query(description="Fold heartbeats too (last heartbeat, step, epoch)")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from strata.events import WorkerState
 from strata.services.gateway.api import Dashboard, JobList, WorkerPage, WorkerView
 from strata.services.gateway.context import (
+    MAX_OFFSET,
     MAX_PAGE,
     JobId,
     JobInPath,
@@ -39,10 +40,11 @@ async def dashboard(request: Request, job: JobId) -> Response:
 async def workers(
     request: Request,
     job: JobInPath,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     status: Annotated[
-        str | None, Query(description="One status or several, comma-separated")
+        str | None,
+        Query(max_length=200, description="One status or several, comma-separated"),
     ] = None,
 ) -> Response:
     """A page of a job's workers in rank order, optionally of some statuses only."""

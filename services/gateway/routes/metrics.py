@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
 from strata.events import ID_PATTERN
 from strata.history import dumps
-from strata.services.gateway.context import live
+from strata.services.gateway.context import MAX_SEQ, live
 from strata.services.gateway.metrics_history import MetricsHistoryView
 
 router = APIRouter(tags=["history"])
@@ -20,7 +20,7 @@ async def job_metrics(
     job: Annotated[str, PathParam(pattern=ID_PATTERN, description="Job id")],
     until_ns: Annotated[
         int | None,
-        Query(ge=0, description="Time travel: the history as stored by then (ns)"),
+        Query(ge=0, le=MAX_SEQ, description="Time travel: the history as stored by then (ns)"),
     ] = None,
     names: Annotated[
         str | None, Query(max_length=2000, description="Metric names, comma-separated")

@@ -130,6 +130,15 @@ single server; for an external NATS the operator says.
 {{- toJson $jobs }}
 {{- end }}
 
+{{/* Every job with a worker user: the services make each one's rendezvous bucket. */}}
+{{- define "strata.rendezvousJobs" -}}
+{{- $jobs := include "strata.workerJobs" . | fromJsonArray }}
+{{- range .Values.nats.auth.workerUsers }}
+{{- if not (has .job $jobs) }}{{ $jobs = append $jobs .job }}{{ end }}
+{{- end }}
+{{- join "," $jobs }}
+{{- end }}
+
 {{/*
 NATS user names. A workers user is shared by the workers of one job; its name has no "@", so the
 SDK does not take it for one worker's (per-worker user names are <worker>@<job>).

@@ -50,7 +50,8 @@ authorization {
           {{ printf "strata.metric.%s.%s.*" $job $worker | quote }},
           {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }},
           {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }},
-          {{ printf "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS.$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }}
+          {{- /* Each job's keys are in a stream of its own (strata.events.subjects.rendezvous_stream_name). */}}
+          {{ printf "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS_%s.$KV.STRATA_RENDEZVOUS.%s.>" $job $job | quote }}
         ]
         deny: [
           "strata.ctl.>", "$KV.STRATA_SNAPSHOTS.>", "$JS.API.STREAM.>", "$JS.API.CONSUMER.>",
