@@ -44,6 +44,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from tests.rendezvous import rendezvous_state
 from tests.support import new_job
 
 pytestmark = pytest.mark.nats
@@ -597,61 +598,65 @@ def backend(request: pytest.FixtureRequest, nats_url: str) -> Iterator[Rendezvou
         yield c10d.C10dRendezvousBackend(store, new_job("rdzv"))
 
 
+# Real rendezvous states: Strata's backend refuses bytes that are not one (the control takes any).
+FIRST, SECOND, THIRD, OTHER, BASE = (rendezvous_state(round_) for round_ in range(5))
+
+
 def test_no_state_reads_as_none(backend: RendezvousBackend) -> None:
     assert backend.get_state() is None
 
 
 def test_the_first_state_is_written_without_a_token(backend: RendezvousBackend) -> None:
-    written = backend.set_state(b"first")
+    written = backend.set_state(FIRST)
     assert written is not None
     state, token, ok = written
-    assert (state, ok) == (b"first", True)
-    assert backend.get_state() == (b"first", token)
+    assert (state, ok) == (FIRST, True)
+    assert backend.get_state() == (FIRST, token)
 
 
 def test_a_write_with_the_current_token_wins_and_gives_a_new_token(
     backend: RendezvousBackend,
 ) -> None:
-    first = backend.set_state(b"first")
+    first = backend.set_state(FIRST)
     assert first is not None
-    second = backend.set_state(b"second", first[1])
+    second = backend.set_state(SECOND, first[1])
     assert second is not None
-    assert (second[0], second[2]) == (b"second", True)
+    assert (second[0], second[2]) == (SECOND, True)
     assert second[1] != first[1]
-    assert backend.get_state() == (b"second", second[1])
+    assert backend.get_state() == (SECOND, second[1])
 
 
 def test_a_write_with_an_old_token_loses_and_is_told_the_state(
     backend: RendezvousBackend,
 ) -> None:
-    first = backend.set_state(b"first")
+    first = backend.set_state(FIRST)
     assert first is not None
-    second = backend.set_state(b"second", first[1])
+    second = backend.set_state(SECOND, first[1])
     assert second is not None
-    assert backend.set_state(b"third", first[1]) == (b"second", second[1], False)
+    assert backend.set_state(THIRD, first[1]) == (SECOND, second[1], False)
 
 
 def test_a_write_without_a_token_over_a_state_loses(backend: RendezvousBackend) -> None:
-    first = backend.set_state(b"first")
+    first = backend.set_state(FIRST)
     assert first is not None
-    assert backend.set_state(b"other") == (b"first", first[1], False)
+    assert backend.set_state(OTHER) == (FIRST, first[1], False)
 
 
 def test_a_write_with_a_foreign_token_loses(backend: RendezvousBackend) -> None:
-    first = backend.set_state(b"first")
+    first = backend.set_state(FIRST)
     assert first is not None
-    assert backend.set_state(b"other", "not-a-token") == (b"first", first[1], False)
-    assert backend.get_state() == (b"first", first[1])
+    assert backend.set_state(OTHER, "not-a-token") == (FIRST, first[1], False)
+    assert backend.get_state() == (FIRST, first[1])
 
 
 def test_racing_writers_with_one_token_one_wins(backend: RendezvousBackend) -> None:
-    first = backend.set_state(b"base")
+    first = backend.set_state(BASE)
     assert first is not None
     outcomes: list[bool] = []
     lock = threading.Lock()
 
     def write(index: int) -> None:
-        result = backend.set_state(f"writer-{index}".encode(), first[1])
+        result = backend.set_state(rendezvous_state(10 + index), first[1])
         assert result is not None
         with lock:
             outcomes.append(result[2])
