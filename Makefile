@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard wheel test chaos lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard wheel test chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -46,6 +46,9 @@ test: install dashboard lint typecheck schemas-check
 
 chaos: install
 	$(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
+
+faults: install
+	$(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

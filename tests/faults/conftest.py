@@ -17,8 +17,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 from strata.bus import Bus
+from strata.errors import StrataError
 from strata.events import WorkerFailed
 
 from tests.support import ServiceProcess, job_events
@@ -126,9 +128,19 @@ def resume(pid: int) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
-async def failed_workers(bus: Bus, job: str) -> list[str]:
-    """The workers of `job` the registry recorded as failed, in stream order."""
-    return [e.worker_id for e in await job_events(bus, job) if isinstance(e, WorkerFailed)]
+async def failed_workers(bus: Bus, job: str, deadline_s: float = 30.0) -> list[str]:
+    """The workers of `job` the registry recorded as failed, in stream order. Read again while
+    JetStream cannot answer (a cluster electing leaders after a fault), for up to `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            events = await job_events(bus, job)
+        except (nats.errors.Error, StrataError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the events of {job} could not be read for {deadline_s}s: {exc!r}")
+            await asyncio.sleep(0.2)
+            continue
+        return [e.worker_id for e in events if isinstance(e, WorkerFailed)]
 
 
 async def no_failures_for(bus: Bus, job: str, seconds: float) -> None:

@@ -2,8 +2,10 @@
 
 `cut()` stops moving bytes both ways on every connection, open or new, without closing any:
 what was sent waits in the sockets' buffers, as it does behind a dropped link while TCP keeps
-retransmitting, and flows again after `heal()`. The proxy runs its own event loop in a thread, so
-it keeps its pace whatever the test's loop is doing.
+retransmitting, and flows again after `heal()`. `cut(involving=...)` holds only the connections
+whose first bytes either way contain that marker (a nats-server's id, which both its INFO and
+its route CONNECT carry): every link of one node, whichever side dialled it. The proxy runs its
+own event loop in a thread, so it keeps its pace whatever the test's loop is doing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ import threading
 from types import TracebackType
 
 from strata import procutil
+
+
+class _Link:
+    """One proxied connection: the first bytes seen on it, either way."""
+
+    SNIFFED = 16384
+
+    def __init__(self) -> None:
+        self.seen = bytearray()
+
+    def saw(self, data: bytes) -> None:
+        if len(self.seen) < self.SNIFFED:
+            self.seen += data[: self.SNIFFED - len(self.seen)]
 
 
 class Proxy:
@@ -28,6 +43,7 @@ class Proxy:
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name="netproxy", daemon=True)
         self._writers: set[asyncio.StreamWriter] = set()
+        self._involving: bytes | None = None
         self.connections = 0
 
     def __enter__(self) -> Proxy:
@@ -50,11 +66,22 @@ class Proxy:
         """The proxy as a nats-server route."""
         return f"nats-route://{self.host}:{self.port}"
 
-    def cut(self) -> None:
-        self._loop.call_soon_threadsafe(self._open.clear)
+    def cut(self, involving: bytes | None = None) -> None:
+        def cut() -> None:
+            self._involving = involving
+            self._open.clear()
+
+        self._loop.call_soon_threadsafe(cut)
 
     def heal(self) -> None:
         self._loop.call_soon_threadsafe(self._open.set)
+
+    async def _pass(self, link: _Link) -> None:
+        """Wait while this link is cut."""
+        while not self._open.is_set():
+            if self._involving is not None and self._involving not in link.seen:
+                return
+            await self._open.wait()
 
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -74,25 +101,30 @@ class Proxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         self._writers.add(writer)
+        link = _Link()
         try:
-            await self._open.wait()
             up_reader, up_writer = await asyncio.open_connection(self.host, self.upstream_port)
         except OSError:
             writer.close()
             return
         self._writers.add(up_writer)
         await asyncio.gather(
-            self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
+            self._pump(link, reader, up_writer),
+            self._pump(link, up_reader, writer),
+            return_exceptions=True,
         )
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         try:
             while True:
-                await self._open.wait()
+                await self._pass(link)
                 data = await reader.read(65536)
                 if not data:
                     break
-                await self._open.wait()  # read just before a cut: held like the rest
+                link.saw(data)
+                await self._pass(link)  # read just before a cut: held like the rest
                 writer.write(data)
                 await writer.drain()
         finally:
@@ -106,9 +138,9 @@ class Proxies:
     def __init__(self, proxies: list[Proxy]) -> None:
         self.proxies = proxies
 
-    def cut(self) -> None:
+    def cut(self, involving: bytes | None = None) -> None:
         for proxy in self.proxies:
-            proxy.cut()
+            proxy.cut(involving)
 
     def heal(self) -> None:
         for proxy in self.proxies:

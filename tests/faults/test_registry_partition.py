@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from strata.bus import Bus
-from strata.bus.server import NatsCluster
+from strata.bus.server import NatsCluster, NatsServer
 from strata.config import Env
 
 from tests.faults.conftest import (
@@ -40,11 +40,16 @@ def _routes(cluster: NatsCluster, i: int) -> list[dict[str, object]]:
     return routes
 
 
-def _wait_routed(cluster: NatsCluster, timeout: float = 30.0) -> None:
-    """Until node 1 has routes to both other nodes."""
+def _wait_routed(cluster: NatsCluster, proxies: Proxies, timeout: float = 30.0) -> None:
+    """Until node 1 has routes to both other nodes, every route dialled through a proxy."""
     deadline = time.monotonic() + timeout
+    through = {proxy.port for proxy in proxies.proxies}
     while True:
         routes = _routes(cluster, 1)
+        for i in range(3):
+            dialled = [r for r in _routes(cluster, i) if r.get("did_solicit")]
+            direct = [r for r in dialled if r.get("port") not in through]
+            assert not direct, f"node {i} dialled a route past the proxies: {direct}"
         peers = {r.get("remote_name") for r in routes}
         if {cluster.nodes[0].name, cluster.nodes[2].name} <= peers:
             return
@@ -53,24 +58,36 @@ def _wait_routed(cluster: NatsCluster, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def _advertise(node: NatsServer, port: int) -> None:
+    """Make `node` tell the others to reach it on `port` (its proxy): the nodes that learn of it
+    from each other, and dial it on their own, pass through its proxy too."""
+    text = node.config_text().replace(
+        "  listen: ", f'  advertise: "{node.host}:{port}"\n  listen: ', 1
+    )
+    node.config_text = lambda: text  # type: ignore[method-assign]
+
+
 async def test_a_registry_cut_off_with_its_node_fails_no_worker_heard_by_the_majority(
     tmp_path: Path,
 ) -> None:
     cluster = NatsCluster(tmp_path / "cluster", size=3)
     first, cut_off, third = cluster.nodes
-    # Every route of node 1, whichever side dials it, passes through one of these.
+    # Every route passes through the proxy in front of the node dialled; a cut holds the links
+    # of node 1 only, whichever side dialled them.
     with (
-        Proxy(cut_off.cluster_port) as to_cut_off,
         Proxy(first.cluster_port) as to_first,
+        Proxy(cut_off.cluster_port) as to_cut_off,
         Proxy(third.cluster_port) as to_third,
     ):
-        proxies = Proxies([to_cut_off, to_first, to_third])
-        first.routes = [third.route_url, to_cut_off.route_url]
-        third.routes = [first.route_url, to_cut_off.route_url]
+        proxies = Proxies([to_first, to_cut_off, to_third])
+        first.routes = [to_cut_off.route_url, to_third.route_url]
         cut_off.routes = [to_first.route_url, to_third.route_url]
+        third.routes = [to_first.route_url, to_cut_off.route_url]
+        for node, proxy in zip(cluster.nodes, proxies.proxies, strict=True):
+            _advertise(node, proxy.port)
         try:
             cluster.start(60)
-            _wait_routed(cluster)
+            _wait_routed(cluster, proxies)
             await _partition_scenario(cluster, proxies, tmp_path)
         finally:
             proxies.heal()
@@ -92,7 +109,7 @@ async def _partition_scenario(cluster: NatsCluster, proxy: Proxies, tmp_path: Pa
             for worker in workers:
                 worker.wait_line("registered")
             await no_failures_for(bus, job, 1.0)
-            proxy.cut()
+            proxy.cut(involving=str(cut_off.varz()["server_id"]).encode())
             cut_at = time.monotonic()
             try:
                 await asyncio.sleep(1.0)  # into the cut
