@@ -16,7 +16,9 @@ import os
 import time
 from typing import Final, NamedTuple
 
-OFFSET_FILE_ENV: Final = "STRATA_TEST_CLOCK_OFFSET_FILE"
+from strata.config import Env
+
+OFFSET_FILE_ENV: Final = Env.TEST_CLOCK_OFFSET_FILE
 """The file holding a test's offset (seconds, a float) added to this process's wall clock."""
 OFFSET_REREAD_S: Final = 0.05
 """How often the offset file is read again: a step takes effect within this."""
