@@ -288,7 +288,13 @@ class Barrier(Projection[BarrierState]):
             self._wakeup.clear()
             while self._queue:
                 batch = self._queue[:MAX_BATCH]
-                del self._queue[: len(batch)]
+                rest = self._queue[MAX_BATCH:]
+                # Every withdrawal waiting goes with this batch (decided before its arrivals):
+                # a given-up arrival must not complete a generation here while its withdrawal
+                # waits for the next batch. Deciding one early is harmless: its sender sends no
+                # new arrival at the name before the withdrawal is answered.
+                batch += [item for item in rest if isinstance(item[0], WithdrawRequest)]
+                self._queue = [item for item in rest if not isinstance(item[0], WithdrawRequest)]
                 try:
                     await self._decide_batch(batch)
                 except Exception as exc:  # nothing of it was told: every caller retries

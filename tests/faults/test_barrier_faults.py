@@ -203,11 +203,19 @@ async def test_waiters_at_a_paused_service_time_out_and_their_late_arrivals_rele
         if isinstance(e, BarrierWithdrawn)
     }
     assert {worker for worker, _ in withdrawn} == {w0.id, w1.id}
-    counted = [
-        e
-        for e in await events_of(bus, job, BarrierArrived, 6)
-        if isinstance(e, BarrierArrived) and e.generation == generation
-    ]
+    counted: list[BarrierArrived] = []
+
+    async def recorded() -> bool:
+        # Arrivals are recorded just after their generation's conclusion, not before.
+        nonlocal counted
+        counted = [
+            e
+            for e in await job_events(bus, job)
+            if isinstance(e, BarrierArrived) and e.name == "b" and e.generation == generation
+        ]
+        return len(counted) >= 3
+
+    await async_wait_until(recorded, 15, f"the arrivals of generation {generation}")
     assert sorted(e.worker_id for e in counted) == sorted(w.id for w in (w0, w1, w2))
     assert not {(e.worker_id, e.arrival) for e in counted} & withdrawn
 
