@@ -374,10 +374,6 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
                 "register it (strata.Worker.start) before checkpointing"
             )
         )
-    if request.lease is not None:
-        fenced = job.leases.check(request.job, request.lease, request.worker_id)
-        if fenced is not None:
-            return Decision(error=fenced)
     holder = job.instances.get(request.worker_id)
     if request.instance is not None and holder is not None and holder != request.instance:
         return Decision(
@@ -387,6 +383,10 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
                 "saves nothing"
             )
         )
+    if request.lease is not None:
+        fenced = job.leases.check(request.job, request.lease, request.worker_id)
+        if fenced is not None:
+            return Decision(error=fenced)
     opened = job.open.get(step)
     if opened is None:
         return _open(job, request, now_ns, attempt)
@@ -613,10 +613,6 @@ def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDec
     first = opened.acks.get(rank)
     if first is not None and _same_shard(first, saved):
         return AckDecision(result=answer)  # a retry: recorded already
-    if request.lease is not None:
-        fenced = job.leases.check(request.job, request.lease, request.worker_id)
-        if fenced is not None:
-            return AckDecision(error=fenced)
     problem = ack_problem(opened, saved)
     if problem is not None:
         return AckDecision(error=ConflictError(f"ack of step {step} refused: {problem}"))
@@ -636,6 +632,10 @@ def ack(state: CheckpointState, request: AckShardRequest, now_ns: int) -> AckDec
                 "does not count"
             )
         )
+    if request.lease is not None:
+        fenced = job.leases.check(request.job, request.lease, request.worker_id)
+        if fenced is not None:
+            return AckDecision(error=fenced)
     return AckDecision([saved], result=answer)
 
 

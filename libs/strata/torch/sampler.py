@@ -329,8 +329,9 @@ class ShardSampler(Sampler[int]):
 
     @property
     def lost_shards(self) -> list[int]:
-        """Shards consumed here but moved to another worker before they were reported: their
-        samples are read again there. Non-empty only when a plan changed under a slow report."""
+        """Shards consumed here, to the end or in part, but moved to another worker before
+        they were reported: their samples (those read here since the last accepted report) are
+        read again there. Non-empty only when a plan changed under a slow report."""
         return list(self._lost)
 
     @property
@@ -492,6 +493,7 @@ class ShardSampler(Sampler[int]):
                 "acknowledged",
                 field="num_samples",
             )
+        finished = False
         while count:
             run = self._in_flight[0]
             taken = min(count, run.count)
@@ -501,7 +503,12 @@ class ShardSampler(Sampler[int]):
             self._current, self._current_length = (run.shard_id, run.offset), run.length
             if run.offset >= run.length:
                 self._in_flight.popleft()
-                self._complete(run.shard_id)
+                self._complete(run.shard_id, report=False)
+                finished = True
+        # Reported once every index is taken: a refused report (an ended lease) leaves none of
+        # them outstanding, to be handed out and trained again.
+        if finished and self._report_every and len(self._unreported) >= self._report_every:
+            self._report()
 
     def flush(self) -> ProgressResult | None:
         """Report the done shards not yet reported and the offset of the shard in progress, so
@@ -707,6 +714,9 @@ class ShardSampler(Sampler[int]):
                 self._assignment, self._stale = assignment, True
                 ours = {span.shard_id for span in assignment.shards}
                 lost = [s for s in completed if s not in ours]
+                # A shard read in part and moved away is lost too: its new reader starts at
+                # the offset recorded before, and reads again what was read here since.
+                lost += [s for s in offsets if s not in ours and s not in lost]
                 self._lost.extend(lost)
                 self._log.warning(
                     "shards_moved_before_report",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from strata.errors import LeaseExpired, StaleLease
+from strata.errors import LeaseExpired, StaleLease, ValidationError
 from strata.torch import ShardSampler
 
 from tests.unit.sharding.test_sampler import DS, LocalShards, done_by
@@ -125,6 +125,10 @@ def test_a_flush_under_an_ended_lease_is_refused_and_forgets_the_shard_in_progre
     pause_rounds=st.integers(0, 30),
     batch=st.integers(1, 13),
 )
+# Found by this test: an ack whose report was refused stopped at the shard it finished and left
+# the rest of the batch outstanding, so every later ack fell one index short and a shard's last
+# sample was handed out, and trained, twice.
+@example(paused="a", pause_at=1, pause_rounds=0, batch=11)
 def test_every_sample_is_trained_once_whenever_a_reader_pauses_past_its_timeout(
     paused: str, pause_at: int, pause_rounds: int, batch: int
 ) -> None:
@@ -171,3 +175,23 @@ def test_every_sample_is_trained_once_whenever_a_reader_pauses_past_its_timeout(
     assert trained == Counter(range(300))
     assert counted_samples(shards) == Counter(range(300))
     assert set(refused) <= {paused}
+
+
+def test_an_ack_whose_report_is_refused_still_takes_every_index_it_names() -> None:
+    shards = LocalShards(100, SHARD, ["a", "b"], shuffle=False)
+    sampler = ShardSampler(shards.view("a"), DS, manual_ack=True)
+    iterator = iter(sampler)
+    drawn = [next(iterator) for _ in range(SHARD + 3)]  # a whole shard and 3 of the next
+    shards.fail("a")
+    shards.join("a", instance="a-2")
+
+    with pytest.raises(StaleLease):
+        sampler.ack(len(drawn))  # the first shard's report is refused
+
+    with pytest.raises(ValidationError, match="more than the 0 indices"):
+        sampler.ack(1)  # nothing of the batch is left outstanding
+    assert list(iterator) == []  # the pass under the old lease ends
+    again = list(iter(sampler))
+    assert again
+    sampler.ack(len(again))
+    assert shards.plan_summary().done_shards == len(done_by(shards, "a")) > 0
