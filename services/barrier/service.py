@@ -95,7 +95,7 @@ class Barrier(Projection[BarrierState]):
             await self._send(owed)
             self._concluded(owed)
         self.spawn(self._decide_batches(), "arrivals")
-        self._rpc = self.rpc_server(bus, settings, concurrency=MAX_BATCH)
+        self._rpc = await self.rpc_server(bus, settings, concurrency=MAX_BATCH)
         self._rpc.serve(ARRIVE, self._arrive)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
