@@ -248,3 +248,5 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
             f"job B under a flood ({len(baseline)} rounds before, {len(during)} during; "
             f"A's answers {outcomes}):\n  " + "\n  ".join(report)
         )
+        # Both workers leave while the services still answer.
+        await asyncio.gather(noisy.stop(), quiet.stop())
