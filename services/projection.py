@@ -21,10 +21,11 @@ from typing import Any, Generic, TypeVar
 
 import nats.errors
 import structlog
+from nats.aio.client import Client as NATS
 from nats.js.api import PubAck
 from nats.js.kv import KeyValue
 from strata.bus import Bus, Delivered, EventFeed, RpcServer
-from strata.bus.connection import backoff_delays, retry_transient
+from strata.bus.connection import ConnectOptions, backoff_delays, connect, retry_transient
 from strata.bus.publish import MSG_ID
 from strata.bus.snapshots import (
     SNAPSHOT_HEADROOM,
@@ -68,6 +69,7 @@ class Projection(Generic[S]):
         self._applied = asyncio.Condition()
         self._feed: EventFeed | None = None
         self._kv: KeyValue | None = None
+        self._rpc_nc: NATS | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._reactions: asyncio.Queue[Event] = asyncio.Queue()
         self._wakers: set[asyncio.Task[None]] = set()
@@ -97,11 +99,22 @@ class Projection(Generic[S]):
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         """Subscriptions, RPC routes and tasks, once the state is rebuilt."""
 
-    def rpc_server(self, bus: Bus, settings: Settings, *, concurrency: int) -> RpcServer:
+    async def rpc_server(self, bus: Bus, settings: Settings, *, concurrency: int) -> RpcServer:
         """This service's request server, with the admission control and pending bounds the
-        settings give (`STRATA_RPC_*`, docs/operations.md)."""
+        settings give (`STRATA_RPC_*`, docs/operations.md), on a NATS connection of its own:
+        a flood of requests then queues in that connection only, never ahead of the events this
+        service reads back and the acks it waits for on `bus` (its requests' own answers)."""
+        nc = await connect(
+            settings.nats_servers,
+            ConnectOptions(
+                name=f"strata-{self.name}-rpc",
+                user=settings.nats_user,
+                password=settings.nats_password,
+            ),
+        )
+        self._rpc_nc = nc
         return RpcServer(
-            bus.nc,
+            nc,
             self.name,
             concurrency=concurrency,
             admission=settings.admission_limits(),
@@ -207,6 +220,10 @@ class Projection(Generic[S]):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self._rpc_nc is not None:
+            with contextlib.suppress(Exception):
+                await self._rpc_nc.close()
+            self._rpc_nc = None
         if self._feed is not None:
             await self._feed.stop()
         await self.save_snapshot()

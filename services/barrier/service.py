@@ -112,7 +112,7 @@ class Barrier(Projection[BarrierState]):
             await self._send(owed)
             self._concluded(owed)
         self.spawn(self._decide_batches(), "arrivals")
-        self._rpc = self.rpc_server(bus, settings, concurrency=MAX_BATCH)
+        self._rpc = await self.rpc_server(bus, settings, concurrency=MAX_BATCH)
         self._rpc.serve(ARRIVE, self._arrive)
         self._rpc.serve(WITHDRAW, self._withdraw)
         await self._rpc.start()

@@ -136,7 +136,7 @@ class Checkpoints(Projection[CheckpointState]):
                             )
                         )
         self.spawn(self.commits.run(), "commits")
-        self._rpc = self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
+        self._rpc = await self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(BEGIN_CHECKPOINT, self._begin)
         self._rpc.serve(ACK_SHARD, self._ack)
         self._rpc.serve(SHARD_FAILED, self._failed)

@@ -242,7 +242,7 @@ class Registry(Projection[RegistryState]):
         await bus.nc.subscribe(subjects.registry_progress(), cb=self._on_progress)
         # Requests are taken concurrently and decided in batches (group commit): a job's start
         # is a few round trips to the stream, not one per worker.
-        self._rpc = self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
+        self._rpc = await self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER, self._register)
         self._rpc.serve(LEAVE, self._leave)
         self._rpc.serve(MEMBERS, self._members)

@@ -81,7 +81,7 @@ class Sharding(Projection[ShardingState]):
                 now_ns = self.now_ns()
                 await self._apply(domain.replan_after_membership_change(self.state, job, now_ns))
         self.spawn(self.commits.run(), "commits")
-        self._rpc = self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
+        self._rpc = await self.rpc_server(bus, settings, concurrency=RPC_CONCURRENCY)
         self._rpc.serve(REGISTER_DATASET, self._register_dataset)
         self._rpc.serve(GET_SHARDS, self._get_shards)
         self._rpc.serve(REPORT_PROGRESS, self._report_progress)
