@@ -4,12 +4,14 @@ Liveness, deadlines and intervals are measured on `monotonic_ns`, which no NTP s
 clock change moves; wall time (`wall`, `wall_ns`) only says when something happened, and it is
 what carries a deadline across a restart: the stored deadline's wall time, turned back into a
 remaining duration clamped to [0, timeout] (`TimeBase.deadline`), so a step backwards cannot
-extend it. Fault tests step a running process's wall clock through one seam: when
-`STRATA_CLOCK_OFFSET_FILE` names a file, its content (seconds, a float) is added to the process's wall clock, read again whenever
-the file changes. Then `time.time` and `time.time_ns` themselves are replaced (importing `strata`
-installs them), so every reader of the wall clock in the process sees the step, as with an NTP
-step; the monotonic clock is left alone. Unset (every deployment), nothing is replaced and
-`wall_ns` is `time.time_ns` itself.
+extend it.
+
+Fault tests step a running process's wall clock through one seam: when
+`STRATA_CLOCK_OFFSET_FILE` names a file, its content (seconds, a float) is added to the
+process's wall clock, read again whenever the file changes. Then `time.time` and `time.time_ns`
+themselves are replaced (importing `strata` installs them), so every reader of the wall clock in
+the process sees the step, as with an NTP step; the monotonic clock is left alone. Unset (every
+deployment), nothing is replaced and `wall_ns` is `time.time_ns` itself.
 """
 
 from __future__ import annotations
