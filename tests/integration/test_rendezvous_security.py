@@ -310,7 +310,7 @@ async def test_the_jobs_shared_credential_runs_its_rendezvous_and_no_other(
         own.close()
     victim.backend.set_state(rendezvous_state(7))
     before = await victim_keys(services)
-    assert b"victim-state" in before.values()
+    assert rendezvous_state(7) in before.values()
     settings = load_settings(nats_user=shared.user, nats_password=shared.password)
     with pytest.raises(BusError, match=f"may not read the rendezvous keys of job '{VICTIM}'"):
         await RendezvousBucket.open(
@@ -391,7 +391,7 @@ async def test_a_job_past_its_rendezvous_quota_is_refused_and_no_other_job_notic
                 attacker.store.set("fill-0", b"y" * 8192)
                 assert attacker.store.get("fill-0") == b"y" * 8192
                 # Job B writes as before, and so do the services.
-                victim.backend.set_state(b"victim-state")
+                victim.backend.set_state(rendezvous_state(3))
                 for i in range(20):
                     victim.store.set(f"key-{i}", b"v" * 8192)
                 assert victim.store.get("key-19") == b"v" * 8192

@@ -78,8 +78,8 @@ class Subject:
             close()
 
 
-def strata_subject(url: str, timeout: timedelta = TIMEOUT) -> Subject:
-    job = new_job("conform")
+def strata_subject(url: str, timeout: timedelta = TIMEOUT, job: str | None = None) -> Subject:
+    job = job or new_job("conform")
     closers: list[Callable[[], None]] = []
 
     def open_store() -> KVStore:
@@ -830,7 +830,8 @@ def test_two_nodes_meet_through_the_dynamic_rendezvous_handler(
 
 def bucket_on(server: NatsServer, **spec: object) -> Subject:
     """A store on `server` whose rendezvous bucket was made with `spec`'s changes."""
-    made = rendezvous_stream()
+    job = new_job("conform")
+    made = rendezvous_stream(job)
     changed = dataclasses.replace(made, **spec)  # type: ignore[arg-type]
 
     async def provision() -> None:
@@ -845,7 +846,7 @@ def bucket_on(server: NatsServer, **spec: object) -> Subject:
         runner.run(provision())
     finally:
         runner.close()
-    return strata_subject(server.url)
+    return strata_subject(server.url, job=job)
 
 
 def test_multi_set_writes_every_key_or_none(own_nats_server: NatsServer) -> None:

@@ -67,6 +67,11 @@ QUOTA_REFUSALS = {
 setting behind each."""
 
 
+class StoreQuotaExceeded(QuotaExceeded, dist.DistStoreError):
+    """A store write past the job's rendezvous quota: Strata's `quota_exceeded`, and the
+    DistStoreError torch's callers catch."""
+
+
 def quota_refusal(exc: nats.js.errors.APIError, job: str, key: str) -> QuotaExceeded | None:
     """The `quota_exceeded` error a refused write of `job`'s rendezvous `key` stands for, or None
     when JetStream refused it for another reason."""
@@ -452,6 +457,9 @@ class KVStore(Store):  # torch.distributed.Store, which mypy cannot see through 
                 f"within the store's timeout of {seconds:.1f}s; is the NATS cluster reachable "
                 "and has JetStream a leader?"
             ) from None
+        except QuotaExceeded as exc:
+            # torch's callers catch its own error types: one that is both.
+            raise StoreQuotaExceeded(exc.message, **exc.details) from None
         except (BusError, nats.errors.Error, OSError) as exc:
             raise dist.DistNetworkError(
                 f"Strata rendezvous store of job {self._job!r}: {what} failed with "
