@@ -70,7 +70,10 @@ class Lockstep(IterableDataset[Step]):
     (`manual_ack=True`: only what `trained()` acknowledged counts). Iterate it directly, or put it
     in `DataLoader(lockstep, batch_size=None)` (in the main process: `num_workers=0`).
     `set_epoch(n)` starts another epoch; `flush()` and `cursor(carried)` are the sampler's, for
-    checkpoints.
+    checkpoints. Progress reaches the service at each `flush()` (call it at every checkpoint)
+    and when no rank has a batch left; `report_every=N` reports every N shards besides (a round
+    trip each: under DDP a failed rank stops every rank, which resume from the checkpoint's
+    cursors, so reports between checkpoints only show progress sooner).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Lockstep(IterableDataset[Step]):
         empty: Any = None,
         shuffle_within_shard: bool = False,
         seed: int = 0,
+        report_every: int = 0,
         group: Any = None,
     ) -> None:
         super().__init__()
@@ -102,6 +106,7 @@ class Lockstep(IterableDataset[Step]):
             manual_ack=True,
             shuffle_within_shard=shuffle_within_shard,
             seed=seed,
+            report_every=report_every,
         )
         self._held = 0
         """Samples handed out in steps not yet acknowledged."""
@@ -189,8 +194,11 @@ class Lockstep(IterableDataset[Step]):
             # No rank has a batch. Shards a rank holds (handed out, not yet acknowledged) are
             # as good as done: the framework trains them after this. Anything else still open
             # belongs to a worker whose failure has not been planned around yet.
-            summary = self._registry.plan(self._dataset_id, epoch)
+            # What this rank finished is reported first, and every rank has reported (the
+            # reduce) before any asks the service.
+            self.sampler.flush()
             held_shards = self._reduce(len(self.sampler.held_shards))[0]
+            summary = self._registry.plan(self._dataset_id, epoch)
             if self._all(summary.done_shards + held_shards >= summary.total_shards):
                 return
             time.sleep(WAIT_S)
