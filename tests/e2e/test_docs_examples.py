@@ -81,6 +81,11 @@ UNRUN = [
     ("docs/barriers.md", ".venv/bin/python bench/barrier.py", "benchmark: minutes of full load"),
     ("docs/registry.md", ".venv/bin/python bench/registry.py", "benchmark: minutes of full load"),
     (
+        "docs/frameworks.md",
+        ".venv/bin/python bench/frameworks.py",
+        "benchmark: minutes of full load",
+    ),
+    (
         "docs/registry.md",
         ".venv/bin/python -m bench.membership",
         "benchmark: thousands of workers, minutes of full load",
@@ -850,7 +855,7 @@ def test_benchmark_command_lines_name_real_options() -> None:
             if words[:2] != [".venv/bin/python", words[1]] or not words[1].startswith("bench/"):
                 continue
             scripts.setdefault(words[1], set()).update(w for w in words[2:] if w.startswith("--"))
-    assert len(scripts) == 6, scripts
+    assert len(scripts) == 7, scripts
     for script, options in scripts.items():
         done = subprocess.run(
             [sys.executable, script, "--help"],

@@ -77,3 +77,23 @@ def test_the_implicit_workers_save_commits_when_the_script_just_ends(
     assert check.returncode == 0, check.stderr
     assert "latest 1" in check.stdout, (done.stderr, check.stdout)
     assert f"bytes {7_000_000}" in check.stdout
+
+
+def test_a_save_that_cannot_finish_by_the_exit_is_reported_loudly(
+    stack: str, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoints' directory should be", encoding="utf-8")
+    done = run_script(
+        f"""
+        import strata
+
+        checkpoints = strata.CheckpointManager(path={str(blocker / "ckpt")!r}, keep_count=5)
+        checkpoints.save(b"weights" * 1_000, step=1, epoch=0)
+        """,
+        stack,
+        new_job("exit"),
+        tmp_path,
+    )
+    assert "checkpoint_save_lost_at_exit" in done.stderr, done.stderr
+    assert "step of that save aborts" in done.stderr

@@ -14,17 +14,30 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from strata import procutil
 from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import example, write_example
 from tests.e2e.test_torchrun import RESULT, Torchrun, committed_steps, verdict
-from tests.support import new_job, running_services, wait_until
+from tests.support import ServiceProcess, new_job, running_services, wait_until
 
 RESUMED = re.compile(r"rank (\d+): resumed from step (\d+)")
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+def gateway_port(stack: str, tmp_path: Path) -> Iterator[int]:
+    port = procutil.free_port()
+    gateway = ServiceProcess("gateway", stack, tmp_path / "logs", env={Env.HTTP_PORT: str(port)})
+    gateway.start()
+    try:
+        yield port
+    finally:
+        gateway.stop()
 
 
 @pytest.fixture
@@ -202,11 +215,12 @@ def test_a_frameworks_default_wrapping_stops_before_any_progress_is_recorded(
 
 
 def test_lightning_under_its_own_launcher_gives_each_rank_its_torch_rank(
-    stack: str, tmp_path: Path
+    stack: str, gateway_port: int, tmp_path: Path
 ) -> None:
     """`python train_lightning.py` with devices=2: Lightning starts the second process itself
     (no torchrun, no RANK in the environment); the workers are made after the process group,
-    with torch's global rank, and the job trains every sample once per epoch."""
+    with torch's global rank, the job trains every sample once per epoch, and what the model
+    logs reaches the gateway's metric history."""
     pytest.importorskip("lightning")
     script = write_example("docs/frameworks.md", "train_lightning.py", tmp_path)
     job = new_job("lightning")
@@ -254,6 +268,12 @@ def test_lightning_under_its_own_launcher_gives_each_rank_its_torch_rank(
     assert members.returncode == 0, members.stderr
     assert "member rank-0 0" in members.stdout, members.stdout
     assert "member rank-1 1" in members.stdout, members.stdout
+
+    def logged_loss() -> bool:
+        answer = httpx.get(f"http://127.0.0.1:{gateway_port}/api/jobs/{job}/metrics", timeout=5)
+        return answer.status_code == 200 and "train_loss" in answer.json()["metrics"]
+
+    wait_until(logged_loss, 60, "train_loss in the gateway's metric history")
 
 
 def test_accelerate_launch_with_the_strata_rendezvous(stack: str, tmp_path: Path) -> None:

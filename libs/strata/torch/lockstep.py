@@ -70,7 +70,10 @@ class Lockstep(IterableDataset[Step]):
     (`manual_ack=True`: only what `trained()` acknowledged counts). Iterate it directly, or put it
     in `DataLoader(lockstep, batch_size=None)` (in the main process: `num_workers=0`).
     `set_epoch(n)` starts another epoch; `flush()` and `cursor(carried)` are the sampler's, for
-    checkpoints.
+    checkpoints. Progress reaches the service at each `flush()` (call it at every checkpoint)
+    and when no rank has a batch left; `report_every=N` reports every N shards besides (a round
+    trip each: under DDP a failed rank stops every rank, which resume from the checkpoint's
+    cursors, so reports between checkpoints only show progress sooner).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Lockstep(IterableDataset[Step]):
         empty: Any = None,
         shuffle_within_shard: bool = False,
         seed: int = 0,
+        report_every: int = 0,
         group: Any = None,
     ) -> None:
         super().__init__()
@@ -102,6 +106,7 @@ class Lockstep(IterableDataset[Step]):
             manual_ack=True,
             shuffle_within_shard=shuffle_within_shard,
             seed=seed,
+            report_every=report_every,
         )
         self._held = 0
         """Samples handed out in steps not yet acknowledged."""
@@ -166,10 +171,20 @@ class Lockstep(IterableDataset[Step]):
                 "num_workers=0) (a copy in a loader worker would read and report on its own)"
             )
         epoch = self.sampler.epoch
-        batches: Iterator[list[int]] | None = iter(
-            BatchSampler(self.sampler, self._batch_size, drop_last=False)
-        )
+        world = _world(self._group)
+        batches: Iterator[list[int]] | None
+        batches, budget = self._pass()
         while True:
+            if budget and batches is not None:
+                # Every rank has at least `budget` full batches left: no collective needed.
+                budget -= 1
+                indices = next(batches, None)
+                count = len(indices) if indices is not None else 0
+                self._held += count
+                yield Step(self._batch(indices), count, world * self._batch_size)
+                if self.sampler.epoch != epoch:
+                    return
+                continue
             indices = next(batches, None) if batches is not None else None
             if indices is None:
                 batches = None
@@ -177,20 +192,18 @@ class Lockstep(IterableDataset[Step]):
             total, held = self._reduce(count, self._held + count)
             if total:
                 self._held += count
-                batch = (
-                    self._collate([self._data[i] for i in indices])
-                    if indices
-                    else self._empty_batch()
-                )
-                yield Step(batch, count, total)
+                yield Step(self._batch(indices), count, total)
                 if self.sampler.epoch != epoch:
                     return
                 continue
             # No rank has a batch. Shards a rank holds (handed out, not yet acknowledged) are
             # as good as done: the framework trains them after this. Anything else still open
             # belongs to a worker whose failure has not been planned around yet.
-            summary = self._registry.plan(self._dataset_id, epoch)
+            # What this rank finished is reported first, and every rank has reported (the
+            # reduce) before any asks the service.
+            self.sampler.flush()
             held_shards = self._reduce(len(self.sampler.held_shards))[0]
+            summary = self._registry.plan(self._dataset_id, epoch)
             if self._all(summary.done_shards + held_shards >= summary.total_shards):
                 return
             time.sleep(WAIT_S)
@@ -198,7 +211,22 @@ class Lockstep(IterableDataset[Step]):
                 # Let the framework train (and acknowledge) what it fetched ahead.
                 yield Step(self._empty_batch(), 0, 0)
             elif self._held == 0:
-                batches = iter(BatchSampler(self.sampler, self._batch_size, drop_last=False))
+                batches, budget = self._pass()
+
+    def _pass(self) -> tuple[Iterator[list[int]], int]:
+        """A pass over the sampler, and how many steps every rank can surely take in it: the
+        fewest full batches any rank has left (one collective per pass, not one per step). A
+        shard moved away meanwhile (a joiner) leaves a rank short: it trains empty batches for
+        the rest of the budget, and the steps' `global_samples` overstate the samples."""
+        own = len(self.sampler) // self._batch_size if self._held == 0 else 0
+        budget = torch.tensor([own], dtype=torch.int64)
+        if _world(self._group) > 1:
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=self._group)
+        batches = iter(BatchSampler(self.sampler, self._batch_size, drop_last=False))
+        return batches, int(budget.item())
+
+    def _batch(self, indices: list[int] | None) -> Any:
+        return self._collate([self._data[i] for i in indices]) if indices else self._empty_batch()
 
 
 def _slice_empty(batch: Any) -> Any:

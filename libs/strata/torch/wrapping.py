@@ -29,12 +29,13 @@ FRAMES: Final = 16
 framework's wrapper are a handful of frames."""
 
 _LIGHTNING_FIX: Final = (
-    "pass Trainer(use_distributed_sampler=False) (strata.lightning.trainer_options() does), or "
-    "use strata.lightning.StrataDataModule: Strata already gives each rank its own shards"
+    "pass Trainer(use_distributed_sampler=False) (strata.lightning.StrataFit's "
+    "trainer_options() does): Strata already gives each rank its own shards"
 )
 _ACCELERATE_FIX: Final = (
     "leave the DataLoader out of accelerator.prepare(...) and prepare the model and optimiser "
-    "only (strata.accelerate.prepare does): Strata already gives each rank its own shards"
+    "only (strata.accelerate.StrataRun reads the data itself): Strata already gives each rank "
+    "its own shards"
 )
 _SAMPLER_FIX: Final = (
     "give the DataLoader the Strata sampler itself (DataLoader(data, sampler=sampler)); Strata "
