@@ -62,6 +62,11 @@ class Proxy:
         self._thread.join(10)
 
     @property
+    def url(self) -> str:
+        """The proxy as a NATS client's server."""
+        return f"nats://{self.host}:{self.port}"
+
+    @property
     def route_url(self) -> str:
         """The proxy as a nats-server route."""
         return f"nats-route://{self.host}:{self.port}"

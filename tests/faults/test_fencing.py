@@ -34,7 +34,7 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events.requests import MembersRequest, MembersResult
 
-from tests.faults.fencing_proxy import HoldingProxy
+from tests.faults.netproxy import Proxy
 from tests.support import new_job, running_services, wait_until
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -217,18 +217,18 @@ def test_a_worker_whose_connection_is_held_past_its_timeout_trains_nothing_twice
     url = own_nats_server.url
     host, port = "127.0.0.1", own_nats_server.port
     with (
-        HoldingProxy(host, port) as proxy,
+        Proxy(port, host) as proxy,
         training_job(tmp_path, url, proxy.url) as (job, procs, ledgers),
     ):
         _wait_for_batches(ledgers)
         held_at = time.monotonic()
-        proxy.hold()
+        proxy.cut()
         # The fault's length: the connection carries nothing either way for this long.
         time.sleep(HOLD_S)
         wait_until(
             lambda: _is_failed(url, job, VICTIM), FAILED_DEADLINE_S, f"{VICTIM} to be failed"
         )
-        proxy.release()
+        proxy.heal()
         _finish(procs, tmp_path)
 
     # Its last heartbeat confirmed before the hold, its lease expired at most a heartbeat
