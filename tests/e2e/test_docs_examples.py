@@ -855,7 +855,7 @@ def test_benchmark_command_lines_name_real_options() -> None:
             if words[:2] != [".venv/bin/python", words[1]] or not words[1].startswith("bench/"):
                 continue
             scripts.setdefault(words[1], set()).update(w for w in words[2:] if w.startswith("--"))
-    assert len(scripts) == 7, scripts
+    assert len(scripts) == 8, scripts
     for script, options in scripts.items():
         done = subprocess.run(
             [sys.executable, script, "--help"],
