@@ -35,6 +35,7 @@ from strata.events.requests import (
     ArriveRequest,
     BarrierOutcome,
     GetShardsRequest,
+    Lease,
     MembersResult,
     RegisterDatasetRequest,
     RegisterRequest,
@@ -78,9 +79,10 @@ class JobB:
     """The quiet job: one live worker (b0) that meets at barriers and reads its shards, and
     fresh registrations, each call timed."""
 
-    def __init__(self, bus: Bus, job: str) -> None:
+    def __init__(self, bus: Bus, job: str, lease: Lease) -> None:
         self.bus = bus
         self.job = job
+        self.lease = lease
         self.rpc = RpcClient(bus.nc, timeout=CALL_TIMEOUT)
         self.registered: list[str] = []
         self.barriers = 0
@@ -123,7 +125,9 @@ class JobB:
         shards = await as_b0.call(
             "sharding",
             "get_shards",
-            GetShardsRequest(job=self.job, dataset_id="small", worker_id="b0", epoch=0),
+            GetShardsRequest(
+                job=self.job, dataset_id="small", worker_id="b0", epoch=0, lease=self.lease
+            ),
             result=ShardAssignment,
         )
         latencies.append(time.perf_counter() - started)
@@ -182,7 +186,7 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
         await AsyncDatasetRegistry(quiet).register_dataset(
             "small", total_samples=1_000, shard_size=10, shuffle=True, seed=2
         )
-        job = JobB(quiet_bus, job_b)
+        job = JobB(quiet_bus, job_b, quiet.lease)
         await job.timed_round()  # warm: the epoch is planned, the connections are up
 
         baseline: list[list[float]] = [await job.timed_round() for _ in range(BASELINE_ROUNDS)]

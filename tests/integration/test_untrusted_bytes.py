@@ -181,9 +181,11 @@ def test_a_pickle_in_the_rendezvous_state_key_is_refused_not_run(
     nats_url: str, runner: LoopRunner, tmp_path: Path
 ) -> None:
     marker = tmp_path / "marker"
-    bucket = runner.run(RendezvousBucket.open([nats_url], load_settings(), new_job("bucket")))
+    job, other = new_job("rdzv"), new_job("rdzv")
+    # Each job's keys live in a bucket of its own (its quota).
+    bucket = runner.run(RendezvousBucket.open([nats_url], load_settings(), job))
+    other_bucket = runner.run(RendezvousBucket.open([nats_url], load_settings(), other))
     try:
-        job = new_job("rdzv")
         victim = JetStreamRendezvousBackend(bucket, runner, job)
         attacker = JetStreamRendezvousBackend(bucket, runner, job)
         # A worker of the job writes a pickle that imports os into the job's state key.
@@ -200,14 +202,15 @@ def test_a_pickle_in_the_rendezvous_state_key_is_refused_not_run(
             _BackendRendezvousStateHolder(victim, settings).sync()
         # A state that is not well formed is refused as well, and so is a write that finds
         # such a state in place (the backend answers with the current state).
-        other = new_job("rdzv")
-        JetStreamRendezvousBackend(bucket, runner, other).set_state(pickle.dumps({"round": 1}))
+        malformed = JetStreamRendezvousBackend(other_bucket, runner, other)
+        malformed.set_state(pickle.dumps({"round": 1}))
         with pytest.raises(ForbiddenRendezvousState, match="not a well-formed"):
-            JetStreamRendezvousBackend(bucket, runner, other).get_state()
+            JetStreamRendezvousBackend(other_bucket, runner, other).get_state()
         with pytest.raises(ForbiddenRendezvousState):
             victim.set_state(pickle.dumps(SystemPayload(marker)))
         assert not marker.exists()
     finally:
+        runner.run(other_bucket.close())
         runner.run(bucket.close())
 
 

@@ -261,7 +261,13 @@ def test_get_shards_pages_at_the_reply_bound_and_the_pages_make_the_whole_list()
     registered(state, "w0", 0)
     total = 2 * SHARDS_PER_REPLY + 7
     register(state, "big", total, ShardingLimits())
-    first_request = GetShardsRequest(job=JOB, dataset_id="big", worker_id="w0", epoch=0)
+    first_request = GetShardsRequest(
+        job=JOB,
+        dataset_id="big",
+        worker_id="w0",
+        epoch=0,
+        lease=domain.current_lease(state, JOB, "w0"),
+    )
     for event in domain.get_shards(state, first_request, NOW).events:
         domain.evolve(state, event)
     pages = []
