@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard wheel test chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard wheel test check chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,12 @@ wheel: install dashboard
 
 test: install dashboard lint typecheck schemas-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast tier for every change (tests/tiers.py): lint, types, schemas, the unit tests and the
+# integration tests not marked slow, on two processes, property tests with a fifth of their examples.
+check: install lint typecheck schemas-check
+	STRATA_TEST_TIER=check $(BIN)/python -m pytest tests/unit tests/integration -m "not slow" \
+		-n 2 -p no:cacheprovider $(PYTEST_ARGS)
 
 chaos: install
 	$(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)

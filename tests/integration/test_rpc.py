@@ -22,6 +22,8 @@ from strata.bus import Caller, RpcClient, RpcServer
 from strata.events import StrictModel, pack, subjects, unpack
 from strata.events.rpc import PingResult
 
+from tests.tiers import examples
+
 pytestmark = pytest.mark.nats
 
 REPLY_TIMEOUT = 2.0
@@ -347,7 +349,7 @@ msgpack_values = st.recursive(
 
 
 @settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )

@@ -32,11 +32,14 @@ from strata.events.codec import MAX_ARRAY_ITEMS, MAX_MAP_ENTRIES, unpack
 from strata.events.models import MAX_SHARDS, Event, StrictModel
 
 from tests.strategies import instances
+from tests.tiers import examples
 
 
 @pytest.mark.parametrize("model", EVENT_MODELS, ids=lambda m: m.model_fields["type"].default)
 def test_every_event_type_round_trips_through_msgpack_and_json(model: type[Event]) -> None:
-    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(instances(model))
     def round_trip(event: Event) -> None:
         assert decode_event(encode_event(event)) == event
@@ -139,7 +142,7 @@ _MODEL_NAMES = {model.__name__ for model in EVENT_MODELS}
 
 
 @given(st.binary(max_size=256))
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 def test_random_bytes_never_escape_the_error_tree(data: bytes) -> None:
     outcome: str
     try:

@@ -70,6 +70,8 @@ from strata.services.readmodel import (
 from strata.services.readmodel.views import Dashboard
 from strata.storage.base import shard_key
 
+from tests.tiers import examples
+
 JOB = "job-r"
 SECOND = 1_000_000_000
 T0 = 1_795_000_000 * SECOND
@@ -866,7 +868,7 @@ def fold_events(events: list[Event], state: JobState) -> JobState:
     return state
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(histories())
 def test_routing_folds_exactly_like_giving_every_event_to_every_domain(events: list[Event]) -> None:
     routed = fold_events(events, JobState(JOB))
@@ -913,7 +915,7 @@ def test_a_domain_declares_exactly_the_event_types_its_evolve_changes_its_state_
         assert changed[name] == {event_type(model) for model in domain.FOLDS}, name
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(histories(), heartbeats(), st.randoms(use_true_random=False))
 def test_the_state_does_not_depend_on_how_heartbeats_interleave_with_events(
     events: list[Event], beats: list[WorkerHeartbeat], rng: Any

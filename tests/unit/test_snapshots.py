@@ -25,6 +25,7 @@ from strata.services.readmodel import (
 )
 
 from tests.histories import hour_history
+from tests.tiers import examples
 from tests.unit.test_replay import GOLDEN, JOB, T0, histories
 
 SEED = 20261124
@@ -120,7 +121,7 @@ def test_the_golden_history_at_every_point(hour: list[Record]) -> None:
         ), seq
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(histories())
 def test_any_history_at_any_point(events: list[Event]) -> None:
     records = [

@@ -25,6 +25,8 @@ from strata.events.requests import ArriveRequest, BarrierOutcome, WithdrawReques
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
 
+from tests.tiers import examples
+
 JOB = "job-t"
 SECOND = 10**9
 MONO_START = 5_000 * SECOND
@@ -255,7 +257,7 @@ def test_a_withdrawal_decided_with_its_late_arrival_goes_first() -> None:
     assert sorted(svc.state.jobs[JOB].barriers["step"].generations[0].arrived) == ["w1", "w2"]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     st.lists(
         st.tuples(

@@ -33,6 +33,8 @@ from strata.events.requests import ArriveRequest, BarrierOutcome
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
 
+from tests.tiers import examples
+
 JOB = "job-m"
 NAME = "step"
 WORKERS = ("w0", "w1", "w2")
@@ -337,6 +339,6 @@ class CrashingBarrier(RuleBasedStateMachine):
 
 
 CrashingBarrier.TestCase.settings = settings(
-    max_examples=600, stateful_step_count=30, deadline=None
+    max_examples=examples(600), stateful_step_count=30, deadline=None
 )
 TestCrashingBarrier = CrashingBarrier.TestCase

@@ -32,6 +32,8 @@ from strata.events.requests import ArriveRequest, BarrierOutcome
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState, Generation, NamedBarrier
 
+from tests.tiers import examples
+
 JOB = "job-a"
 START_NS = 1_700_000_000 * 10**9
 SECOND = 10**9
@@ -838,5 +840,5 @@ class BarrierMachine(RuleBasedStateMachine):
         return {(gen.name, gen.generation): len(gen.arrived) for gen in self._generations()}
 
 
-BarrierMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30)
+BarrierMachine.TestCase.settings = settings(max_examples=examples(80), stateful_step_count=30)
 TestBarrierMachine = BarrierMachine.TestCase

@@ -19,6 +19,7 @@ from strata.services.checkpoint.domain import BatchDecision, CheckpointState, Co
 from strata.services.checkpoint.service import Checkpoints
 from strata.services.domain import Decision
 
+from tests.tiers import examples
 from tests.unit.checkpoint.test_domain import JOB, SECOND, failed, fold, registered
 
 NOW = 50 * SECOND
@@ -152,7 +153,7 @@ def outcome(decision: BatchDecision) -> tuple[object, ...]:
     return (decision.events, error and (type(error), str(error)), decision.result)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(history=_history, steps=_batch)
 def test_a_batch_decides_as_the_same_requests_one_at_a_time_and_leaves_the_state_alone(
     history: list[Any], steps: list[Any]

@@ -28,6 +28,8 @@ from strata.services.registry.domain import (
     RegistryState,
 )
 
+from tests.tiers import examples
+
 POLICY = Policy(heartbeat_interval=1.0, heartbeat_timeout=5.0)
 JOB = "job-a"
 
@@ -497,7 +499,9 @@ class Membership(RuleBasedStateMachine):
 
 
 TestMembership = Membership.TestCase
-TestMembership.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestMembership.settings = settings(
+    max_examples=examples(150), stateful_step_count=40, deadline=None
+)
 
 
 @pytest.mark.parametrize("timeout", [0.5, 5.0, 30.0])
@@ -538,7 +542,7 @@ def _outcome(decision: Decision[bool]) -> tuple[object, ...]:
     return (decision.events, error and (type(error), str(error)), decision.result)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(before=st.lists(_batch_command, max_size=8), batch=st.lists(_batch_command, max_size=12))
 def test_a_batch_decides_as_the_same_commands_one_at_a_time_and_leaves_the_state_alone(
     before: list[Register | Leave], batch: list[Register | Leave]

@@ -22,6 +22,8 @@ from strata.services.domain import Decision
 from strata.services.sharding import domain
 from strata.services.sharding.domain import Command, ShardingState, snapshot
 
+from tests.tiers import examples
+
 JOB = "job-a"
 DATASETS = ("ds", "other")
 WORKERS = ("w0", "w1", "w2")
@@ -167,7 +169,7 @@ def outcome(decision: Decision[None]) -> tuple[object, ...]:
     return (events, error and (type(error), str(error)), decision.result)
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(history=_history, steps=_batch)
 def test_a_batch_decides_as_the_same_requests_one_at_a_time_and_leaves_the_state_alone(
     history: list[Any], steps: list[Any]

@@ -25,6 +25,7 @@ from strata.services.domain import Decision
 from strata.services.sharding import domain
 from strata.services.sharding.domain import EPOCHS_KEPT, ShardingState, restore, snapshot
 
+from tests.tiers import examples
 from tests.unit.sharding.test_domain import DATASET, JOB, NOW, apply, plan, started_job
 
 
@@ -148,7 +149,7 @@ def test_the_window_and_the_dropped_versions_survive_a_snapshot() -> None:
     assert get_shards(rebuilt, 12).error is None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(
         st.tuples(

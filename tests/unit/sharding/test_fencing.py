@@ -19,6 +19,7 @@ from strata.services.leases import ENDED_KEPT, Leases
 from strata.services.sharding import domain
 from strata.services.sharding.domain import ShardingState, restore, snapshot
 
+from tests.tiers import examples
 from tests.unit.sharding.test_domain import DATASET, JOB, NOW, apply, started_job
 
 EPOCH_OF = {"w0": 1, "w1": 2}
@@ -243,7 +244,7 @@ _step = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(history=st.lists(_step, max_size=12), pick=st.integers(0, 1000))
 def test_a_request_is_decided_only_under_the_latest_registration_still_live(
     history: list[tuple[str, str, str]], pick: int

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from strata.errors import LeaseExpired, StaleLease, ValidationError
 from strata.torch import ShardSampler
 
+from tests.tiers import examples
 from tests.unit.sharding.test_sampler import DS, LocalShards, done_by
 
 SHARD = 10
@@ -118,7 +119,7 @@ def test_a_flush_under_an_ended_lease_is_refused_and_forgets_the_shard_in_progre
     assert done_by(shards, "a") == []
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     paused=st.sampled_from(["a", "b", "c"]),
     pause_at=st.integers(0, 40),

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from strata.errors import ValidationError
 from strata.sharding import DatasetSpec, Plan, initial_plan, replan, shard_order
 
+from tests.tiers import examples
+
 specs = st.builds(
     DatasetSpec,
     dataset_id=st.just("ds"),
@@ -113,7 +115,7 @@ def test_a_join_moves_close_to_the_optimal_share(
     epoch=st.integers(0, 50),
     steps=st.lists(st.tuples(st.booleans(), st.integers(0, 100), st.floats(0, 1)), max_size=6),
 )
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 def test_every_sample_is_consumed_exactly_once_across_failures_and_joins(
     spec: DatasetSpec,
     members: set[str],
@@ -159,7 +161,7 @@ def first_unfinished(plan: Plan) -> dict[str, int]:
     epoch=st.integers(0, 50),
     steps=st.lists(st.tuples(st.booleans(), st.integers(0, 100), st.floats(0, 1)), max_size=8),
 )
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 def test_the_shard_a_worker_is_reading_stays_its_own_and_first(
     spec: DatasetSpec,
     members: set[str],

@@ -44,6 +44,8 @@ from strata.services.sharding import domain
 from strata.services.sharding.domain import EpochPlan, ShardingState
 from strata.sharding import DatasetSpec
 
+from tests.tiers import examples
+
 JOB = "job"
 DATASET = "ds"
 EPOCH = 0
@@ -320,7 +322,9 @@ class RestoreModel(RuleBasedStateMachine):
         assert job.counted == Counter(range(job.spec.total_samples))
 
 
-RestoreModel.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+RestoreModel.TestCase.settings = settings(
+    max_examples=examples(300), stateful_step_count=40, deadline=None
+)
 test_exactly_once_across_restores_whatever_membership_does = RestoreModel.TestCase
 
 
