@@ -44,7 +44,6 @@ from strata.events import AnyEvent, WorkerLeft, WorkerRegistered
 from strata.services.gateway.app import API_TOKEN_ENV
 
 from tests.docs import DOCUMENTS, ROOT, Block, blocks, commands, example, write_example
-from tests.e2e.test_torchrun import RESULT
 from tests.support import (
     SERVICES,
     ServiceProcess,
@@ -53,6 +52,7 @@ from tests.support import (
     running_services,
     wait_until,
 )
+from tests.torchrun import RESULT
 
 pytestmark = pytest.mark.timeout(600)
 

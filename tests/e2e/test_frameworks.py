@@ -21,8 +21,8 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import example, write_example
-from tests.e2e.test_torchrun import RESULT, Torchrun, committed_steps, verdict
 from tests.support import ServiceProcess, new_job, running_services, wait_until
+from tests.torchrun import RESULT, Torchrun, committed_steps, verdict
 
 RESUMED = re.compile(r"rank (\d+): resumed from step (\d+)")
 

@@ -1,11 +1,13 @@
 """The wheel as people install it: built from the repository, installed into fresh virtual
 environments outside it, and used from a directory that is not the repository either.
 
-With `[server,torch]`: `strata up` serves the dashboard the wheel carries (the page renders in
-headless Chromium and every asset loads), the API docs render with every request answered by
-the gateway (any other host is refused, as air-gapped), and a worker script registers and
-commits a checkpoint through the SDK. With no extra at all: `import strata` and a `Worker` work,
-the server side is not installed, and `strata up` stops with one line naming the extra.
+With `[server,torch,lightning,accelerate]`: `strata up` serves the dashboard the wheel carries (the
+page renders in headless Chromium and every asset loads), the API docs render with every request
+answered by the gateway (any other host is refused, as air-gapped), a worker script registers and
+commits a checkpoint through the SDK, and docs/frameworks.md's Lightning and Accelerate jobs run
+under the venv's torchrun, a rank SIGKILLed mid-epoch, every sample once per epoch. With no extra
+at all: `import strata` and a `Worker` work, the server side is not installed, and `strata up`
+stops with one line naming the extra.
 
 Needs `make dashboard` (dashboard/dist), the `build` package (part of `[dev]`), PyPI or pip's
 cache for the dependencies, the torch 2.13.0 CPU wheel pip finds locally, and Chromium at
@@ -33,7 +35,8 @@ from strata import procutil
 from strata.extras import EXTRA_MODULES
 
 from tests.docs import write_example
-from tests.support import wait_until
+from tests.support import new_job, wait_until
+from tests.torchrun import Torchrun, committed_steps, verdict
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'"
@@ -190,7 +193,8 @@ def server_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
     venv.pip("install", "--quiet", TORCH)
     constraints = venv.outside / "constraints.txt"
     constraints.write_text(f"{TORCH}\n")
-    venv.pip("install", "--quiet", "--constraint", str(constraints), f"{wheel}[server,torch]")
+    extras = "server,torch,lightning,accelerate"
+    venv.pip("install", "--quiet", "--constraint", str(constraints), f"{wheel}[{extras}]")
     venv.pip("check")
     return venv
 
@@ -436,3 +440,38 @@ def test_the_wheel_with_server_and_torch_runs_the_stack_the_dashboard_and_a_work
     assert stack.proc.wait(timeout=30) == 0, stack.output()
     assert "stopped" in stack.output()
     print(f"stack, SDK, dashboard and docs checked in {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("example", ["train_lightning.py", "train_accelerate.py"])
+def test_the_framework_jobs_run_exactly_once_from_the_installed_wheel(
+    server_venv: Venv, stack: Stack, tmp_path: Path, example: str
+) -> None:
+    """docs/frameworks.md's jobs as a user runs them: the venv's torchrun and interpreter, the
+    wheel's `strata.lightning`/`strata.accelerate`, from outside the repository. A rank SIGKILLed
+    after the first committed checkpoint; torchrun restarts the group, which resumes from it, and
+    every sample goes into the model once per epoch, the same weights on both ranks."""
+    script = write_example("docs/frameworks.md", example, tmp_path)
+    job = new_job(example.removeprefix("train_").removesuffix(".py"))
+    run = Torchrun(
+        script,
+        f"nats://127.0.0.1:{stack.nats_port}",
+        job,
+        tmp_path,
+        procs=2,
+        python=server_venv.python,
+        environ=server_venv.env(),
+    )
+    try:
+        wait_until(lambda: bool(committed_steps(tmp_path, job)), 240, "a first checkpoint")
+        victim = run.rank_pid(1)
+        assert victim is not None, run.output()
+        os.kill(victim, signal.SIGKILL)
+        assert run.wait(400) == 0, run.output()[-6000:]
+    finally:
+        run.kill_all()
+    output = run.output()
+    assert "exitcode: -9" in output, "torchrun never saw the rank die"
+    assert "resumed from step" in output, output[-6000:]
+    verdict(run, ranks=2)
