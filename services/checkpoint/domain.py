@@ -52,7 +52,7 @@ from strata.events.requests import (
 )
 from strata.services.domain import Decision
 from strata.services.leases import Leases
-from strata.storage.base import shard_key, step_prefix
+from strata.storage.base import manifest_key, shard_key, step_prefix
 
 SOURCE = "checkpoint"
 
@@ -985,3 +985,105 @@ def pruned(job: str, old: CommittedCheckpoint, now_ns: int) -> Event:
         step=old.step,
         manifest_uri=old.manifest_uri,
     )
+
+
+# -- settling a step: one plan, executed by the adapter --------------------------------------------
+
+
+class ManifestWrite(NamedTuple):
+    """The commit marker to write: `manifest` under `key` of the storage root `root_uri`."""
+
+    root_uri: str
+    key: str
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """Everything settling a step takes, decided at once; the adapter executes it in this order:
+
+    1. write the manifest (`write`), the commit marker, before anything is recorded: a crash
+       after it only writes it again;
+    2. record `record` (a commit, or aborts) and wait until it is folded in;
+    3. remove `delete` (an aborted step's files, pruned steps' files): a failure is logged, never
+       fatal, since nothing references those files any more;
+    4. record `record_after` (the prunes): files first, then the record, so a crash in between
+       leaves a step that is pruned again.
+    """
+
+    write: ManifestWrite | None = None
+    record: tuple[Event, ...] = ()
+    delete: tuple[StepFiles, ...] = ()
+    record_after: tuple[Event, ...] = ()
+
+
+class CommitCheck(NamedTuple):
+    """What storage must answer before a complete step commits: the size of each acked shard."""
+
+    job: str
+    step: int
+    root_uri: str
+    """The job's storage root (`storage_root`), where the shards and the manifest lie."""
+    keys: dict[int, str]
+    """Rank -> the key its shard was acked under."""
+
+
+def commit_check(state: CheckpointState, job_id: str, step: int) -> CommitCheck | None:
+    """The shards to look up in storage before `step` can commit; None when the step is not open
+    or not every rank of its world has acked (nothing to commit yet, or settled already)."""
+    job = state.jobs.get(job_id)
+    opened = job.open.get(step) if job is not None else None
+    if job is None or opened is None or not opened.complete():
+        return None
+    keys = {rank: saved.key for rank, saved in sorted(opened.acks.items())}
+    return CommitCheck(job_id, step, storage_root(job, opened.root_uri), keys)
+
+
+def settle_commit(
+    state: CheckpointState,
+    check: CommitCheck,
+    sizes: Mapping[int, int | None],
+    stored_root_uri: str,
+    now_ns: int,
+) -> StoragePlan:
+    """The whole commit of a complete step, once storage has answered `check` (`sizes`: rank ->
+    the size under its acked key, None for no object).
+
+    Every acked shard whole in storage: write the manifest, record `checkpoint.committed`, then
+    remove the files of the committed checkpoints retention no longer keeps (`to_prune`, as the
+    job stands once the commit is folded) and record their `checkpoint.pruned`. A shard missing
+    or cut short: record the step's abort and remove its files. `stored_root_uri` is the root as
+    the storage backend names it (`StorageBackend.root_uri`: a local path becomes a `file://`
+    URI), under which the manifest's URI is written. A step no longer open or complete (settled
+    meanwhile) needs nothing.
+    """
+    job = state.jobs.get(check.job)
+    opened = job.open.get(check.step) if job is not None else None
+    if job is None or opened is None or not opened.complete():
+        return StoragePlan()
+    problem = storage_problem(opened, sizes)
+    if problem is not None:
+        return recording(state, [aborted(check.job, opened, problem, now_ns)])
+    key = manifest_key(check.job, check.step)
+    written = manifest(opened, check.job, now_ns)
+    done = committed(check.job, opened, f"{stored_root_uri.rstrip('/')}/{key}", now_ns)
+    after = CheckpointState({check.job: job.fork()}, clock=state.clock)
+    evolve(after, done)
+    old = to_prune(after.job(check.job))
+    return StoragePlan(
+        write=ManifestWrite(check.root_uri, key, written),
+        record=(done,),
+        delete=tuple(step_files(after.job(check.job), c.step, check.root_uri) for c in old),
+        record_after=tuple(pruned(check.job, c, now_ns) for c in old),
+    )
+
+
+def recording(state: CheckpointState, events: Sequence[Event]) -> StoragePlan:
+    """Record `events` (a batch's decisions, aborts of the service's own), then remove the files
+    of the steps they abort, found while those steps are still open (`orphaned_by`)."""
+    orphans = {
+        files: None
+        for event in events
+        if isinstance(event, CheckpointAborted) and (files := orphaned_by(state, event)) is not None
+    }
+    return StoragePlan(record=tuple(events), delete=tuple(orphans))
