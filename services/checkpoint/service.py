@@ -6,7 +6,9 @@ its ack (an RPC, once the write returned) is checked against the step, and the s
 the event log holds only what the service decided, and no request names a file the service then
 touches. The service reacts when an ack is folded in. Completing a step checks that storage holds
 every acked shard at its acked size, writes the manifest to the job's storage root, then records
-`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it).
+`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it):
+the adapter reads the sizes, and the domain decides the rest in one plan (`settle_commit`), which
+the adapter executes (`_execute`).
 An abort records `checkpoint.aborted`, then removes the step's files under the job's root; the
 root and retention of a job are fixed by its first checkpoint. After a restart, open steps that
 completed or lost a participant meanwhile are settled before going live. A writer whose shard
