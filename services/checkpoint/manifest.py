@@ -6,16 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from strata.events import (
-    CheckpointAborted,
-    CheckpointCommitted,
-    Event,
-)
+from strata.events import CheckpointAborted, CheckpointCommitted, Event
 from strata.events.ids import event_id
-from strata.events.requests import (
-    Manifest,
-    ManifestShard,
-)
+from strata.events.requests import Manifest, ManifestShard
 from strata.services.checkpoint.state import SOURCE, OpenCheckpoint, _participants
 
 

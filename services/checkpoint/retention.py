@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from strata.events import (
-    CheckpointPruned,
-    Event,
-)
+from strata.events import CheckpointPruned, Event
 from strata.events.ids import event_id
 from strata.services.checkpoint.state import (
     SOURCE,

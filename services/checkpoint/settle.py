@@ -9,13 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from strata.events import (
-    CheckpointAborted,
-    Event,
-)
-from strata.events.requests import (
-    Manifest,
-)
+from strata.events import CheckpointAborted, Event
+from strata.events.requests import Manifest
 from strata.services.checkpoint.fold import evolve
 from strata.services.checkpoint.manifest import aborted, committed, manifest, storage_problem
 from strata.services.checkpoint.retention import (

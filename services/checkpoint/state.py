@@ -7,13 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from strata.clock import TimeBase
-from strata.events import (
-    CheckpointShardSaved,
-    Participant,
-)
-from strata.events.requests import (
-    Manifest,
-)
+from strata.events import CheckpointShardSaved, Participant
+from strata.events.requests import Manifest
 from strata.services.leases import Leases
 
 SOURCE = "checkpoint"

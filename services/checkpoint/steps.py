@@ -6,12 +6,7 @@ state, refused with an error a person can act on, or recorded as events.
 from __future__ import annotations
 
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
-from strata.events import (
-    CheckpointShardSaved,
-    CheckpointShardStarted,
-    CheckpointStarted,
-    Event,
-)
+from strata.events import CheckpointShardSaved, CheckpointShardStarted, CheckpointStarted, Event
 from strata.events.ids import event_id
 from strata.events.requests import (
     AckShardRequest,

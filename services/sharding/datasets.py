@@ -4,19 +4,10 @@ registered, and the dataset's answer.
 
 from __future__ import annotations
 
-from strata.errors import (
-    ConflictError,
-    QuotaExceeded,
-    ValidationError,
-)
-from strata.events import (
-    DatasetRegistered,
-)
+from strata.errors import ConflictError, QuotaExceeded, ValidationError
+from strata.events import DatasetRegistered
 from strata.events.ids import event_id
-from strata.events.requests import (
-    DatasetInfo,
-    RegisterDatasetRequest,
-)
+from strata.events.requests import DatasetInfo, RegisterDatasetRequest
 from strata.services.domain import Decision
 from strata.services.sharding.state import (
     DEFAULT_LIMITS,

@@ -17,11 +17,7 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
 )
-from strata.services.sharding.state import (
-    EpochPlan,
-    ShardingState,
-    _spec,
-)
+from strata.services.sharding.state import EpochPlan, ShardingState, _spec
 from strata.sharding import initial_plan, replan
 
 # -- evolve ---------------------------------------------------------------------------------------

@@ -5,17 +5,8 @@ and a plan summary read from a plan.
 
 from __future__ import annotations
 
-from strata.errors import (
-    ConflictError,
-    EpochOutOfRange,
-    NotFound,
-    StrataError,
-    ValidationError,
-)
-from strata.events import (
-    Event,
-    ShardPlanChanged,
-)
+from strata.errors import ConflictError, EpochOutOfRange, NotFound, StrataError, ValidationError
+from strata.events import Event, ShardPlanChanged
 from strata.events.ids import event_id
 from strata.events.requests import (
     SHARDS_PER_REPLY,
@@ -25,12 +16,7 @@ from strata.events.requests import (
     ShardSpan,
 )
 from strata.services.domain import Decision
-from strata.services.sharding.state import (
-    EPOCHS_KEPT,
-    SOURCE,
-    JobSharding,
-    ShardingState,
-)
+from strata.services.sharding.state import EPOCHS_KEPT, SOURCE, JobSharding, ShardingState
 from strata.sharding import Plan, replan
 
 

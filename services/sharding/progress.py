@@ -7,32 +7,14 @@ from __future__ import annotations
 
 import copy
 
-from strata.errors import (
-    ConflictError,
-    NotFound,
-    StrataError,
-    ValidationError,
-)
-from strata.events import (
-    Event,
-    ShardOffset,
-    ShardProgress,
-    ShardProgressRestored,
-)
+from strata.errors import ConflictError, NotFound, StrataError, ValidationError
+from strata.events import Event, ShardOffset, ShardProgress, ShardProgressRestored
 from strata.events.ids import event_id
-from strata.events.requests import (
-    ProgressResult,
-    ReportProgressRequest,
-    RestoreProgressRequest,
-)
+from strata.events.requests import ProgressResult, ReportProgressRequest, RestoreProgressRequest
 from strata.services.domain import Decision
 from strata.services.sharding.fold import evolve
 from strata.services.sharding.plans import _known, _out_of_window, _plan_event
-from strata.services.sharding.state import (
-    SOURCE,
-    JobSharding,
-    ShardingState,
-)
+from strata.services.sharding.state import SOURCE, JobSharding, ShardingState
 
 
 def report_progress(

@@ -8,10 +8,7 @@ from typing import Any
 
 import numpy as np
 from strata.services.leases import Leases
-from strata.services.sharding.state import (
-    EpochPlan,
-    ShardingState,
-)
+from strata.services.sharding.state import EpochPlan, ShardingState
 from strata.sharding import DatasetSpec, Plan
 
 # -- snapshots ------------------------------------------------------------------------------------

@@ -8,13 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Final
 
-from strata.events import (
-    DatasetRegistered,
-)
+from strata.events import DatasetRegistered
 from strata.events.models import MAX_SHARDS
-from strata.events.requests import (
-    RegisterDatasetRequest,
-)
+from strata.events.requests import RegisterDatasetRequest
 from strata.services.leases import Leases
 from strata.sharding import DatasetSpec, Plan
 
