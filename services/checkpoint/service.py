@@ -6,7 +6,9 @@ its ack (an RPC, once the write returned) is checked against the step, and the s
 the event log holds only what the service decided, and no request names a file the service then
 touches. The service reacts when an ack is folded in. Completing a step checks that storage holds
 every acked shard at its acked size, writes the manifest to the job's storage root, then records
-`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it).
+`checkpoint.committed` (the manifest is written first, so a crash in between only re-writes it):
+the adapter reads the sizes, and the domain decides the rest in one plan (`settle_commit`), which
+the adapter executes (`_execute`).
 An abort records `checkpoint.aborted`, then removes the step's files under the job's root; the
 root and retention of a job are fixed by its first checkpoint. After a restart, open steps that
 completed or lost a participant meanwhile are settled before going live. A writer whose shard
@@ -23,7 +25,7 @@ service decides on its own (commit, abort, prune) is stored the same way (`publi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -33,6 +35,7 @@ from strata.config import Settings
 from strata.errors import NotFound, StrataError
 from strata.events import (
     CheckpointAborted,
+    CheckpointCommitted,
     CheckpointShardSaved,
     WorkerFailed,
     WorkerLeft,
@@ -52,15 +55,10 @@ from strata.events.requests import (
     ShardFailedRequest,
 )
 from strata.services.checkpoint import domain
-from strata.services.checkpoint.domain import (
-    BatchDecision,
-    CheckpointState,
-    Command,
-    OpenCheckpoint,
-)
+from strata.services.checkpoint.domain import BatchDecision, CheckpointState, Command
 from strata.services.commit import MAX_BATCH, GroupCommit
 from strata.services.projection import Projection
-from strata.storage import StorageBackend, manifest_key, open_storage
+from strata.storage import StorageBackend, open_storage
 
 log = structlog.get_logger("strata.checkpoint")
 
@@ -124,7 +122,7 @@ class Checkpoints(Projection[CheckpointState]):
                 for opened in list(job.open.values()):
                     gone = [w for w in opened.participants if w not in job.live]
                     if opened.complete():
-                        await self._commit(job.job, opened)
+                        await self._commit(job.job, opened.step)
                     elif gone:
                         await self._abort(
                             domain.member_gone(
@@ -260,32 +258,23 @@ class Checkpoints(Projection[CheckpointState]):
         # Only acks this service recorded (see `_ack`) reach here: a step no longer open was
         # settled by its commit or abort already, and has nothing left to do.
         async with self.lock:
-            opened = self.state.job(ack.job).open.get(ack.step)
-            if opened is not None and opened.complete():
-                await self._commit(ack.job, opened)
+            await self._commit(ack.job, ack.step)
 
-    async def _commit(self, job: str, opened: OpenCheckpoint) -> None:
-        root = domain.storage_root(self.state.job(job), opened.root_uri)
-        storage = self.storage(root)
-        problem = domain.storage_problem(opened, await self._stored_sizes(storage, opened))
-        if problem is not None:
-            await self._abort([domain.aborted(job, opened, problem, self.now_ns())])
+    async def _commit(self, job: str, step: int) -> None:
+        """Commit `step` if every rank has acked: storage is asked for the acked shards' sizes,
+        the domain decides the rest at once (`domain.settle_commit`), and the plan is executed."""
+        check = domain.commit_check(self.state, job, step)
+        if check is None:
             return
-        now = self.now_ns()
-        manifest = domain.manifest(opened, job, now)
-        key = manifest_key(job, opened.step)
-        await storage.write(key, manifest.model_dump_json(indent=2).encode())
-        await self.publish_all([domain.committed(job, opened, storage.uri(key), now)])
-        log.info("checkpoint_committed", job=job, step=opened.step, bytes=manifest.total_bytes)
-        # Files first, then the record: a crash in between leaves a step that is pruned again.
-        old = domain.to_prune(self.state.job(job))
-        for checkpoint in old:
-            await self._cleanup(domain.step_files(self.state.job(job), checkpoint.step, root))
-        await self.publish_all([domain.pruned(job, c, self.now_ns()) for c in old])
+        storage = self.storage(check.root_uri)
+        sizes = await self._stored_sizes(storage, check.keys)
+        await self._execute(
+            domain.settle_commit(self.state, check, sizes, storage.root_uri, self.now_ns())
+        )
 
     @staticmethod
     async def _stored_sizes(
-        storage: StorageBackend, opened: OpenCheckpoint
+        storage: StorageBackend, keys: Mapping[int, str]
     ) -> dict[int, int | None]:
         """Rank -> the size storage holds under its acked key (None: nothing there)."""
         limit = asyncio.Semaphore(SIZE_CHECKS_IN_FLIGHT)
@@ -294,8 +283,8 @@ class Checkpoints(Projection[CheckpointState]):
             async with limit:
                 return await storage.size(key)
 
-        ranks = sorted(opened.acks)
-        sizes = await asyncio.gather(*(size(opened.acks[rank].key) for rank in ranks))
+        ranks = sorted(keys)
+        sizes = await asyncio.gather(*(size(keys[rank]) for rank in ranks))
         return dict(zip(ranks, sizes, strict=True))
 
     async def _abort(self, events: list[Event]) -> None:
@@ -303,19 +292,25 @@ class Checkpoints(Projection[CheckpointState]):
 
     async def record(self, events: Sequence[Event]) -> None:
         """Store `events` pipelined and wait until they are folded in; then remove the files of
-        the steps they abort (asked before the aborts are folded, while those steps are open)."""
-        orphans = {
-            files: None
-            for event in events
-            if isinstance(event, CheckpointAborted)
-            and (files := domain.orphaned_by(self.state, event)) is not None
-        }
-        await self.publish_all(events)
-        for event in events:
-            if isinstance(event, CheckpointAborted):
+        the steps they abort (`domain.recording`)."""
+        await self._execute(domain.recording(self.state, events))
+
+    async def _execute(self, plan: domain.StoragePlan) -> None:
+        """Carry out a plan the domain made, in its order (`domain.StoragePlan`)."""
+        if plan.write is not None:
+            data = plan.write.manifest.model_dump_json(indent=2).encode()
+            await self.storage(plan.write.root_uri).write(plan.write.key, data)
+        await self.publish_all(plan.record)
+        for event in plan.record:
+            if isinstance(event, CheckpointCommitted):
+                log.info(
+                    "checkpoint_committed", job=event.job, step=event.step, bytes=event.total_bytes
+                )
+            elif isinstance(event, CheckpointAborted):
                 log.warning("checkpoint_aborted", job=event.job, reason=event.reason)
-        for files in orphans:
+        for files in plan.delete:
             await self._cleanup(files)
+        await self.publish_all(plan.record_after)
 
     async def _cleanup(self, files: domain.StepFiles) -> None:
         """Remove the files of an aborted or pruned step (`domain.step_files`); a failure is
