@@ -37,6 +37,7 @@ from strata.events.requests import (
     ArriveRequest,
     BarrierOutcome,
     GetShardsRequest,
+    Lease,
     RegisterDatasetRequest,
     RegisterRequest,
     Registration,
@@ -63,6 +64,7 @@ class Stack:
         self.bus: Bus | None = None
         self.job = f"bench-{uuid.uuid4().hex[:6]}"
         self.barriers = 0
+        self.lease: Lease | None = None
 
     async def start(self) -> None:
         self.server.start()
@@ -74,13 +76,15 @@ class Stack:
             self.services.append(service)
         self.bus = await Bus.connect(self.server.url, deadline=30)
         rpc = self.rpc("b0")
-        await rpc.call(
+        registration = await rpc.call(
             "registry",
             "register",
             RegisterRequest(job=self.job, instance="p-b0", worker_id="b0"),
             result=Registration,
             retry_for=TIMEOUT,
         )
+        # Shard reads carry the registration as their lease, as the SDK's do.
+        self.lease = Lease(worker_id="b0", instance="p-b0", epoch=registration.lease_epoch)
         await rpc.call(
             "sharding",
             "register_dataset",
@@ -131,7 +135,9 @@ class Stack:
         await self.rpc("b0").call(
             "sharding",
             "get_shards",
-            GetShardsRequest(job=self.job, dataset_id="data", worker_id="b0", epoch=0),
+            GetShardsRequest(
+                job=self.job, dataset_id="data", worker_id="b0", epoch=0, lease=self.lease
+            ),
             result=ShardAssignment,
         )
 
