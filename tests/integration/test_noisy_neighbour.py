@@ -3,8 +3,9 @@
 Job A, from a process of its own (`flood.py`), sends `members` requests to the registry and
 `ping`s to the barrier as one of its workers, and `get_shards` requests for its 400,000-shard
 dataset with no reply subject, in floods of 50,000 of each. Job B meanwhile registers workers,
-meets at barriers and reads its shards; its latencies are measured in quiet phases (the baseline)
-and flood phases, alternating in the same test, so a change in the machine's load lands on both.
+meets at barriers, reads its shards and begins checkpoints; its latencies are measured in quiet
+phases (the baseline) and flood phases, alternating in the same test, so a change in the
+machine's load lands on both.
 B loses nothing, A is told why it is refused (`rate_limited`, `busy`, `quota_exceeded`), the
 services count what they refused and dropped on their `/metrics`, and no service's peak resident
 memory passes its bound (`RSS_BOUND_MB`, stated in docs/operations.md).
@@ -38,6 +39,8 @@ from strata.errors import QuotaExceeded
 from strata.events.requests import (
     ArriveRequest,
     BarrierOutcome,
+    BeginCheckpointRequest,
+    CheckpointInfo,
     GetShardsRequest,
     Lease,
     MembersResult,
@@ -59,8 +62,8 @@ BIG_DATASET_SHARDS = 400_000
 BASELINE_ROUNDS = 15
 MIN_ROUNDS_DURING = 5
 CALL_TIMEOUT = 10.0
-SERVICES = ("registry", "sharding", "barrier")
-RSS_BOUND_MB = {"registry": 256, "sharding": 512, "barrier": 256}
+SERVICES = ("registry", "sharding", "barrier", "checkpoint")
+RSS_BOUND_MB = {"registry": 256, "sharding": 512, "barrier": 256, "checkpoint": 256}
 """Each service's peak resident memory over the whole suite (start, A's 400,000-shard plan and
 its pages, the floods): docs/operations.md states the same bounds."""
 
@@ -94,19 +97,21 @@ def metric_total(service: ServiceProcess, name: str, **labels: str) -> float:
 
 
 class JobB:
-    """The quiet job: one live worker (b0) that meets at barriers and reads its shards, and
-    fresh registrations, each call timed."""
+    """The quiet job: one live worker (b0) that meets at barriers, reads its shards and begins
+    checkpoints, and fresh registrations, each call timed."""
 
-    def __init__(self, bus: Bus, job: str, lease: Lease) -> None:
+    def __init__(self, bus: Bus, job: str, lease: Lease, root_uri: str) -> None:
         self.bus = bus
         self.job = job
         self.lease = lease
+        self.root_uri = root_uri
         self.rpc = RpcClient(bus.nc, timeout=CALL_TIMEOUT)
         self.registered: list[str] = []
         self.barriers = 0
 
     async def timed_round(self) -> list[float]:
-        """One registration, one barrier, one get_shards; their latencies in seconds."""
+        """One registration, one barrier, one get_shards, one checkpoint begin; their latencies
+        in seconds."""
         latencies = []
         worker = f"b-{uuid.uuid4().hex[:10]}"
         started = time.perf_counter()
@@ -150,6 +155,27 @@ class JobB:
         )
         latencies.append(time.perf_counter() - started)
         assert shards.total_shards > 0
+
+        started = time.perf_counter()
+        opened = await as_b0.call(
+            "checkpoint",
+            "begin",
+            BeginCheckpointRequest(
+                job=self.job,
+                worker_id="b0",
+                step=self.barriers,
+                epoch=0,
+                root_uri=self.root_uri,
+                world_size=1,
+                membership_epoch=self.lease.epoch,
+                instance=self.lease.instance,
+                lease=self.lease,
+                save_id=f"save-{self.barriers}",
+            ),
+            result=CheckpointInfo,
+        )
+        latencies.append(time.perf_counter() - started)
+        assert (opened.step, opened.status) == (self.barriers, "open")
         return latencies
 
 
@@ -205,7 +231,7 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
         await AsyncDatasetRegistry(quiet).register_dataset(
             "small", total_samples=1_000, shard_size=10, shuffle=True, seed=2
         )
-        job = JobB(quiet_bus, job_b, quiet.lease)
+        job = JobB(quiet_bus, job_b, quiet.lease, (tmp_path / "checkpoints").as_uri())
         await job.timed_round()  # warm: the epoch is planned, the connections are up
 
         baseline: list[list[float]] = []
@@ -263,7 +289,7 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
         for name, peak in peaks.items():
             assert peak <= RSS_BOUND_MB[name], (name, peaks)
 
-        per_call = ("register", "barrier", "get_shards")
+        per_call = ("register", "barrier", "get_shards", "checkpoint begin")
         report = []
         for index, name in enumerate(per_call):
             before = [round_[index] for round_ in baseline]
