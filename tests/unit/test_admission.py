@@ -181,6 +181,7 @@ def test_a_noisy_worker_spends_its_own_budget_and_its_jobs_budget_is_separate() 
     assert refused is not None
     assert refused.code == "rate_limited"
     assert "STRATA_RPC_WORKER_RATE" in refused.message
+    assert "coordinator.admission.workerRate" in refused.message  # the chart's name for it
     assert "'w0'" in refused.message
     # Another worker of the job, and another job, still get in.
     assert admission.admit("a", "w1", 0.0) is None
@@ -198,6 +199,7 @@ def test_a_job_spread_over_many_workers_meets_its_jobs_budget() -> None:
     assert refused is not None
     assert refused.code == "rate_limited"
     assert "STRATA_RPC_JOB_RATE" in refused.message
+    assert "coordinator.admission.jobRate" in refused.message
     assert "job 'a'" in refused.message
     assert admission.admit("b", "w0", 0.0) is None
 
