@@ -76,6 +76,7 @@ class Projection(Generic[S]):
         self.live = False
         # A service without reactions does not pay a queued no-op per event it folds.
         self._reacts = type(self).on_applied is not Projection.on_applied
+        self._prepares = type(self).prepare_fold is not Projection.prepare_fold
         self._restored: JobSnapshots | None = None
         """The per-job snapshot restored, while the feed is still below what it covers."""
         self._unconfirmed: set[str] = set()
@@ -121,6 +122,10 @@ class Projection(Generic[S]):
             pending_msgs=settings.rpc_sub_pending_msgs,
             pending_bytes=settings.rpc_sub_pending_mb * 1024 * 1024,
         )
+
+    async def prepare_fold(self, event: Event) -> None:
+        """Work the fold of `event` needs that may run off the event loop (a thread), done just
+        before `evolve` folds it; nothing else is folded meanwhile. By default, none."""
 
     async def on_applied(self, event: Event) -> None:
         """Called after an event was folded in (for reactions such as re-planning)."""
@@ -251,6 +256,11 @@ class Projection(Generic[S]):
                     # Folded already into the job's part of the snapshot.
                     self.last_seq = delivered.seq
                     continue
+            if self._prepares:
+                try:
+                    await self.prepare_fold(delivered.event)
+                except Exception:  # the fold computes what was not prepared itself
+                    log.exception("fold_not_prepared", service=self.name, seq=delivered.seq)
             try:
                 self.state = self.evolve(self.state, delivered.event)
             except Exception:  # one event the domain cannot take must not stop the projection

@@ -229,13 +229,14 @@ class Admission:
                 f"worker {worker!r} of job {job!r} sent {self.service} more than "
                 f"{self.limits.worker_rate:g} requests/s (bursts of {self.limits.worker_burst}); "
                 "slow down and retry, or raise STRATA_RPC_WORKER_RATE / STRATA_RPC_WORKER_BURST "
-                "on the service",
+                "on the service (chart: coordinator.admission.workerRate / workerBurst)",
             )
         return Refusal(
             "rate_limited",
             f"job {job!r} sent {self.service} more than {self.limits.job_rate:g} requests/s "
             f"(bursts of {self.limits.job_burst}); slow down and retry, or raise "
-            "STRATA_RPC_JOB_RATE / STRATA_RPC_JOB_BURST on the service",
+            "STRATA_RPC_JOB_RATE / STRATA_RPC_JOB_BURST on the service (chart: "
+            "coordinator.admission.jobRate / jobBurst)",
         )
 
     def busy(self, job: str, queued: int, total: int) -> Refusal:
@@ -246,10 +247,12 @@ class Admission:
             return Refusal(
                 "busy",
                 f"{self.service} already holds {limits.job_pending} requests of {who} waiting "
-                "to be served; retry later, or raise STRATA_RPC_JOB_PENDING on the service",
+                "to be served; retry later, or raise STRATA_RPC_JOB_PENDING on the service (chart: "
+                "coordinator.admission.jobPending)",
             )
         return Refusal(
             "busy",
             f"{self.service} already holds {limits.max_pending} requests waiting to be served; "
-            "retry later, or raise STRATA_RPC_MAX_PENDING on the service",
+            "retry later, or raise STRATA_RPC_MAX_PENDING on the service (chart: "
+            "coordinator.admission.maxPending)",
         )

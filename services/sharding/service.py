@@ -11,6 +11,7 @@ re-plan the latest epoch of every dataset of the job at once, not on the next re
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -39,11 +40,15 @@ from strata.services.domain import Decision
 from strata.services.projection import Projection
 from strata.services.sharding import domain
 from strata.services.sharding.domain import Command, ShardingState
+from strata.sharding.plan import PREPARED, Plan, frozen, initial_plan, replan
 
 log = structlog.get_logger("strata.sharding")
 
 RPC_CONCURRENCY = 4096
 """Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
+PLAN_OFF_LOOP_SHARDS = 50_000
+"""Datasets of at least this many shards are planned in the planner thread before their plan
+event is folded (`prepare_fold`); smaller ones take less than a thread's round trip."""
 
 
 class Sharding(Projection[ShardingState]):
@@ -69,6 +74,9 @@ class Sharding(Projection[ShardingState]):
         self.commits: GroupCommit[Command, Decision[None]] = GroupCommit(
             self, self._decide_all, max_batch=max_batch, prepare=self._catch_up
         )
+        # One plan at a time: the feed folds one event at a time anyway, and a second thread
+        # would only take a core from the requests.
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-planner")
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self.limits = domain.ShardingLimits(
@@ -93,9 +101,55 @@ class Sharding(Projection[ShardingState]):
         if self._rpc is not None:
             await self._rpc.stop()
 
+    async def prepare_fold(self, event: Event) -> None:
+        """Plan a large dataset's epoch in the planner thread, before its `shard.plan_changed`
+        is folded: the fold then takes the plan computed here (`strata.sharding.plan.PREPARED`)
+        instead of holding the event loop, and with it every other job's requests, for the
+        fraction of a second a plan of up to a million shards takes. The plan is the same pure
+        function of the same inputs either way; nothing else is folded while it is computed."""
+        if not isinstance(event, ShardPlanChanged):
+            return
+        job = self.state.jobs.get(event.job)
+        spec = job.datasets.get(event.dataset_id) if job is not None else None
+        if job is None or spec is None or spec.num_shards < PLAN_OFF_LOOP_SHARDS:
+            return
+        if not event.members:
+            return
+        loop = asyncio.get_running_loop()
+        current = job.plans.get((event.dataset_id, event.epoch))
+        if current is None:
+            plan = await loop.run_in_executor(
+                self._planner, initial_plan, spec, event.epoch, event.members
+            )
+            PREPARED.put_initial(spec, event.epoch, event.members, plan)
+        else:
+            await self._prepare_replan(current.plan, event.members)
+
+    async def _prepare_replan(self, plan: Plan, members: list[str]) -> None:
+        made_from = frozen(plan)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._planner, replan, made_from, members)
+        PREPARED.put_replan(plan, members, result, made_from)
+
+    async def _prepare_membership_replans(self, job_id: str) -> None:
+        """The re-plans a membership change calls for (each counts the shards it moves), made in
+        the planner thread for the job's large datasets before the domain decides them."""
+        job = self.state.jobs.get(job_id)
+        if job is None or not job.live:
+            return
+        members = sorted(job.live)
+        for dataset_id, spec in sorted(job.datasets.items()):
+            epoch = job.latest_epoch(dataset_id)
+            current = job.plans.get((dataset_id, epoch)) if epoch is not None else None
+            if current is None or spec.num_shards < PLAN_OFF_LOOP_SHARDS:
+                continue
+            if current.plan.members != members:
+                await self._prepare_replan(current.plan, members)
+
     async def on_applied(self, event: Event) -> None:
         if isinstance(event, WorkerRegistered | WorkerFailed | WorkerLeft):
             async with self.lock:
+                await self._prepare_membership_replans(event.job)
                 events = domain.replan_after_membership_change(self.state, event.job, self.now_ns())
                 await self._apply(events)
 

@@ -985,6 +985,88 @@ def test_the_services_get_the_rendezvous_quota_of_every_job(render: Render) -> N
     assert "STRATA_RENDEZVOUS_JOBS" not in _env(gateway)
 
 
+ADMISSION_ENV = {
+    "STRATA_RPC_ADMISSION": "rpc_admission",
+    "STRATA_RPC_JOB_RATE": "rpc_job_rate",
+    "STRATA_RPC_JOB_BURST": "rpc_job_burst",
+    "STRATA_RPC_WORKER_RATE": "rpc_worker_rate",
+    "STRATA_RPC_WORKER_BURST": "rpc_worker_burst",
+    "STRATA_RPC_JOB_PENDING": "rpc_job_pending",
+    "STRATA_RPC_MAX_PENDING": "rpc_max_pending",
+    "STRATA_RPC_JOB_INFLIGHT": "rpc_job_inflight",
+    "STRATA_RPC_SUB_PENDING_MSGS": "rpc_sub_pending_msgs",
+    "STRATA_RPC_SUB_PENDING_MB": "rpc_sub_pending_mb",
+}
+QUOTA_ENV = {
+    "STRATA_MAX_DATASETS_PER_JOB": "max_datasets_per_job",
+    "STRATA_MAX_SHARDS_PER_DATASET": "max_shards_per_dataset",
+}
+
+
+def _settings_from(env: dict[str, Any]) -> Any:
+    """The settings a service reads from the STRATA_ variables the chart gives its container."""
+    return load_settings(
+        **{
+            name.removeprefix("STRATA_").lower(): value
+            for name, value in env.items()
+            if name in ADMISSION_ENV or name in QUOTA_ENV
+        }
+    )
+
+
+def test_every_service_gets_the_admission_limits_and_the_chart_defaults_are_the_code_defaults(
+    render: Render,
+) -> None:
+    """The chart's defaults are the services' own (sized for a 1,000-worker job): a service run
+    by the chart and one run by `strata up` refuse the same requests."""
+    rendered = render()
+    defaults = load_settings()
+    for service in ("registry", "sharding", "barrier", "checkpoint"):
+        (container,) = _containers(rendered.get("Deployment", _name(service)))
+        env = _env(container)
+        assert set(ADMISSION_ENV) <= set(env), service
+        assert (set(QUOTA_ENV) <= set(env)) == (service == "sharding"), service
+        settings = _settings_from(env)
+        for field in (*ADMISSION_ENV.values(), *QUOTA_ENV.values()):
+            assert getattr(settings, field) == getattr(defaults, field), (service, field)
+        assert settings.admission_limits() == defaults.admission_limits()
+    (gateway,) = _containers(rendered.get("Deployment", _name("gateway")))
+    assert not set(ADMISSION_ENV) & set(_env(gateway))
+
+
+def test_the_admission_limits_and_quotas_are_values(render: Render) -> None:
+    rendered = render(
+        "coordinator.admission.jobRate=750",
+        "coordinator.admission.jobBurst=1500",
+        "coordinator.admission.workerRate=50",
+        "coordinator.admission.workerBurst=80",
+        "coordinator.admission.jobPending=100",
+        "coordinator.admission.maxPending=1000",
+        "coordinator.admission.jobInflight=2048",
+        "coordinator.admission.subscriptionPendingMessages=4096",
+        "coordinator.admission.subscriptionPendingMB=8",
+        "coordinator.quotas.datasetsPerJob=4",
+        "coordinator.quotas.shardsPerDataset=20000",
+    )
+    (sharding,) = _containers(rendered.get("Deployment", _name("sharding")))
+    settings = _settings_from(_env(sharding))
+    limits = settings.admission_limits()
+    assert limits is not None
+    assert (limits.job_rate, limits.job_burst, limits.worker_rate, limits.worker_burst) == (
+        750.0,
+        1500,
+        50.0,
+        80,
+    )
+    assert (limits.job_pending, limits.max_pending, limits.job_inflight) == (100, 1000, 2048)
+    assert (settings.rpc_sub_pending_msgs, settings.rpc_sub_pending_mb) == (4096, 8)
+    assert (settings.max_datasets_per_job, settings.max_shards_per_dataset) == (4, 20_000)
+
+    off = render("coordinator.admission.enabled=false")
+    (barrier,) = _containers(off.get("Deployment", _name("barrier")))
+    assert _settings_from(_env(barrier)).admission_limits() is None
+
+
 def test_the_services_metrics_port_admits_only_what_scrapes_it(render: Render) -> None:
     """The services' /metrics name jobs: by default nothing but the node's probes reaches
     their pods; `networkPolicy.metricsFrom` lets Prometheus in, on the health port only."""
@@ -1055,6 +1137,12 @@ def test_the_gateway_gets_the_replay_bounds(render: Render) -> None:
         (("nats.routeAuth.enabled=maybe",), "nats.routeAuth.enabled"),
         (("coordinator.services.registry.partitions=0",), "partitions"),
         (("coordinator.services.registry.partitions=257",), "partitions"),
+        (("coordinator.admission.jobRate=0",), "coordinator.admission.jobRate"),
+        (("coordinator.admission.workerBurst=-5",), "coordinator.admission.workerBurst"),
+        (("coordinator.admission.enabled=maybe",), "coordinator.admission.enabled"),
+        (("coordinator.admission.jobPending=lots",), "coordinator.admission.jobPending"),
+        (("coordinator.quotas.shardsPerDataset=2000000",), "coordinator.quotas.shardsPerDataset"),
+        (("coordinator.quotas.datasetsPerJob=0",), "coordinator.quotas.datasetsPerJob"),
     ],
 )
 def test_schema_rejects_wrong_values(helm: Path, settings: tuple[str, ...], complaint: str) -> None:

@@ -6,6 +6,7 @@ It also keeps to what it was told: every port of every child binds `--host` alon
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,8 +19,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats
 import pytest
 from strata import procutil
+from strata.bus import Caller, RpcClient
+from strata.errors import RateLimited
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
@@ -121,10 +125,13 @@ def _wait_until(condition: object, timeout: float, what: str) -> None:
 
 @pytest.fixture
 def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    secure = ["--secure"] if getattr(request, "param", False) else []
+    # The parameter, when given: True for --secure, or a dict of "secure" and extra "env".
+    param = getattr(request, "param", False)
+    options = param if isinstance(param, dict) else {"secure": param}
+    secure = ["--secure"] if options.get("secure") else []
     http_port, nats_port = procutil.free_ports(2)
     log = tmp_path / "up.log"
-    env = {**os.environ, "STRATA_LOG_FORMAT": "json"}
+    env = {**os.environ, "STRATA_LOG_FORMAT": "json", **options.get("env", {})}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
@@ -348,3 +355,56 @@ def test_up_refuses_an_impossible_number_of_registry_partitions(tmp_path: Path) 
     assert result.returncode == 1
     assert "config_invalid" in result.stderr
     assert "--registry-partitions must be 1 to 256, not 0" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [{"env": {"STRATA_RPC_WORKER_RATE": "0.001", "STRATA_RPC_WORKER_BURST": "2"}}],
+    indirect=True,
+)
+def test_up_gives_its_services_the_admission_limits_of_its_environment(stack: Stack) -> None:
+    """`strata up` takes the same STRATA_RPC_* settings as the chart's services: a worker with a
+    budget of two requests is refused the third."""
+
+    async def pings() -> list[str]:
+        nc = await nats.connect(f"nats://127.0.0.1:{stack.nats_port}")
+        try:
+            rpc = RpcClient(nc, caller=Caller("limited", "w0"))
+            outcomes = []
+            for _ in range(4):
+                try:
+                    await rpc.call("registry", "ping", {}, retry_for=10.0 if not outcomes else 0)
+                    outcomes.append("ok")
+                except RateLimited as refused:
+                    outcomes.append(refused.message)
+            return outcomes
+        finally:
+            await nc.close()
+
+    outcomes = asyncio.run(pings())
+    assert outcomes[:2] == ["ok", "ok"]
+    assert len(outcomes) == 4
+    for refusal in outcomes[2:]:
+        assert "sent registry more than 0.001 requests/s (bursts of 2)" in refusal
+        assert "STRATA_RPC_WORKER_RATE" in refusal
+
+
+def test_up_refuses_an_impossible_admission_limit_before_starting(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata",
+            "up",
+            *("--nats-port", str(procutil.free_port())),
+            *("--http-port", str(procutil.free_port())),
+            *("--data-dir", str(tmp_path / "data")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "STRATA_RPC_JOB_RATE": "0"},
+    )
+    assert result.returncode == 1
+    assert "STRATA_RPC_JOB_RATE" in result.stderr
+    assert not (tmp_path / "data" / "nats").exists()

@@ -141,6 +141,35 @@ def test_the_fair_queue_loses_and_reorders_nothing_within_a_job(
     assert popped == pushed
 
 
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 3)), max_size=300))
+def test_a_waiting_job_is_served_before_any_other_job_is_served_twice(
+    script: list[tuple[str, int]],
+) -> None:
+    """However long one job's backlog, a job with a request waiting gets the next turn but at
+    most one of each other job waiting: the queues are drained fairly."""
+    queue: FairQueue[str, int] = FairQueue(per_key=1_000, total=10_000)
+    passed: dict[str, int] = {}
+    """For each job waiting: the pops of other jobs since it was last served or began to wait."""
+    for n, (key, pops) in enumerate(script):
+        if queue.queued(key) == 0:
+            passed[key] = 0
+        assert queue.push(key, n)
+        for _ in range(pops):
+            got = queue.pop()
+            assert got is not None
+            served = got[0]
+            for waiting in list(passed):
+                if waiting == served:
+                    passed[waiting] = 0
+                elif queue.queued(waiting):
+                    passed[waiting] += 1
+                    assert passed[waiting] <= len("abcd") - 1, (waiting, passed)
+            if not queue.queued(served):
+                del passed[served]
+            if not queue:
+                break
+
+
 # -- refusals --------------------------------------------------------------------------------------
 
 
@@ -152,6 +181,7 @@ def test_a_noisy_worker_spends_its_own_budget_and_its_jobs_budget_is_separate() 
     assert refused is not None
     assert refused.code == "rate_limited"
     assert "STRATA_RPC_WORKER_RATE" in refused.message
+    assert "coordinator.admission.workerRate" in refused.message  # the chart's name for it
     assert "'w0'" in refused.message
     # Another worker of the job, and another job, still get in.
     assert admission.admit("a", "w1", 0.0) is None
@@ -169,6 +199,7 @@ def test_a_job_spread_over_many_workers_meets_its_jobs_budget() -> None:
     assert refused is not None
     assert refused.code == "rate_limited"
     assert "STRATA_RPC_JOB_RATE" in refused.message
+    assert "coordinator.admission.jobRate" in refused.message
     assert "job 'a'" in refused.message
     assert admission.admit("b", "w0", 0.0) is None
 

@@ -148,6 +148,80 @@ class Plan:
         self.mark_done(completed)
 
 
+class PreparedPlans:
+    """Plans computed ahead of the call that needs them, handed to that call.
+
+    A service folds a plan event on its event loop, and planning a large dataset takes a good
+    fraction of a second there; so it computes the plan first in a thread (the sharding service's
+    planner, `strata.services.sharding.service`) and puts the result here, and the `initial_plan`
+    or `replan` that the fold then calls takes it instead of computing it again, provided its
+    inputs are exactly those the result was computed from (the same dataset, epoch and members;
+    for a re-plan, the same plan object at the same version and progress). Anything else is
+    computed as ever, so the result is the same function of the same inputs either way. An entry
+    is taken once, and the few newest untaken are kept (`keep`), so a prediction that no call
+    took costs a bounded amount of memory.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        """Results kept of each kind: the oldest untaken one goes first."""
+        self._initial: dict[tuple[DatasetSpec, int, tuple[str, ...]], Plan] = {}
+        self._replans: dict[tuple[int, tuple[str, ...]], tuple[Plan, int, Any, Plan, int]] = {}
+        self.taken = 0
+        """Results handed to a call (for tests and metrics)."""
+
+    def put_initial(
+        self, spec: DatasetSpec, epoch: int, members: Sequence[str], plan: Plan
+    ) -> None:
+        self._initial[(spec, epoch, tuple(_check_members(members)))] = plan
+        while len(self._initial) > self.keep:
+            del self._initial[next(iter(self._initial))]
+
+    def put_replan(
+        self, plan: Plan, members: Sequence[str], result: tuple[Plan, int], made_from: Plan
+    ) -> None:
+        """`result` is `replan(made_from, members)`, where `made_from` is `plan` as it was
+        (`frozen`): it is taken only while `plan` is still at that version and progress."""
+        key = (id(plan), tuple(_check_members(members)))
+        self._replans[key] = (plan, made_from.version, made_from.done, *result)
+        while len(self._replans) > self.keep:
+            del self._replans[next(iter(self._replans))]
+
+    def take_initial(self, spec: DatasetSpec, epoch: int, members: list[str]) -> Plan | None:
+        found = self._initial.pop((spec, epoch, tuple(members)), None)
+        if found is not None:
+            self.taken += 1
+        return found
+
+    def take_replan(self, plan: Plan, members: list[str]) -> tuple[Plan, int] | None:
+        found = self._replans.pop((id(plan), tuple(members)), None)
+        if found is None:
+            return None
+        source, version, done, result, moved = found
+        if source is not plan or version != plan.version or not np.array_equal(done, plan.done):
+            return None
+        self.taken += 1
+        return result, moved
+
+
+def frozen(plan: Plan) -> Plan:
+    """A copy of `plan` that a thread may plan from while `plan` changes: only its progress
+    (`done`) and version change in place, so those are copied and the rest shared."""
+    return Plan(
+        plan.dataset,
+        plan.epoch,
+        list(plan.members),
+        plan.owner,
+        plan.position,
+        version=plan.version,
+        done=plan.done.copy(),
+    )
+
+
+PREPARED = PreparedPlans()
+"""The plans computed ahead for this process's next fold (see `PreparedPlans`)."""
+
+
 def _check_members(members: Sequence[str]) -> list[str]:
     ordered = sorted(set(members))
     if not ordered:
@@ -158,6 +232,9 @@ def _check_members(members: Sequence[str]) -> list[str]:
 def initial_plan(spec: DatasetSpec, epoch: int, members: Sequence[str]) -> Plan:
     """The epoch's first plan: its shard order dealt round-robin over the members."""
     ordered = _check_members(members)
+    prepared = PREPARED.take_initial(spec, epoch, ordered)
+    if prepared is not None:
+        return prepared
     order = shard_order(spec, epoch)
     position = np.empty_like(order)
     position[order] = np.arange(order.size, dtype=np.int64)
@@ -185,6 +262,9 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     new_members = _check_members(members)
     if new_members == plan.members and not plan.unowned():
         return plan, 0
+    prepared = PREPARED.take_replan(plan, new_members)
+    if prepared is not None:
+        return prepared
     new_index = {w: i for i, w in enumerate(new_members)}
     remap = np.array(
         [new_index.get(w, UNASSIGNED) for w in plan.members] + [UNASSIGNED], dtype=np.int64
