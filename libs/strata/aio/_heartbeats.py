@@ -30,6 +30,7 @@ class _Heartbeats(_WorkerCore):
     ) -> None:
         """Record what the worker is doing; a new state is announced at once, step and epoch
         alone ride on the next heartbeat (so calling this every step costs no messages)."""
+        self._check_tasks()
         if self._record_progress(state, step, epoch) and self._started:
             await self._beat()
 
