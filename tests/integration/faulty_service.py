@@ -33,7 +33,7 @@ async def _until(condition: Any, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():
         if time.monotonic() >= deadline:
-            raise SystemExit(f"faulty_service: timed out waiting for {what}")
+            raise TimeoutError(f"faulty_service: timed out waiting for {what}")
         await asyncio.sleep(POLL_S)
 
 
@@ -53,13 +53,18 @@ async def inject(service: Any, task_name: str, trigger: Path) -> None:
         return next((t for t in asyncio.all_tasks() if t.get_name() == full), None)
 
     await _until(lambda: target() is not None, f"the task {full}")
-    await _until(lambda: (task := target()) is not None and _waiting_on(task), f"{full} to wait")
     task = target()
     assert task is not None
-    waiter = _waiting_on(task)
-    assert waiter is not None
-    waiter.set_exception(InjectedFault(f"injected into {full}"))
+    await fail_task(task, InjectedFault(f"injected into {full}"))
     print(f"faulty_service: injected into {full}", flush=True)
+
+
+async def fail_task(task: asyncio.Task[Any], exc: BaseException) -> None:
+    """Make what `task` waits on raise `exc` (on the task's loop, once it waits on a future)."""
+    await _until(lambda: task.done() or _waiting_on(task) is not None, f"{task.get_name()} to wait")
+    waiter = _waiting_on(task)
+    assert waiter is not None, f"{task.get_name()} ended before the fault"
+    waiter.set_exception(exc)
 
 
 def main() -> None:
