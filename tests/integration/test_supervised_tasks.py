@@ -9,6 +9,7 @@ raises an exception nothing in the service expects).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,9 +24,13 @@ from typing import Any
 
 import pytest
 from strata import procutil
-from strata.config import Env
-from strata.services.runtime import EXIT_TASK_FAILED
+from strata._supervise import Supervisor
+from strata.bus import Bus
+from strata.config import Env, Settings, load_settings
+from strata.errors import BackgroundTaskFailed
+from strata.services.runtime import EXIT_TASK_FAILED, serve
 
+from tests.integration.faulty_service import InjectedFault
 from tests.support import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, POLL
 
 pytestmark = pytest.mark.nats
@@ -184,3 +189,37 @@ def test_a_task_that_dies_makes_the_service_unready_and_exit(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class WaitsForItsFeed:
+    """A service whose start waits for what its feed task would have done, and the feed dies."""
+
+    name = "waits-for-its-feed"
+    provisions_streams = True
+
+    def __init__(self) -> None:
+        self.tasks = Supervisor(self.name)
+        self.fed = asyncio.Event()
+
+    async def start(self, bus: Bus, settings: Settings) -> None:
+        async def feed() -> None:
+            raise InjectedFault("the feed died before the state was rebuilt")
+
+        self.tasks.spawn(feed(), "feed")
+        await self.fed.wait()
+
+    async def stop(self) -> None:
+        await self.tasks.stop()
+
+    def ready(self) -> tuple[bool, str]:
+        return self.tasks.status() if self.tasks.failure else (False, "starting")
+
+
+async def test_a_task_that_dies_during_start_ends_the_start(nats_url: str) -> None:
+    service = WaitsForItsFeed()
+    settings = load_settings(nats_url=nats_url, health_port=0, listen_host="127.0.0.1")
+    with pytest.raises(BackgroundTaskFailed) as raised:
+        await asyncio.wait_for(serve(service, settings, asyncio.Event()), DEADLINE_S)
+    assert isinstance(raised.value.__cause__, InjectedFault)
+    assert raised.value.details["task"] == "waits-for-its-feed-feed"
+    assert not service.fed.is_set()
