@@ -121,6 +121,7 @@ class Projection(Generic[S]):
             admission=settings.admission_limits(),
             pending_msgs=settings.rpc_sub_pending_msgs,
             pending_bytes=settings.rpc_sub_pending_mb * 1024 * 1024,
+            spawn=self.spawn,
         )
 
     async def on_applied(self, event: Event) -> None:

@@ -40,16 +40,17 @@ CHILD = Path(__file__).with_name("faulty_service.py")
 CHART = ROOT / "deploy" / "charts" / "strata" / "templates"
 DEADLINE_S = 60.0
 
-PROJECTION = ("feed", "reactions")
+SHARED = ("feed", "reactions", "status")
+"""Every service's: the projection's feed and reactions, the RPC server's status announcements."""
 CASES: list[tuple[str, str]] = [
-    *[("registry", task) for task in (*PROJECTION, "snapshots")],
+    *[("registry", task) for task in (*SHARED, "snapshots")],
     *[
         ("registry", task)
         for task in ("detector", "outbox", "notices", "commits", "worlds", "progress")
     ],
-    *[("sharding", task) for task in (*PROJECTION, "snapshots", "commits")],
-    *[("checkpoint", task) for task in (*PROJECTION, "commits", "timeouts")],
-    *[("barrier", task) for task in (*PROJECTION, "arrivals", "timeouts")],
+    *[("sharding", task) for task in (*SHARED, "snapshots", "commits")],
+    *[("checkpoint", task) for task in (*SHARED, "commits", "timeouts")],
+    *[("barrier", task) for task in (*SHARED, "arrivals", "timeouts")],
     *[("gateway", task) for task in ("events", "heartbeats", "metrics", "http")],
 ]
 
@@ -123,6 +124,7 @@ def test_the_probe_read_from_the_chart_is_the_readiness_endpoint() -> None:
     assert probe["timeout"] >= 1
 
 
+@pytest.mark.slow  # a service process per task
 @pytest.mark.parametrize(("service", "task"), CASES, ids=[f"{s}-{t}" for s, t in CASES])
 def test_a_task_that_dies_makes_the_service_unready_and_exit(
     nats_url: str, tmp_path: Path, service: str, task: str
