@@ -49,7 +49,6 @@ class Supervisor:
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run `coro` as the task `<owner>-<name>`, watched until it ends."""
-        self._stopping = False
         task = asyncio.create_task(coro, name=f"{self.owner}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._observe)
@@ -79,14 +78,18 @@ class Supervisor:
                 self._waiters.remove(waiter)
 
     async def stop(self) -> None:
-        """Cancel every task and wait for each to end. One that raises while it stops is
-        logged, not raised: the owner is going away."""
+        """Cancel every task (those spawned meanwhile too) and wait for each to end. One that
+        raises while it stops is logged, not raised: the owner is going away. The supervisor
+        can spawn again afterwards; a failure it kept stays kept."""
         self._stopping = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        try:
+            while self._tasks:
+                tasks = list(self._tasks)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks)
+        finally:
+            self._stopping = False
 
     def _observe(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
