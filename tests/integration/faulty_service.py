@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,16 +56,22 @@ async def inject(service: Any, task_name: str, trigger: Path) -> None:
     await _until(lambda: target() is not None, f"the task {full}")
     task = target()
     assert task is not None
-    await fail_task(task, InjectedFault(f"injected into {full}"))
+    await fail_task(task, lambda: InjectedFault(f"injected into {full}"))
     print(f"faulty_service: injected into {full}", flush=True)
 
 
-async def fail_task(task: asyncio.Task[Any], exc: BaseException) -> None:
-    """Make what `task` waits on raise `exc` (on the task's loop, once it waits on a future)."""
-    await _until(lambda: task.done() or _waiting_on(task) is not None, f"{task.get_name()} to wait")
-    waiter = _waiting_on(task)
-    assert waiter is not None, f"{task.get_name()} ended before the fault"
-    waiter.set_exception(exc)
+async def fail_task(task: asyncio.Task[Any], fault: Callable[[], BaseException]) -> None:
+    """Make what `task` waits on raise `fault()` (on the task's loop), until the task dies of
+    it: a fault that lands where the task expects errors (a publish inside its `try`) is
+    handled there, as it should be, and the next wait gets another."""
+    name = task.get_name()
+    while not task.done():
+        await _until(lambda: task.done() or _waiting_on(task) is not None, f"{name} to wait")
+        waiter = _waiting_on(task)
+        if waiter is None:
+            continue
+        # Done now, so the next round waits until the task has run and waits on another one.
+        waiter.set_exception(fault())
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ async def test_a_dead_task_is_raised_with_its_cause_by_the_next_call(
         t for t in worker._tasks.tasks if t.get_name().startswith(f"strata-worker-{task}")
     )
     with structlog.testing.capture_logs() as logs:
-        await fail_task(victim, InjectedFault(f"the {task} task's fault"))
+        await fail_task(victim, lambda: InjectedFault(f"the {task} task's fault"))
         await asyncio.wait([victim], timeout=DEADLINE_S)
     assert victim.done()
     for name, call in calls(worker).items():
@@ -92,10 +92,13 @@ def test_the_sync_worker_raises_it_too(registry: ServiceProcess, nats_url: str) 
         assert victim is not None
         loop = victim.get_loop()
         injected = asyncio.run_coroutine_threadsafe(
-            fail_task(victim, InjectedFault("the sync worker's heartbeats")), loop
+            fail_task(victim, lambda: InjectedFault("the sync worker's heartbeats")), loop
         )
         injected.result(DEADLINE_S)
-        support.wait_until(victim.done, DEADLINE_S, "the heartbeat task to end")
+        # Seen dead by its supervisor on the worker's loop thread, which is not this one.
+        support.wait_until(
+            lambda: worker.aio._tasks.failure is not None, DEADLINE_S, "the death to be seen"
+        )
         with pytest.raises(strata.BackgroundTaskFailed) as raised:
             worker.set_state("training", step=2)
         assert isinstance(raised.value.__cause__, InjectedFault)
