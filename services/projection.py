@@ -24,6 +24,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js.api import PubAck
 from nats.js.kv import KeyValue
+from strata._supervise import Supervisor
 from strata.bus import Bus, Delivered, EventFeed, RpcServer
 from strata.bus.connection import ConnectOptions, backoff_delays, connect, retry_transient
 from strata.bus.publish import MSG_ID
@@ -70,9 +71,9 @@ class Projection(Generic[S]):
         self._feed: EventFeed | None = None
         self._kv: KeyValue | None = None
         self._rpc_nc: NATS | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = Supervisor(self.name)
+        """Every task of this service: one that dies makes it unready and ends the process."""
         self._reactions: asyncio.Queue[Event] = asyncio.Queue()
-        self._wakers: set[asyncio.Task[None]] = set()
         self.live = False
         # A service without reactions does not pay a queued no-op per event it folds.
         self._reacts = type(self).on_applied is not Projection.on_applied
@@ -121,6 +122,7 @@ class Projection(Generic[S]):
             admission=settings.admission_limits(),
             pending_msgs=settings.rpc_sub_pending_msgs,
             pending_bytes=settings.rpc_sub_pending_mb * 1024 * 1024,
+            spawn=self.spawn,
         )
 
     async def prepare_fold(self, event: Event) -> None:
@@ -219,12 +221,7 @@ class Projection(Generic[S]):
     async def stop(self) -> None:
         self.live = False
         await self.before_stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await self.tasks.stop()
         if self._rpc_nc is not None:
             with contextlib.suppress(Exception):
                 await self._rpc_nc.close()
@@ -234,12 +231,13 @@ class Projection(Generic[S]):
         await self.save_snapshot()
 
     def ready(self) -> tuple[bool, str]:
+        if self.tasks.failure is not None:
+            return self.tasks.status()
         return (True, "ok") if self.live else (False, "rebuilding state from the stream")
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=f"{self.name}-{name}")
-        self._tasks.append(task)
-        return task
+        """Run `coro` for this service, supervised (`self.tasks`)."""
+        return self.tasks.spawn(coro, name)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -296,9 +294,7 @@ class Projection(Generic[S]):
         # Messages are taken in order, so every valid event before this one is folded in already.
         assert self._feed is not None
         self.last_seq = max(self.last_seq, self._feed.position)
-        task = asyncio.create_task(self._wake_waiters())
-        self._wakers.add(task)
-        task.add_done_callback(self._wakers.discard)
+        self.spawn(self._wake_waiters(), "wake")
 
     async def _wake_waiters(self) -> None:
         async with self._applied:

@@ -2,6 +2,12 @@
 
 Every service implements `Service` and is started by `run` (from its `__main__` or from
 `strata serve <name>`); the runtime owns everything that is the same for all of them.
+
+A service's background tasks are supervised (`Service.tasks`): the runtime waits on SIGTERM and on
+them alike, whichever comes first. A task that dies of an exception nothing handles makes the
+service unready at once (`/readyz` answers 503 with the task's name), is logged with its
+traceback, and the process stops as it would on SIGTERM and then exits with `EXIT_TASK_FAILED`:
+the orchestrator starts it again, and the new process rebuilds its state from the stream.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ import contextlib
 import functools
 import gc
 import signal
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Final, Protocol
 
 import nats.js.errors
 import structlog
+from strata._supervise import Supervisor
 from strata.bus import Bus, strata_streams
 from strata.bus.connection import retry_transient
 from strata.config import Settings
+from strata.errors import BackgroundTaskFailed
 from strata.logs import bind, configure_logging
 from strata.services.health import HealthServer
 
@@ -27,11 +36,16 @@ GC_THRESHOLDS = (20_000, 10, 10)
 """The collector's thresholds once a service is started (Python's default first one is 700: at
 thousands of requests a second that is a collection every few requests)."""
 
+EXIT_TASK_FAILED: Final = 70
+"""The exit status of a service whose background task died (EX_SOFTWARE)."""
+
 
 class Service(Protocol):
     name: str
     provisions_streams: bool
     """False for a reader (the gateway): it waits for the streams instead of creating them."""
+    tasks: Supervisor
+    """Its background tasks: one that dies stops the process (`serve`)."""
 
     async def start(self, bus: Bus, settings: Settings) -> None: ...
 
@@ -58,10 +72,42 @@ async def wait_for_streams(bus: Bus, poll_s: float = 0.5) -> None:
         waited += poll_s
 
 
+async def _unless_failed(tasks: Supervisor, work: Coroutine[Any, Any, None]) -> None:
+    """Run `work`, unless one of `tasks` dies first: then raise its failure."""
+    job = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(tasks.failed())
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (job, watch):
+            pending.cancel()
+    if job.done() and not job.cancelled():
+        job.result()
+        return
+    await asyncio.wait([job])
+    raise watch.result()
+
+
+async def _stop_or_failure(stop: asyncio.Event, tasks: Supervisor) -> BackgroundTaskFailed | None:
+    """Wait for SIGTERM or a task's death, whichever comes first; the failure, if it was one."""
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(tasks.failed())
+    try:
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        failed.cancel()
+    if failed.done() and not failed.cancelled():
+        return failed.result()
+    return None
+
+
 async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> None:
-    """Run `service` until `stop` is set; probes answer from the start."""
+    """Run `service` until `stop` is set; probes answer from the start. Raises
+    `BackgroundTaskFailed` when one of its tasks died (after stopping it as `stop` would)."""
     bind(service=service.name)
     bus: Bus | None = None
+    failure: BackgroundTaskFailed | None = None
 
     def ready() -> tuple[bool, str]:
         if bus is None or not bus.nc.is_connected:
@@ -83,7 +129,11 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
             )
         else:
             await wait_for_streams(bus)
-        await service.start(bus, settings)
+        try:
+            await _unless_failed(service.tasks, service.start(bus, settings))
+        except BackgroundTaskFailed:
+            await service.tasks.stop()
+            raise
         # What is here now (the imports, the state rebuilt from the stream) lives as long as
         # the process: left to the collector, every full collection walks all of it again, and
         # a burst of requests (a job start) triggers several. The young generation is collected
@@ -91,8 +141,17 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         log.info("service_started", service=service.name, nats=settings.nats_url)
-        await stop.wait()
-        log.info("service_stopping", service=service.name)
+        failure = await _stop_or_failure(stop, service.tasks)
+        if failure is None:
+            log.info("service_stopping", service=service.name)
+        else:
+            log.error(
+                "service_stopping",
+                service=service.name,
+                task=failure.details.get("task"),
+                error=failure.message,
+                consequence=f"unready; the process stops and exits with {EXIT_TASK_FAILED}",
+            )
         await service.stop()
     finally:
         if bus is not None:
@@ -100,10 +159,13 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
                 await bus.close()
         await health.stop()
     log.info("service_stopped", service=service.name)
+    if failure is not None:
+        raise failure
 
 
 def run(service: Service, settings: Settings) -> None:
-    """Blocking entry point: runs until SIGTERM or SIGINT."""
+    """Blocking entry point: runs until SIGTERM or SIGINT, or until a task of the service dies
+    (then exits with `EXIT_TASK_FAILED`)."""
     configure_logging(settings.log_format, settings.log_level)
 
     async def main() -> None:
@@ -113,4 +175,8 @@ def run(service: Service, settings: Settings) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve(service, settings, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BackgroundTaskFailed as failure:
+        log.error("service_failed", service=service.name, error=failure.message)
+        raise SystemExit(EXIT_TASK_FAILED) from None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from strata import clock as _clock  # noqa: F401  (installs the test clock seam when asked)
 from strata.errors import (
+    BackgroundTaskFailed,
     BarrierBroken,
     BarrierTimeout,
     BusError,
@@ -60,6 +61,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "BackgroundTaskFailed",
     "BarrierBroken",
     "BarrierTimeout",
     "BusError",

@@ -227,7 +227,7 @@ class BarrierClient:
                     answer.generation, self._concluded.get(request.name, -1)
                 )
 
-        task = asyncio.create_task(send())
+        task = self._worker._spawn(send(), "barrier-withdraw")
         self._withdrawals[request.name] = task
         task.add_done_callback(
             lambda done: (

@@ -18,8 +18,8 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Final, NamedTuple
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, Final, NamedTuple
 
 import structlog
 
@@ -143,11 +143,17 @@ class MetricBatcher:
         self.dropped = 0
         """Samples lost: dropped while too many waited, or refused by the client."""
 
-    def start(self) -> None:
-        """Start the flush task on the running loop (the worker's)."""
+    def start(
+        self, spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]] | None = None
+    ) -> None:
+        """Start the flush task on the running loop (the worker's), through `spawn` (the
+        worker's supervised tasks) when given."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._task = self._loop.create_task(self._run(), name="strata-metrics")
+        if spawn is not None:
+            self._task = spawn(self._run(), "metrics")
+        else:
+            self._task = self._loop.create_task(self._run(), name="strata-metrics")
 
     def add(self, pairs: list[tuple[str, float]], step: int | None) -> None:
         """Buffer checked samples; any thread. Wakes the flush early when a batch is full."""
@@ -211,7 +217,7 @@ class MetricBatcher:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # A flush task that died is its supervisor's to report; what waits goes out now.
+            await asyncio.wait([task])
         await self.flush()
         self._loop = self._wake = None

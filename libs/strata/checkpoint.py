@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import structlog
 
 from strata._checks import check_int
+from strata._supervise import Supervisor
 from strata.errors import (
     BusError,
     ConflictError,
@@ -203,6 +204,7 @@ class AsyncCheckpointManager:
         self._pending_bytes = 0
         self._room = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._supervisor = Supervisor("strata-checkpoint")
         self._failure: BaseException | None = None
         self._staging = _Staging(keep_staging)
         self._declared: dict[int, int] = {}
@@ -247,7 +249,7 @@ class AsyncCheckpointManager:
             finally:
                 await self._release(size)
 
-        task = asyncio.create_task(run())
+        task = self._supervisor.spawn(run(), "save")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -32,7 +32,8 @@ turns a reply back into the matching subclass with `error_from_code`.
     │   ├── QuotaExceeded      a job's share of a resource is used up  quota_exceeded
     │   └── Busy               too many such requests at once          busy
     │       └── RateLimited    a caller sends faster than its budget   rate_limited
-    └── DeadlineExceeded       work not finished by its deadline       deadline_exceeded
+    ├── DeadlineExceeded       work not finished by its deadline       deadline_exceeded
+    └── BackgroundTaskFailed   a task of the process died unexpectedly background_task_failed
 """
 
 from __future__ import annotations
@@ -230,6 +231,14 @@ class DeadlineExceeded(StrataError):
     code = "deadline_exceeded"
 
 
+class BackgroundTaskFailed(StrataError):
+    """A task this process runs on its own (a worker's heartbeats, a service's event feed) died
+    of an exception nothing handles: what it did is no longer done. `task` names it; the
+    exception is the `__cause__`."""
+
+    code = "background_task_failed"
+
+
 _BY_CODE: dict[str, type[StrataError]] = {
     cls.code: cls
     for cls in (
@@ -263,6 +272,7 @@ _BY_CODE: dict[str, type[StrataError]] = {
         Busy,
         RateLimited,
         DeadlineExceeded,
+        BackgroundTaskFailed,
     )
 }
 

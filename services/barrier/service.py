@@ -126,7 +126,7 @@ class Barrier(Projection[BarrierState]):
             await asyncio.wait(self._background, timeout=STOP_FLUSH_S)
 
     def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
+        task = self.spawn(coro, "acks")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

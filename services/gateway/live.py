@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
+from strata._supervise import Supervisor
 from strata.bus import Bus, Delivered
 from strata.errors import StrataError
 from strata.events import WorkerHeartbeat, decode_event, provenance, subjects
@@ -130,6 +131,7 @@ class LiveModel:
         clock: Callable[[], float] = time.time,
         snapshots: SnapshotStore | None = None,
         metric_history: MetricHistory | None = None,
+        tasks: Supervisor | None = None,
     ) -> None:
         self.clock = clock
         self.model = ReadModel()
@@ -143,7 +145,9 @@ class LiveModel:
         self._static: dict[str, tuple[int, Dashboard]] = {}
         self._encoded: dict[str, tuple[int, LiveRates, bytes]] = {}
         self._telemetry: JetStreamContext.PushSubscription | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = tasks if tasks is not None else Supervisor("gateway")
+        """The tasks that follow the streams (the gateway's own, given): one that dies makes
+        the gateway unready and ends its process."""
 
     # -- life -------------------------------------------------------------------------------------
 
@@ -180,18 +184,13 @@ class LiveModel:
         self._spawn(follow_samples(bus, self.metric_history, self.registered), "metrics")
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await self.tasks.stop()
         if self._telemetry is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._telemetry.unsubscribe()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        self._tasks.append(asyncio.create_task(coro, name=f"gateway-{name}"))
+        self.tasks.spawn(coro, name)
 
     async def _follow_events(self, events: AsyncGenerator[Record, None]) -> None:
         async with contextlib.aclosing(events):

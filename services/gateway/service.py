@@ -9,6 +9,7 @@ import os
 import structlog
 import uvicorn
 from fastapi import FastAPI
+from strata._supervise import Supervisor
 from strata.bus import Bus
 from strata.config import Settings
 from strata.history import ReplayLimits
@@ -42,6 +43,9 @@ class Gateway:
         self.app: FastAPI | None = None
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
+        self.tasks = Supervisor(self.name)
+        """The HTTP server's task and the live model's: one that dies makes the gateway unready
+        and ends its process."""
 
     @property
     def port(self) -> int:
@@ -58,7 +62,9 @@ class Gateway:
         await self.state.listen_for_status(bus)
         snapshots = SnapshotStore(budget_bytes=settings.replay_snapshot_mb * 1024 * 1024)
         history = MetricHistory(budget_bytes=settings.gateway_metrics_mb * 1024 * 1024)
-        self.live = await LiveModel(snapshots=snapshots, metric_history=history).start(bus)
+        self.live = await LiveModel(
+            snapshots=snapshots, metric_history=history, tasks=self.tasks
+        ).start(bus)
         self.state.live = self.live
         token = self._api_token if self._api_token is not None else os.environ.get(API_TOKEN_ENV)
         self.app = create_app(
@@ -81,7 +87,7 @@ class Gateway:
             ),
         )
         self._server = _EmbeddedServer(config)
-        self._task = asyncio.create_task(self._server.serve(), name="gateway-http")
+        self._task = self.tasks.spawn(self._server.serve(), "http")
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises why the HTTP server could not start
@@ -92,12 +98,14 @@ class Gateway:
         if self._server is not None:
             self._server.should_exit = True
         if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Its end is the supervisor's to report (a death is logged once, there).
+            await asyncio.wait([self._task])
         if self.live is not None:
             await self.live.stop()
 
     def ready(self) -> tuple[bool, str]:
+        if self.tasks.failure is not None:
+            return self.tasks.status()
         if self._server is None or not self._server.started:
             return False, "HTTP server not started"
         if self.live is None or not self.live.caught_up.is_set():

@@ -22,6 +22,7 @@ from nats.aio.subscription import Subscription
 from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int
 from strata._metrics import MetricBatcher
+from strata._supervise import Supervisor
 from strata.aio._sampling import ProcessSampler
 from strata.bus import Bus
 from strata.config import Settings, load_settings
@@ -229,7 +230,9 @@ class _WorkerCore:
         self._world_sub: Subscription | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._rejoin_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Supervisor("strata-worker")
+        """The worker's background tasks (heartbeats, metrics, re-registration): one that dies
+        is raised from the next call (`_check_tasks`)."""
         self._lifecycle_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._started = False
         self._stopping = False
@@ -277,6 +280,7 @@ class _WorkerCore:
         """This worker's lease: its current registration (instance and the membership epoch it
         was granted at). Requests that change sharding state carry it; a service refuses one
         that is no longer current (`strata.StaleLease`). A re-registration is a new lease."""
+        self._check_tasks()
         self._registered("lease")
         assert self._lease is not None
         return self._lease
@@ -445,10 +449,13 @@ class _WorkerCore:
         return self._lifecycle_lock[1]
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=f"{name}-{self._worker_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro, f"{name}-{self._worker_id}")
+
+    def _check_tasks(self) -> None:
+        """Raise `strata.BackgroundTaskFailed` once a background task of this worker died of an
+        exception it did not handle (its heartbeats, say: the registry will fail this worker).
+        The cause is the task's exception; stop the worker and start it again."""
+        self._tasks.check()
 
     async def _register(self, *, rejoin: bool = False) -> Registration:
         # The same instance makes a retried register idempotent on the registry's side. A rejoin

@@ -34,7 +34,9 @@ class _Heartbeats(_WorkerCore):
             await self._beat()
 
     def _record_progress(self, state: object, step: object, epoch: object) -> bool:
-        """Validate and keep the new progress; True when the state itself changed."""
+        """Validate and keep the new progress; True when the state itself changed. Raises a
+        background task's death first (the sync and async `set_state` both come here)."""
+        self._check_tasks()
         previous_state, previous_step, previous_epoch = self._progress
         new_state = _check_state(state)
         new_step = previous_step if step is None else check_int("step", step, 0, MAX_STEP)

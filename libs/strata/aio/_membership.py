@@ -80,7 +80,7 @@ class _Membership(_Heartbeats):
         # Heartbeats sent before the last registration can still draw notices after it.
         if time.monotonic() - self._registered_at < 2 * self._registration.heartbeat_interval:
             return
-        self._rejoin_task = self._spawn(self._rejoin(reason), "strata-rejoin")
+        self._rejoin_task = self._spawn(self._rejoin(reason), "rejoin")
 
     async def _rejoin(self, reason: str) -> None:
         previous_rank = self.rank

@@ -20,6 +20,7 @@ class _TrainingMetrics(_Membership):
 
     def _add_metrics(self, metrics: object, step: object) -> None:
         pairs, checked_step = check_metrics(metrics, step)
+        self._check_tasks()
         if not self._started:
             raise WorkerNotStarted(
                 f"worker {self._worker_id!r} is not started: call start() before log_metrics() "
@@ -35,5 +36,6 @@ class _TrainingMetrics(_Membership):
     async def flush_metrics(self) -> int:
         """Publish the samples `log_metrics` buffered now rather than at the next tick; returns
         how many were sent."""
+        self._check_tasks()
         self._registered("flush_metrics()")
         return await self._metrics.flush()

@@ -10,6 +10,7 @@ from typing import Self
 
 from strata import _signals
 from strata._barrier import BarrierClient
+from strata._supervise import Supervisor
 from strata.aio._core import CLOSE_TIMEOUT_S, _Saver, log
 from strata.aio._training import _TrainingMetrics
 from strata.bus import Bus, Caller
@@ -69,10 +70,9 @@ class Worker(_TrainingMetrics):
                 raise
             self._apply_registration(registration)
             self._started = True
-            self._metrics.start()
-            self._heartbeat_task = asyncio.create_task(
-                self._heartbeat_loop(), name=f"strata-heartbeat-{self._worker_id}"
-            )
+            self._tasks = Supervisor("strata-worker")
+            self._metrics.start(self._spawn)
+            self._heartbeat_task = self._spawn(self._heartbeat_loop(), "heartbeat")
             self._log.info(
                 "worker_registered",
                 rank=registration.rank,
@@ -155,12 +155,8 @@ class Worker(_TrainingMetrics):
         await self.stop()
 
     async def _cancel_background(self) -> None:
-        tasks = [t for t in (self._heartbeat_task, *self._tasks) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.stop()
         self._heartbeat_task = self._rejoin_task = None
-        self._tasks.clear()
 
     async def _close_bus(self) -> None:
         bus, self._bus = self._bus, None
@@ -185,6 +181,7 @@ class Worker(_TrainingMetrics):
         workers when given. Raises `strata.BarrierBroken` as soon as a participant fails or
         leaves, and `strata.BarrierTimeout` if it is not complete within `timeout` seconds.
         """
+        self._check_tasks()
         self._registered("barrier()")
         if self._barriers is None:
             self._barriers = BarrierClient(self)

@@ -19,7 +19,7 @@ import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
@@ -142,9 +142,12 @@ class RpcServer:
         admission: AdmissionLimits | None = None,
         pending_msgs: int = DEFAULT_PENDING_MSGS,
         pending_bytes: int = DEFAULT_PENDING_BYTES,
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]] | None = None,
     ) -> None:
         self._nc = nc
         self.service = service
+        self._spawn = spawn
+        """How the status announcements' task is started: a service's supervised `spawn`."""
         self.instance = uuid.uuid4().hex[:12]
         self._routes: dict[str, _Route[Any]] = {}
         self._sub: Subscription | None = None
@@ -226,7 +229,10 @@ class RpcServer:
         # by the second the SUB has been written, and that PONG comes after the server took it.
         await self._nc.flush()
         await self._nc.flush()
-        self._announcer = asyncio.create_task(self._announce(), name=f"{self.service}-status")
+        if self._spawn is not None:
+            self._announcer = self._spawn(self._announce(), "status")
+        else:
+            self._announcer = asyncio.create_task(self._announce(), name=f"{self.service}-status")
         return self
 
     async def _announce(self) -> None:
@@ -237,11 +243,14 @@ class RpcServer:
             await asyncio.sleep(STATUS_INTERVAL_S)
 
     async def stop(self) -> None:
-        if self._announcer is not None:
-            self._announcer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._announcer
-            self._announcer = None
+        announcer, self._announcer = self._announcer, None
+        if announcer is not None:
+            announcer.cancel()
+            if self._spawn is not None:
+                await asyncio.wait([announcer])  # a death is its supervisor's to report
+            else:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await announcer
         if self._sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._sub.unsubscribe()

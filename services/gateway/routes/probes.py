@@ -18,13 +18,17 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """Connected to NATS, the streams exist, and the events stored at start are folded."""
+    """Connected to NATS, the streams exist, the events stored at start are folded, and no
+    task of the gateway has died."""
     state = gateway(request)
     connected = state.bus is not None and state.bus.nc.is_connected
     folded = state.live is None or state.live.caught_up.is_set()
-    ready = connected and state.streams_ready and folded
+    failure = state.live.tasks.failure if state.live is not None else None
+    ready = connected and state.streams_ready and folded and failure is None
     if ready:
         detail = "ok"
+    elif failure is not None:
+        detail = failure.message
     elif not connected:
         detail = "no NATS"
     elif not state.streams_ready:
