@@ -25,12 +25,17 @@ def shard_distribution(shards: dict[str, int]) -> ShardDistribution:
 def render_dashboard(state: JobState, rates: LiveRates | None = None) -> Dashboard:
     """The `/api/dashboard` document; without `rates` (a replay) the live rates are null."""
     shards = state.shards_per_worker()
+    workers = state.workers(shards)
+    datasets = state.datasets()
     document: Dashboard = {
         "job": state.job,
         "seq": state.seq,
         "ts": state.ts,
-        "workers": state.workers(shards),
-        "datasets": state.datasets(),
+        "figures": state.figures(workers, datasets),
+        "workers": workers,
+        "losses": state.loss_rows(),
+        "restarts": state.restart_rows(),
+        "datasets": datasets,
         "checkpoints": state.checkpoint_rows(),
         "barriers": state.barrier_rows(),
         "metrics": {
