@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard wheel test chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard dashboard-test wheel test chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -37,11 +37,15 @@ dashboard: $(STAMP) $(DASHBOARD_MODULES)
 	$(BIN)/python scripts/gen_api_types.py
 	cd dashboard && npm run build
 
+# The dashboard's own checks: eslint (with the rules of hooks) and vitest (hooks, formatters).
+dashboard-test: $(DASHBOARD_MODULES)
+	cd dashboard && npm run lint && npm test
+
 # A wheel (and sdist) under dist/ that carries the built dashboard: pip install dist/strata_ctl-*.whl.
 wheel: install dashboard
 	$(BIN)/python -m build --outdir dist .
 
-test: install dashboard lint typecheck schemas-check
+test: install dashboard dashboard-test lint typecheck schemas-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 chaos: install

@@ -12,9 +12,12 @@ import { TokenDialog } from "./components/TokenDialog";
 import { TrainingCharts } from "./components/TrainingCharts";
 import { WorkerGrid } from "./components/WorkerGrid";
 import { nsToMs } from "./format";
-import { isLive } from "./status";
-import { useEventIndex, useJobs, useLiveDashboard, useReplay } from "./hooks";
-import { useTrainingMetrics } from "./useTrainingMetrics";
+import { useEventIndex } from "./hooks/useEventIndex";
+import { useJobs } from "./hooks/useJobs";
+import { useLiveDashboard } from "./hooks/useLiveDashboard";
+import { useReplay } from "./hooks/useReplay";
+import { useTrainingMetrics } from "./hooks/useTrainingMetrics";
+import { landingJob } from "./landing";
 
 type ErrorSource = "live" | "other";
 const OTHER_ERROR_MS = 10_000;
@@ -45,12 +48,6 @@ function writeLocation(location: Location): void {
   if (url !== `${window.location.pathname}${window.location.search}${window.location.hash}`) {
     window.history.replaceState(null, "", url);
   }
-}
-
-function newestJob(jobs: readonly JobSummary[]): string | null {
-  let best: JobSummary | null = null;
-  for (const job of jobs) if (!best || job.last_event_ts > best.last_event_ts) best = job;
-  return best?.job ?? null;
 }
 
 function JobPicker(props: {
@@ -113,7 +110,7 @@ export function App() {
   const replay = useReplay(job, replaySeq, authVersion, onOtherError);
 
   useEffect(() => {
-    if (job === null && jobs && jobs.length > 0) setJob(newestJob(jobs));
+    if (job === null && jobs && jobs.length > 0) setJob(landingJob(jobs));
   }, [job, jobs]);
   useEffect(() => writeLocation({ job, seq: replaySeq }), [job, replaySeq]);
   useEffect(() => {
@@ -139,13 +136,11 @@ export function App() {
   }, []);
 
   const current = useMemo(() => {
-    const state = live.state;
-    if (!state) return null;
-    const alive = state.workers.filter((worker) => isLive(worker.status)).length;
-    const figures = { workers: state.workers.length, live: alive };
-    return index.complete ? { ...figures, events: index.entries.length } : figures;
-    // `index.entries` grows in place; `index.version` says when.
-  }, [live.state, index.entries, index.version, index.complete]);
+    const figures = live.state?.figures;
+    if (!figures) return null;
+    const counts = { workers: figures.workers, live: figures.live };
+    return index.complete ? { ...counts, events: index.entries.length } : counts;
+  }, [live.state, index.entries, index.complete]);
 
   const replaying = replaySeq !== null;
   const shown = replaying ? replay.state : live.state;
@@ -213,7 +208,7 @@ export function App() {
             checkpoints={shown.checkpoints}
             replayMs={replaying ? nsToMs(shown.ts) : null}
           />
-          <TrainingCharts metrics={training} replaying={replaying} />
+          <TrainingCharts metrics={training} restarts={shown.restarts} replaying={replaying} />
           <WorkerGrid workers={shown.workers} nowNs={nowNs} />
           <ShardDistribution
             datasets={shown.datasets}
@@ -224,7 +219,6 @@ export function App() {
           <Barriers barriers={shown.barriers} />
           <EventLog
             entries={index.entries.length > 0 ? index.entries : shown.recent_events}
-            version={index.version}
             replaySeq={replaySeq}
             onPick={seek}
           />
