@@ -95,29 +95,32 @@ class RestartLog:
 
     def registered(self, worker: str, instance: str, rank: int, at: int) -> None:
         """A process registered: a restart when it takes a lost or vacated rank or worker id."""
-        by_rank = self.vacated.pop(rank, None)
-        by_id = self.vacated_ids.pop(worker, None)
-        loss = by_id or by_rank
-        if loss is None:
+        # The process a new one replaces: the one that had its id, and the one that had its rank
+        # (the same one, unless the id comes back on another rank).
+        replaced = [
+            loss
+            for loss in (self.vacated_ids.get(worker), self.vacated.get(rank))
+            if loss is not None
+        ]
+        if not replaced:
             return
-        for other in (by_rank, by_id):
-            if other is not None and other is not loss:
-                self.vacated.pop(other.rank, None)
-                self.vacated_ids.pop(other.worker, None)
-        self.vacated.pop(loss.rank, None)
-        self.vacated_ids.pop(loss.worker, None)
+        if len(replaced) == 2 and replaced[0] is replaced[1]:
+            replaced.pop()
+        for loss in replaced:
+            self.vacated.pop(loss.rank, None)
+            self.vacated_ids.pop(loss.worker, None)
         latest = self.restarts[-1] if self.restarts else None
         if (
             latest is None
             or rank in latest.replacements.values()
-            or (loss.worker, loss.instance) in latest.replacements
+            or any((loss.worker, loss.instance) in latest.replacements for loss in replaced)
             or at - latest.at > GROUP_WINDOW_NS
         ):
             latest = Restart(at=at)
             self.restarts.append(latest)
             self.restarted += 1
             del self.restarts[:-KEPT]
-        latest.replaced.append(loss)
+        latest.replaced.extend(replaced)
         latest.replacements[(worker, instance)] = rank
 
     def progressed(self, worker: str, instance: str, step: int) -> None:

@@ -184,3 +184,19 @@ def test_a_step_logged_with_metrics_advances_the_worker_and_a_new_process_counts
     assert state.apply_metric_step("w0", 100) is True
     (restart,) = render_dashboard(state)["restarts"]
     assert (restart["step_reached"], restart["resumed_step"]) == (120, 100)
+
+
+def test_a_worker_id_back_on_another_rank_replaces_both_gone_holders() -> None:
+    h = two_ranks_training()
+    failed(h, "w0", 0)
+    failed(h, "w1", 1)
+    # w1 comes back first and gets the lowest free rank, 0: it replaces w1 and rank 0's holder.
+    h.register("w1", 0, instance="w1-b")
+    document = render_dashboard(h.fold())
+    (restart,) = document["restarts"]
+    assert restart["ranks"] == [0]
+    assert {loss["worker"] for loss in restart["replaced"]} == {"w0", "w1"}
+    assert restart["step_reached"] == 40
+    # Nothing is left to replace: a new worker on rank 1 is no further restart.
+    h.register("w7", 1)
+    assert render_dashboard(h.fold())["figures"]["restarts"] == 1
