@@ -4,9 +4,11 @@ events; and a worker's step advanced by the steps of its metrics."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strata.events import WorkerFailed, WorkerLeft
 from strata.services.readmodel import render_dashboard
-from strata.services.readmodel.restarts import GROUP_WINDOW_NS
+from strata.services.readmodel.restarts import GROUP_WINDOW_NS, GoneStatus, Loss, RestartLog
 
 from tests.unit.test_replay import JOB, History
 
@@ -200,3 +202,62 @@ def test_a_worker_id_back_on_another_rank_replaces_both_gone_holders() -> None:
     # Nothing is left to replace: a new worker on rank 1 is no further restart.
     h.register("w7", 1)
     assert render_dashboard(h.fold())["figures"]["restarts"] == 1
+
+
+@st.composite
+def membership_histories(draw: st.DrawFn) -> list[tuple[str, int]]:
+    """Operations on a job of up to 4 ranks: ("fail" | "leave", slot) or ("join", id number)."""
+    return draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.sampled_from(["fail", "leave"]), st.integers(0, 3)),
+                st.tuples(st.just("join"), st.integers(0, 5)),
+            ),
+            max_size=40,
+        )
+    )
+
+
+@given(membership_histories())
+@settings(max_examples=300, deadline=None)
+def test_every_loss_is_replaced_at_most_once_and_only_replacements_restart(
+    operations: list[tuple[str, int]],
+) -> None:
+    log = RestartLog()
+    live: dict[int, tuple[str, str]] = {}  # rank -> (worker id, instance)
+    used_ranks: set[int] = set()
+    used_ids: set[str] = set()
+    gone_ids: set[str] = set()
+    failures = replacements = 0
+    for now, (op, arg) in enumerate(operations):
+        at = now * 10**9
+        if op == "join":
+            worker = f"w{arg}"
+            if any(holder[0] == worker for holder in live.values()):
+                continue  # the same id live elsewhere: a supersede, covered by the examples
+            rank = min(set(range(7)) - set(live))  # 6 ids at most: a rank is always free
+            is_replacement = rank in used_ranks or worker in gone_ids
+            before = sum(len(r.replacements) for r in log.restarts)
+            log.registered(worker, f"{worker}-{now}", rank, at)
+            added = sum(len(r.replacements) for r in log.restarts) - before
+            # Restarts are only for ranks or ids that were held before (and not yet replaced).
+            assert added <= int(is_replacement)
+            replacements += added
+            live[rank] = (worker, f"{worker}-{now}")
+            used_ranks.add(rank)
+            used_ids.add(worker)
+        elif arg in live:
+            worker, instance = live.pop(arg)
+            status: GoneStatus = "failed" if op == "fail" else "left"
+            failures += op == "fail"
+            log.gone(Loss(arg, worker, instance, status, at, now))
+            gone_ids.add(worker)
+    assert log.lost == failures
+    assert log.restarted == len(log.restarts)
+    assert sum(len(r.replacements) for r in log.restarts) == replacements
+    replaced = [(loss.worker, loss.instance) for r in log.restarts for loss in r.replaced]
+    assert len(replaced) == len(set(replaced)), "a loss replaced twice"
+    for restart in log.restarts:
+        ranks = list(restart.replacements.values())
+        assert len(ranks) == len(set(ranks)), "a rank twice in one restart"
+        assert restart.view()["step_reached"] == max(loss.step for loss in restart.replaced)
