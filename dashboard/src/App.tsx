@@ -75,7 +75,9 @@ function JobPicker(props: {
       {!listed && props.job !== null && <option value={props.job}>{props.job}</option>}
       {known.map((entry) => (
         <option key={entry.job} value={entry.job}>
-          {entry.job} · {entry.live}/{entry.workers} live · {entry.events} events
+          {entry.job} · {entry.live}/{entry.workers} live
+          {entry.restarts > 0 ? ` · ${entry.restarts} restart${entry.restarts > 1 ? "s" : ""}` : ""} ·{" "}
+          {entry.events} events
         </option>
       ))}
     </select>
