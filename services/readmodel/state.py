@@ -44,11 +44,8 @@ from strata.services.readmodel.views import (
     BarrierView,
     CheckpointView,
     DatasetView,
-    JobFigures,
     JobSummary,
-    LossView,
     RecentEvent,
-    RestartView,
     WorkerView,
 )
 from strata.services.registry import domain as registry_domain
@@ -494,37 +491,6 @@ class JobState:
             return None
         ordered = sorted(self.release_ms)
         return round(ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)], 3)
-
-    def loss_rows(self) -> list[LossView]:
-        return [loss.view() for loss in self.restart_log.losses]
-
-    def restart_rows(self) -> list[RestartView]:
-        return [restart.view() for restart in self.restart_log.restarts]
-
-    def figures(self, workers: list[WorkerView], datasets: list[DatasetView]) -> JobFigures:
-        """The overview's figures from the rendered rows (`workers()`, `datasets()`)."""
-        live_steps = [(worker["step"], worker["epoch"]) for worker in workers if worker["live"]]
-        log = self.restart_log
-        checkpoints = self.checkpoints.jobs.get(self.job)
-        return {
-            "workers": len(workers),
-            "live": len(live_steps),
-            "failed": sum(1 for worker in workers if worker["status"] == "failed"),
-            "left": sum(1 for worker in workers if worker["status"] == "left"),
-            "max_step": max((step for step, _ in live_steps), default=None),
-            "min_step": min((step for step, _ in live_steps), default=None),
-            "max_epoch": max((epoch for _, epoch in live_steps), default=None),
-            "ranks_lost": log.lost,
-            "last_loss_at": log.losses[-1].at if log.losses else None,
-            "restarts": log.restarted,
-            "last_restart_at": log.restarts[-1].at if log.restarts else None,
-            "done_shards": sum(dataset["done_shards"] for dataset in datasets),
-            "total_shards": sum(dataset["num_shards"] for dataset in datasets),
-            "last_committed_step": max(checkpoints.committed, default=None)
-            if checkpoints is not None
-            else None,
-            "open_checkpoints": 0 if checkpoints is None else len(checkpoints.open),
-        }
 
     def summary(self) -> JobSummary:
         """This job's line of `/api/jobs`."""
