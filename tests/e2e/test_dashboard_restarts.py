@@ -6,7 +6,7 @@ Two worker processes train a job by logging metrics only (`log_metrics(step=...)
 on the running one, shows the workers' steps from their metrics and the loss chart first. One
 worker is SIGKILLed: the overview shows the rank lost; a replacement process registers and resumes
 from an earlier step: the overview counts a restart, and the training charts mark it and shade the
-steps trained again.
+steps trained again. It saves test-artifacts/dashboard/6-restart.png.
 
 Needs the built dashboard (`make dashboard`) and Chromium at /usr/bin/chromium.
 """
@@ -29,7 +29,7 @@ from strata import procutil
 from strata.bus.server import NatsServer
 from strata.config import Env
 
-from tests.e2e.test_dashboard import CHROMIUM, CHROMIUM_ARGS, DIST_INDEX, ROOT, VIEWPORT
+from tests.e2e.test_dashboard import CHROMIUM, CHROMIUM_ARGS, DIST_INDEX, ROOT, VIEWPORT, screenshot
 from tests.support import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
@@ -177,14 +177,14 @@ def test_restart_markers_lost_ranks_steps_from_metrics_and_the_landing_job(
         workers.procs["w1"].wait()
         wait_until(lambda: steps(gateway_url, job)["w1"][0] == "failed", 30, "w1 failed in the API")
         restarts = page.get_by_test_id("card-restarts")
-        expect(restarts).to_contain_text("0 · 1 ranks lost", timeout=UI_TIMEOUT_MS)
+        expect(restarts).to_contain_text("0 · 1 rank lost", timeout=UI_TIMEOUT_MS)
         expect(restarts).to_contain_text(re.compile(r"rank 1 lost at step \d+"))
         lost_step = dashboard(gateway_url, job)["losses"][0]["step"]
         assert lost_step >= 20
 
         # A replacement takes the free rank and resumes from an earlier step.
         workers.start("w1-again", first_step=RESUMED_AT)
-        expect(restarts).to_contain_text("1 · 1 ranks lost", timeout=UI_TIMEOUT_MS)
+        expect(restarts).to_contain_text("1 · 1 rank lost", timeout=UI_TIMEOUT_MS)
         expect(restarts).to_contain_text(re.compile(r"rank 1 restarted .* resumed at step \d+"))
         (restart,) = dashboard(gateway_url, job)["restarts"]
         assert restart["ranks"] == [1]
@@ -196,7 +196,11 @@ def test_restart_markers_lost_ranks_steps_from_metrics_and_the_landing_job(
         shaded = loss_chart.get_by_test_id("retrained-steps")
         expect(shaded).to_have_attribute("data-from", str(restart["resumed_step"]))
         expect(shaded).to_have_attribute("data-to", str(lost_step))
-        page.screenshot(path=str(tmp_path / "restarts.png"), full_page=True)
+        # The two processes of rank 1 are two lines, each named.
+        legend = page.locator("figure", has=loss_chart).locator(".chart-legend")
+        expect(legend).to_contain_text("rank 1 (w1)")
+        expect(legend).to_contain_text("rank 1 (w1-again)")
+        screenshot(page, "6-restart")
         workers.check_running()
     finally:
         workers.stop()

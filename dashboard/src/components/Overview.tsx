@@ -77,7 +77,10 @@ export function Overview(props: { state: Dashboard; replay: boolean; nowNs: numb
         value={
           <>
             {figures.restarts}
-            <span className="of"> · {figures.ranks_lost} ranks lost</span>
+            <span className="of">
+              {" "}
+              · {figures.ranks_lost} {figures.ranks_lost === 1 ? "rank" : "ranks"} lost
+            </span>
           </>
         }
         detail={describeRestart(lastRestart, lastLoss, nowNs)}

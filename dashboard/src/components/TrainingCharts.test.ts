@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
-import type { RestartView } from "../api/types";
-import { ordered, restartSpans } from "./TrainingCharts";
+import type { MetricView, RestartView } from "../api/types";
+import { linesOf, ordered, restartSpans } from "./TrainingCharts";
 
 function restart(resumed: number | null, reached: number, ranks = [1]): RestartView {
   return { at: 1, ranks, replaced: [], step_reached: reached, resumed_step: resumed };
@@ -34,5 +34,28 @@ describe("training charts", () => {
 
   it("shade nothing when the replacement resumed past the step reached", () => {
     expect(restartSpans([restart(40, 38)])[0]?.retrained).toBeNull();
+  });
+});
+
+describe("the lines of a chart", () => {
+  it("tell the processes of a restarted rank apart by worker id", () => {
+    const series = (worker: string, rank: number) => ({
+      worker,
+      rank,
+      stride: 1,
+      steps: [1],
+      values: [0.5],
+    });
+    const history: MetricView = {
+      stride: 1,
+      job: { steps: [1], mean: [0.5], total: [1.5] },
+      workers: [series("w0", 0), series("w1", 1), series("w1-again", 1)],
+    };
+    expect(linesOf("loss", history).map((line) => line.label)).toEqual([
+      "rank 0",
+      "rank 1 (w1)",
+      "rank 1 (w1-again)",
+      "job mean",
+    ]);
   });
 });

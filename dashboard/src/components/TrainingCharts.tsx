@@ -36,10 +36,19 @@ function niceCeiling(value: number): number {
   return 10 * power;
 }
 
-function linesOf(name: string, history: MetricView): Line[] {
+export function linesOf(name: string, history: MetricView): Line[] {
   const total = addsUp(name);
-  const ranks = history.workers.slice(0, MAX_RANK_LINES).map((worker, index) => ({
-    label: worker.rank === null ? worker.worker : `rank ${worker.rank}`,
+  const shown = history.workers.slice(0, MAX_RANK_LINES);
+  // A restarted rank has a line per process: those are told apart by worker id.
+  const perRank = new Map<number | null, number>();
+  for (const worker of shown) perRank.set(worker.rank, (perRank.get(worker.rank) ?? 0) + 1);
+  const ranks = shown.map((worker, index) => ({
+    label:
+      worker.rank === null
+        ? worker.worker
+        : (perRank.get(worker.rank) ?? 0) > 1
+          ? `rank ${worker.rank} (${worker.worker})`
+          : `rank ${worker.rank}`,
     colour: RANK_COLOURS[index % RANK_COLOURS.length] ?? "#94a3b8",
     width: 1.1,
     steps: worker.steps,
