@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard wheel test check chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard dashboard-test wheel test check chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
@@ -37,16 +37,21 @@ dashboard: $(STAMP) $(DASHBOARD_MODULES)
 	$(BIN)/python scripts/gen_api_types.py
 	cd dashboard && npm run build
 
+# The dashboard's own checks: eslint (with the rules of hooks) and vitest (hooks, formatters).
+dashboard-test: $(DASHBOARD_MODULES)
+	cd dashboard && npm run lint && npm test
+
 # A wheel (and sdist) under dist/ that carries the built dashboard: pip install dist/strata_ctl-*.whl.
 wheel: install dashboard
 	$(BIN)/python -m build --outdir dist .
 
-test: install dashboard lint typecheck schemas-check
+test: install dashboard dashboard-test lint typecheck schemas-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The fast tier for every change (tests/tiers.py): lint, types, schemas, the unit tests and the
-# integration tests not marked slow, on two processes, property tests with a fifth of their examples.
-check: install lint typecheck schemas-check
+# The fast tier for every change (tests/tiers.py): lint, types, schemas, the dashboard's own checks,
+# the unit tests and the integration tests not marked slow, on two processes, property tests with a
+# fifth of their examples.
+check: install dashboard-test lint typecheck schemas-check
 	STRATA_TEST_TIER=check $(BIN)/python -m pytest tests/unit tests/integration -m "not slow" \
 		-n 2 -p no:cacheprovider $(PYTEST_ARGS)
 

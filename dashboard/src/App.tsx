@@ -12,9 +12,12 @@ import { TokenDialog } from "./components/TokenDialog";
 import { TrainingCharts } from "./components/TrainingCharts";
 import { WorkerGrid } from "./components/WorkerGrid";
 import { nsToMs } from "./format";
-import { isLive } from "./status";
-import { useEventIndex, useJobs, useLiveDashboard, useReplay } from "./hooks";
-import { useTrainingMetrics } from "./useTrainingMetrics";
+import { useEventIndex } from "./hooks/useEventIndex";
+import { useJobs } from "./hooks/useJobs";
+import { useLiveDashboard } from "./hooks/useLiveDashboard";
+import { useReplay } from "./hooks/useReplay";
+import { useTrainingMetrics } from "./hooks/useTrainingMetrics";
+import { landingJob } from "./landing";
 
 type ErrorSource = "live" | "other";
 const OTHER_ERROR_MS = 10_000;
@@ -47,12 +50,6 @@ function writeLocation(location: Location): void {
   }
 }
 
-function newestJob(jobs: readonly JobSummary[]): string | null {
-  let best: JobSummary | null = null;
-  for (const job of jobs) if (!best || job.last_event_ts > best.last_event_ts) best = job;
-  return best?.job ?? null;
-}
-
 function JobPicker(props: {
   jobs: readonly JobSummary[] | null;
   job: string | null;
@@ -78,7 +75,9 @@ function JobPicker(props: {
       {!listed && props.job !== null && <option value={props.job}>{props.job}</option>}
       {known.map((entry) => (
         <option key={entry.job} value={entry.job}>
-          {entry.job} · {entry.live}/{entry.workers} live · {entry.events} events
+          {entry.job} · {entry.live}/{entry.workers} live
+          {entry.restarts > 0 ? ` · ${entry.restarts} restart${entry.restarts > 1 ? "s" : ""}` : ""} ·{" "}
+          {entry.events} events
         </option>
       ))}
     </select>
@@ -113,7 +112,7 @@ export function App() {
   const replay = useReplay(job, replaySeq, authVersion, onOtherError);
 
   useEffect(() => {
-    if (job === null && jobs && jobs.length > 0) setJob(newestJob(jobs));
+    if (job === null && jobs && jobs.length > 0) setJob(landingJob(jobs));
   }, [job, jobs]);
   useEffect(() => writeLocation({ job, seq: replaySeq }), [job, replaySeq]);
   useEffect(() => {
@@ -139,13 +138,11 @@ export function App() {
   }, []);
 
   const current = useMemo(() => {
-    const state = live.state;
-    if (!state) return null;
-    const alive = state.workers.filter((worker) => isLive(worker.status)).length;
-    const figures = { workers: state.workers.length, live: alive };
-    return index.complete ? { ...figures, events: index.entries.length } : figures;
-    // `index.entries` grows in place; `index.version` says when.
-  }, [live.state, index.entries, index.version, index.complete]);
+    const figures = live.state?.figures;
+    if (!figures) return null;
+    const counts = { workers: figures.workers, live: figures.live };
+    return index.complete ? { ...counts, events: index.entries.length } : counts;
+  }, [live.state, index.entries, index.complete]);
 
   const replaying = replaySeq !== null;
   const shown = replaying ? replay.state : live.state;
@@ -213,7 +210,7 @@ export function App() {
             checkpoints={shown.checkpoints}
             replayMs={replaying ? nsToMs(shown.ts) : null}
           />
-          <TrainingCharts metrics={training} replaying={replaying} />
+          <TrainingCharts metrics={training} restarts={shown.restarts} replaying={replaying} />
           <WorkerGrid workers={shown.workers} nowNs={nowNs} />
           <ShardDistribution
             datasets={shown.datasets}
@@ -224,7 +221,6 @@ export function App() {
           <Barriers barriers={shown.barriers} />
           <EventLog
             entries={index.entries.length > 0 ? index.entries : shown.recent_events}
-            version={index.version}
             replaySeq={replaySeq}
             onPick={seek}
           />

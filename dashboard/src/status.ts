@@ -22,10 +22,6 @@ export const WORKER_MEANING: Readonly<Record<WorkerViewStatus, string>> = {
   left: "left the job",
 };
 
-export function isLive(status: WorkerViewStatus): boolean {
-  return status !== "failed" && status !== "left";
-}
-
 export const CHECKPOINT_COLOURS: Readonly<Record<CheckpointViewStatus, string>> = {
   open: "#38bdf8",
   committed: "#22c55e",

@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge
 from strata._supervise import Supervisor
 from strata.bus import Bus, Delivered
 from strata.errors import StrataError
-from strata.events import WorkerHeartbeat, decode_event, provenance, subjects
+from strata.events import MetricSampled, WorkerHeartbeat, decode_event, provenance, subjects
 from strata.history import Record, dumps, follow_records
 from strata.metrics import MESSAGES_REJECTED
 from strata.services.gateway.metrics_history import MetricHistory, follow_samples
@@ -181,7 +181,9 @@ class LiveModel:
             pending_msgs_limit=1_000_000,
         )
         self._spawn(self._follow_heartbeats(self._telemetry), "heartbeats")
-        self._spawn(follow_samples(bus, self.metric_history, self.registered), "metrics")
+        self._spawn(
+            follow_samples(bus, self.metric_history, self.registered, self.fold_sample), "metrics"
+        )
 
     async def stop(self) -> None:
         await self.tasks.stop()
@@ -252,6 +254,17 @@ class LiveModel:
         self._job_rates(event.job).heartbeats.add(int(meta.timestamp.timestamp() * 1e9))
         _FOLDED_HEARTBEATS.inc()
         self._changed(event.job)
+
+    def fold_sample(self, sample: MetricSampled) -> None:
+        """A registered worker's metric sample: its step advances the worker's."""
+        state = self.model.jobs.get(sample.job)
+        worker = sample.worker_id or sample.source
+        if (
+            state is not None
+            and sample.step is not None
+            and state.apply_metric_step(worker, sample.step)
+        ):
+            self._changed(sample.job)
 
     def _changed(self, job: str) -> None:
         signal = self.signals.get(job)

@@ -270,9 +270,11 @@ async def follow_samples(
     bus: Bus,
     history: MetricHistory,
     registered: Callable[[str, str], bool] = lambda job, worker: True,
+    on_sample: Callable[[MetricSampled], None] | None = None,
 ) -> None:
     """Fold every sample stored on the telemetry stream, from the first one, until cancelled:
-    those of workers `registered(job, worker)` says have registered."""
+    those of workers `registered(job, worker)` says have registered, each also given to
+    `on_sample` (kept in the history or not: its step is the worker's progress all the same)."""
     sub = await bus.js.subscribe(
         subjects.all_metrics(),
         stream=subjects.TELEMETRY_STREAM,
@@ -299,6 +301,8 @@ async def follow_samples(
                 history.unregistered += 1
                 MESSAGES_REJECTED.labels(CONSUMER, "not_registered").inc()
                 continue
+            if on_sample is not None:
+                on_sample(event)
             meta = message.metadata
             stored_ns = int(meta.timestamp.timestamp() * 1e9)
             outcome = history.fold(event, stored_ns, meta.sequence.stream)

@@ -1,13 +1,20 @@
 """The `/api/dashboard` document of a job, rendered from its folded state into `views.Dashboard`.
 
 The live rates (events, requests and heartbeats per second) are known only to a running gateway:
-`with_rates` is the one place they enter a document; a replay leaves them null.
+`with_rates` is the one place they enter a document; a replay leaves them null. The job's figures
+(`job_figures`) are computed here once, from the rendered rows, for every reader of the document.
 """
 
 from __future__ import annotations
 
 from strata.services.readmodel.state import JobState, LiveRates
-from strata.services.readmodel.views import Dashboard, ShardDistribution
+from strata.services.readmodel.views import (
+    Dashboard,
+    DatasetView,
+    JobFigures,
+    ShardDistribution,
+    WorkerView,
+)
 
 
 def shard_distribution(shards: dict[str, int]) -> ShardDistribution:
@@ -22,15 +29,48 @@ def shard_distribution(shards: dict[str, int]) -> ShardDistribution:
     }
 
 
+def job_figures(
+    state: JobState, workers: list[WorkerView], datasets: list[DatasetView]
+) -> JobFigures:
+    """The overview's figures of `state`, from its rendered rows (`workers()`, `datasets()`)."""
+    live_steps = [(worker["step"], worker["epoch"]) for worker in workers if worker["live"]]
+    log = state.restart_log
+    checkpoints = state.checkpoints.jobs.get(state.job)
+    return {
+        "workers": len(workers),
+        "live": len(live_steps),
+        "failed": sum(1 for worker in workers if worker["status"] == "failed"),
+        "left": sum(1 for worker in workers if worker["status"] == "left"),
+        "max_step": max((step for step, _ in live_steps), default=None),
+        "min_step": min((step for step, _ in live_steps), default=None),
+        "max_epoch": max((epoch for _, epoch in live_steps), default=None),
+        "ranks_lost": log.lost,
+        "last_loss_at": log.losses[-1].at if log.losses else None,
+        "restarts": log.restarted,
+        "last_restart_at": log.restarts[-1].at if log.restarts else None,
+        "done_shards": sum(dataset["done_shards"] for dataset in datasets),
+        "total_shards": sum(dataset["num_shards"] for dataset in datasets),
+        "last_committed_step": max(checkpoints.committed, default=None)
+        if checkpoints is not None
+        else None,
+        "open_checkpoints": 0 if checkpoints is None else len(checkpoints.open),
+    }
+
+
 def render_dashboard(state: JobState, rates: LiveRates | None = None) -> Dashboard:
     """The `/api/dashboard` document; without `rates` (a replay) the live rates are null."""
     shards = state.shards_per_worker()
+    workers = state.workers(shards)
+    datasets = state.datasets()
     document: Dashboard = {
         "job": state.job,
         "seq": state.seq,
         "ts": state.ts,
-        "workers": state.workers(shards),
-        "datasets": state.datasets(),
+        "figures": job_figures(state, workers, datasets),
+        "workers": workers,
+        "losses": [loss.view() for loss in state.restart_log.losses],
+        "restarts": [restart.view() for restart in state.restart_log.restarts],
+        "datasets": datasets,
         "checkpoints": state.checkpoint_rows(),
         "barriers": state.barrier_rows(),
         "metrics": {

@@ -41,8 +41,11 @@ SNAPSHOT_EVERY_EVENTS: Final = 2048
 SNAPSHOT_COST_FACTOR: Final = 3.0
 SNAPSHOT_BUDGET_BYTES: Final = 256 * 1024 * 1024
 
-_LEFT_OUT: Final = frozenset({"beats", "unclaimed", "_evolvers", "_routes", "_recent_rows"})
-"""What a snapshot does not keep: the heartbeats (not those of the past point), and what
+_LEFT_OUT: Final = frozenset(
+    {"beats", "unclaimed", "metric_steps", "_evolvers", "_routes", "_recent_rows"}
+)
+"""What a snapshot does not keep: the telemetry (heartbeats, steps of metrics: not those of the
+past point), and what
 `thaw` makes again (the domains' wiring, the cache of rendered rows)."""
 
 
@@ -62,6 +65,7 @@ def thaw(blob: bytes) -> JobState:
         vars(state).update(pickle.loads(blob))  # only bytes this process wrote
     state.beats = {}
     state.unclaimed = OrderedDict()
+    state.metric_steps = {}
     state._recent_rows = {}
     state._connect_domains()
     return state

@@ -29,12 +29,17 @@ from strata.events import (
     CheckpointCommitted,
     CheckpointPruned,
     Event,
+    WorkerFailed,
     WorkerHeartbeat,
+    WorkerLeft,
+    WorkerRegistered,
+    WorkerStateChanged,
     provenance,
 )
 from strata.history import Record, ReplayBudget, ReplayLimits, summarize
 from strata.services.barrier import domain as barrier_domain
 from strata.services.checkpoint import domain as checkpoint_domain
+from strata.services.readmodel.restarts import GoneStatus, Loss, RestartLog
 from strata.services.readmodel.views import (
     BarrierView,
     CheckpointView,
@@ -157,6 +162,8 @@ class JobState:
         """(worker id, instance) -> latest beat, for processes not registered when it came."""
         self.beats_ignored = 0
         """Heartbeats of a worker or instance not registered when they were folded."""
+        self.metric_steps: dict[str, int] = {}
+        """Worker id -> the highest step its `log_metrics` samples carried (since it registered)."""
         self.release_ms: deque[float] = deque(maxlen=RELEASES_KEPT)
         self._latency: dict[str, tuple[int, float]] = {}
         """Barrier name -> (generation, release latency in ms) of its latest release."""
@@ -166,6 +173,7 @@ class JobState:
         self._pruned: dict[int, _Pruned] = {}
         self._last_commit: tuple[int, float] | None = None
         """(total bytes, duration in ms) of the checkpoint committed last."""
+        self.restart_log = RestartLog()
 
     def _connect_domains(self) -> None:
         """Each domain's `evolve` with the state it folds into (again after a restore)."""
@@ -199,7 +207,9 @@ class JobState:
                 self._evolvers[name] for name in routes_for(event.type)
             ]
         if routes:
-            if event.type.startswith("checkpoint."):
+            if event.type.startswith("worker."):
+                self._note_membership(event)
+            elif event.type.startswith("checkpoint."):
                 self._note_checkpoint(event)
             elif isinstance(event, BarrierArrived) and stored_ns is not None:
                 self._last_arrival[event.name] = (event.generation, stored_ns)
@@ -241,7 +251,50 @@ class JobState:
                 self.unclaimed.popitem(last=False)
             return False
         self.beats[heartbeat.worker_id] = (heartbeat.instance, beat)
+        self.restart_log.progressed(heartbeat.worker_id, heartbeat.instance, heartbeat.step)
         self.heartbeats += 1
+        self.version += 1
+        return True
+
+    def _note_membership(self, event: Event) -> None:
+        """Keep the job's losses and restarts (`restarts.RestartLog`); runs before evolve."""
+        log = self.restart_log
+        if isinstance(event, WorkerRegistered):
+            self.metric_steps.pop(event.worker_id, None)  # a new process counts from its own
+            log.registered(event.worker_id, event.instance, event.rank, event.ts)
+            early = self.unclaimed.get((event.worker_id, event.instance))
+            if early is not None:
+                log.progressed(event.worker_id, event.instance, early.step)
+        elif isinstance(event, WorkerFailed | WorkerLeft):
+            member = self._registry_job().members.get(event.worker_id)
+            if member is None or not member.live:
+                return
+            kept = self.beats.get(member.worker_id)
+            step = kept[1].step if kept is not None and kept[0] == member.instance else 0
+            status: GoneStatus = "failed" if isinstance(event, WorkerFailed) else "left"
+            log.gone(
+                Loss(
+                    member.rank,
+                    member.worker_id,
+                    member.instance,
+                    status,
+                    event.ts,
+                    max(step, member.step, self.metric_steps.get(member.worker_id, 0)),
+                )
+            )
+        elif isinstance(event, WorkerStateChanged):
+            member = self._registry_job().members.get(event.worker_id)
+            if member is not None and member.live:
+                log.progressed(member.worker_id, member.instance, event.step)
+
+    def apply_metric_step(self, worker_id: str, step: int) -> bool:
+        """A registered worker logged a metric at `step`: its step advances to it (a loop that
+        only calls `log_metrics(step=...)` shows its progress); True when that changed it."""
+        member = self._registry_job().members.get(worker_id)
+        if member is None or step <= self.metric_steps.get(worker_id, -1):
+            return False
+        self.metric_steps[worker_id] = step
+        self.restart_log.progressed(worker_id, member.instance, step)
         self.version += 1
         return True
 
@@ -286,6 +339,7 @@ class JobState:
         """Every worker ever registered, in rank order (a rank's live holder before gone ones)."""
         held = self.shards_per_worker() if shards is None else shards
         beats = self.beats
+        logged = self.metric_steps
         rows: list[WorkerView] = []
         members = self._registry_job().members.values()
         for member in sorted(members, key=lambda m: (m.rank, m.status in GONE, m.worker_id)):
@@ -299,7 +353,10 @@ class JobState:
                     "id": member.worker_id,
                     "rank": member.rank,
                     "status": member.status,
-                    "step": member.step if beat is None else beat.step,
+                    "live": member.live,
+                    "step": max(
+                        member.step if beat is None else beat.step, logged.get(member.worker_id, 0)
+                    ),
                     "epoch": member.epoch if beat is None else beat.epoch,
                     "last_heartbeat": None if beat is None else beat.ts,
                     "shards": held.get(member.worker_id, 0),
@@ -437,10 +494,14 @@ class JobState:
 
     def summary(self) -> JobSummary:
         """This job's line of `/api/jobs`."""
+        live = self.live_workers()
         return {
             "job": self.job,
             "workers": self.known_workers(),
-            "live": self.live_workers(),
+            "live": live,
+            "running": live > 0,
+            "ranks_lost": self.restart_log.lost,
+            "restarts": self.restart_log.restarted,
             "last_event_ts": self.ts,
             "events": self.events,
         }

@@ -22,7 +22,10 @@ class WorkerView(TypedDict):
     id: str
     rank: int
     status: Literal["idle", "loading", "training", "checkpointing", "recovering", "failed", "left"]
-    step: int
+    live: Annotated[bool, Field(description="Holds its rank: not failed and not left")]
+    step: Annotated[
+        int, Field(description="Its latest step: from set_state or log_metrics(step=...)")
+    ]
     epoch: int
     last_heartbeat: Annotated[
         int | None, Field(description="ns; time the worker stamped its last beat")
@@ -108,6 +111,58 @@ class Metrics(TypedDict):
 
 
 @with_config(_STRICT)
+class LossView(TypedDict):
+    rank: int
+    worker: str
+    status: Annotated[
+        Literal["failed", "left"],
+        Field(description="failed: missed its heartbeats or was superseded; left: said so"),
+    ]
+    at: Annotated[int, Field(description="ns; when the registry recorded it")]
+    step: Annotated[int, Field(description="The step it had reached")]
+
+
+@with_config(_STRICT)
+class RestartView(TypedDict):
+    at: Annotated[int, Field(description="ns; when the first replacement registered")]
+    ranks: Annotated[list[int], Field(description="The ranks new processes took")]
+    replaced: Annotated[list[LossView], Field(description="The processes they replaced")]
+    step_reached: Annotated[int, Field(description="The highest step the replaced ones reached")]
+    resumed_step: Annotated[
+        int | None,
+        Field(
+            description="The first step above 0 a replacement reported (null until one has): "
+            "the steps from it to step_reached were trained twice"
+        ),
+    ]
+
+
+@with_config(_STRICT)
+class JobFigures(TypedDict):
+    """The job at a glance, computed once here rather than by each reader."""
+
+    workers: Annotated[int, Field(description="Every process that registered")]
+    live: Annotated[int, Field(description="Processes holding a rank (the world size)")]
+    failed: int
+    left: int
+    max_step: Annotated[int | None, Field(description="The furthest live worker's step")]
+    min_step: Annotated[int | None, Field(description="The slowest live worker's step")]
+    max_epoch: Annotated[int | None, Field(description="The furthest live worker's epoch")]
+    ranks_lost: Annotated[int, Field(description="Processes failed since the job began")]
+    last_loss_at: Annotated[int | None, Field(description="ns; the latest failure")]
+    restarts: Annotated[
+        int, Field(description="Times new processes took the ranks of failed or departed ones")
+    ]
+    last_restart_at: Annotated[int | None, Field(description="ns; the latest restart")]
+    done_shards: Annotated[int, Field(description="Over every dataset's latest epoch")]
+    total_shards: int
+    last_committed_step: Annotated[
+        int | None, Field(description="The newest committed checkpoint's step")
+    ]
+    open_checkpoints: int
+
+
+@with_config(_STRICT)
 class RecentEvent(TypedDict):
     seq: int
     ts: int
@@ -122,7 +177,10 @@ class Dashboard(TypedDict):
     job: str
     seq: Annotated[int, Field(description="Stream sequence of the last event folded")]
     ts: Annotated[int, Field(description="ns; the last event's own time")]
+    figures: JobFigures
     workers: list[WorkerView]
+    losses: Annotated[list[LossView], Field(description="The last 100 failures, oldest first")]
+    restarts: Annotated[list[RestartView], Field(description="The last 100, oldest first")]
     datasets: list[DatasetView]
     checkpoints: list[CheckpointView]
     barriers: list[BarrierView]
@@ -137,5 +195,8 @@ class JobSummary(TypedDict):
     job: str
     workers: int
     live: int
+    running: Annotated[bool, Field(description="At least one worker holds a rank")]
+    ranks_lost: int
+    restarts: int
     last_event_ts: int
     events: int

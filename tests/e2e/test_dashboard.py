@@ -31,10 +31,12 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+from pydantic import TypeAdapter
 from strata import procutil
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.services.gateway.app import API_TOKEN_ENV
+from strata.services.readmodel.views import Dashboard
 
 from tests.support import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ServiceProcess, new_job, wait_until
 
@@ -392,6 +394,7 @@ def bench_state(version: int) -> dict[str, Any]:
                 "id": f"bench-w{rank:04d}",
                 "rank": rank,
                 "status": status,
+                "live": status not in ("failed", "left"),
                 "step": 1000 + version,
                 "epoch": 3,
                 "last_heartbeat": now,
@@ -405,11 +408,32 @@ def bench_state(version: int) -> dict[str, Any]:
         {"seq": seq, "ts": now, "type": "worker.state_changed", "summary": f"event {seq}"}
         for seq in range(last_seq - 199, last_seq + 1)
     ]
+    live = sum(1 for worker in workers if worker["live"])
+    failed = sum(1 for worker in workers if worker["status"] == "failed")
     return {
         "job": BENCH_JOB,
         "seq": last_seq,
         "ts": now,
+        "figures": {
+            "workers": BENCH_WORKERS,
+            "live": live,
+            "failed": failed,
+            "left": BENCH_WORKERS - live - failed,
+            "max_step": 1000 + version,
+            "min_step": 1000 + version,
+            "max_epoch": 3,
+            "ranks_lost": failed,
+            "last_loss_at": now,
+            "restarts": 0,
+            "last_restart_at": None,
+            "done_shards": 6000,
+            "total_shards": 13_000,
+            "last_committed_step": None,
+            "open_checkpoints": 0,
+        },
         "workers": workers,
+        "losses": [],
+        "restarts": [],
         "datasets": [
             {
                 "id": "bench-data",
@@ -457,7 +481,15 @@ class BenchGateway:
                 return
             url = url._replace(path=url.path.removeprefix(self.prefix))
         if url.path == "/api/jobs":
-            summary = {"job": BENCH_JOB, "workers": BENCH_WORKERS, "live": 990, "events": 1}
+            summary = {
+                "job": BENCH_JOB,
+                "workers": BENCH_WORKERS,
+                "live": 990,
+                "running": True,
+                "ranks_lost": 10,
+                "restarts": 0,
+                "events": 1,
+            }
             body: Any = {"jobs": [{**summary, "last_event_ts": time.time_ns()}]}
         elif url.path in ("/api/dashboard", "/api/stream"):
             self.served += 1
@@ -479,6 +511,12 @@ class BenchGateway:
             route.fulfill(path=str(file if file.is_file() else DIST_INDEX))
             return
         route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+
+def test_the_render_benchmark_serves_a_dashboard_document_of_the_api() -> None:
+    # The page reads what the API sends: a stand-in document that strays from it fails here,
+    # not as a page that never renders.
+    TypeAdapter(Dashboard).validate_python(bench_state(1))
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -39,7 +39,12 @@ export interface Dashboard {
   readonly seq: number;
   /** ns; the last event's own time */
   readonly ts: number;
+  readonly figures: JobFigures;
   readonly workers: ReadonlyArray<WorkerView>;
+  /** The last 100 failures, oldest first */
+  readonly losses: ReadonlyArray<LossView>;
+  /** The last 100, oldest first */
+  readonly restarts: ReadonlyArray<RestartView>;
   readonly datasets: ReadonlyArray<DatasetView>;
   readonly checkpoints: ReadonlyArray<CheckpointView>;
   readonly barriers: ReadonlyArray<BarrierView>;
@@ -75,6 +80,36 @@ export interface EventPage {
   readonly last_seq: number;
 }
 
+/** The job at a glance, computed once here rather than by each reader. */
+export interface JobFigures {
+  /** Every process that registered */
+  readonly workers: number;
+  /** Processes holding a rank (the world size) */
+  readonly live: number;
+  readonly failed: number;
+  readonly left: number;
+  /** The furthest live worker's step */
+  readonly max_step: number | null;
+  /** The slowest live worker's step */
+  readonly min_step: number | null;
+  /** The furthest live worker's epoch */
+  readonly max_epoch: number | null;
+  /** Processes failed since the job began */
+  readonly ranks_lost: number;
+  /** ns; the latest failure */
+  readonly last_loss_at: number | null;
+  /** Times new processes took the ranks of failed or departed ones */
+  readonly restarts: number;
+  /** ns; the latest restart */
+  readonly last_restart_at: number | null;
+  /** Over every dataset's latest epoch */
+  readonly done_shards: number;
+  readonly total_shards: number;
+  /** The newest committed checkpoint's step */
+  readonly last_committed_step: number | null;
+  readonly open_checkpoints: number;
+}
+
 export interface JobList {
   readonly jobs: ReadonlyArray<JobSummary>;
 }
@@ -92,8 +127,27 @@ export interface JobSummary {
   readonly job: string;
   readonly workers: number;
   readonly live: number;
+  /** At least one worker holds a rank */
+  readonly running: boolean;
+  readonly ranks_lost: number;
+  readonly restarts: number;
   readonly last_event_ts: number;
   readonly events: number;
+}
+
+/** The values of `LossView.status`. */
+export const LOSS_VIEW_STATUS = ["failed", "left"] as const;
+export type LossViewStatus = (typeof LOSS_VIEW_STATUS)[number];
+
+export interface LossView {
+  readonly rank: number;
+  readonly worker: string;
+  /** failed: missed its heartbeats or was superseded; left: said so */
+  readonly status: LossViewStatus;
+  /** ns; when the registry recorded it */
+  readonly at: number;
+  /** The step it had reached */
+  readonly step: number;
 }
 
 export interface MetricView {
@@ -131,6 +185,19 @@ export interface RecentEvent {
   readonly summary: string;
 }
 
+export interface RestartView {
+  /** ns; when the first replacement registered */
+  readonly at: number;
+  /** The ranks new processes took */
+  readonly ranks: ReadonlyArray<number>;
+  /** The processes they replaced */
+  readonly replaced: ReadonlyArray<LossView>;
+  /** The highest step the replaced ones reached */
+  readonly step_reached: number;
+  /** The first step above 0 a replacement reported (null until one has): the steps from it to step_reached were trained twice */
+  readonly resumed_step: number | null;
+}
+
 export interface ShardDistribution {
   readonly max_over_mean: number | null;
   readonly min: number | null;
@@ -161,6 +228,9 @@ export interface WorkerView {
   readonly id: string;
   readonly rank: number;
   readonly status: WorkerViewStatus;
+  /** Holds its rank: not failed and not left */
+  readonly live: boolean;
+  /** Its latest step: from set_state or log_metrics(step=...) */
   readonly step: number;
   readonly epoch: number;
   /** ns; time the worker stamped its last beat */

@@ -4,8 +4,8 @@
 import { useMemo } from "react";
 import type { CheckpointView } from "../api/types";
 import { formatNumber, nsToMs } from "../format";
-import { HISTORY_WINDOW_MS } from "../hooks";
-import type { MetricName, MetricSample } from "../hooks";
+import { HISTORY_WINDOW_MS } from "../hooks/useLiveDashboard";
+import type { MetricName, MetricSample } from "../hooks/useLiveDashboard";
 import { Panel } from "./Panel";
 
 const MIN_WINDOW_MS = 60 * 1000;

@@ -59,11 +59,10 @@ const Row = memo(function Row(props: {
 
 export function EventLog(props: {
   entries: readonly RecentEvent[];
-  version: number;
   replaySeq: number | null;
   onPick: (seq: number) => void;
 }) {
-  const { entries, version, replaySeq, onPick } = props;
+  const { entries, replaySeq, onPick } = props;
   const [type, setType] = useState("");
   const [text, setText] = useState("");
   const deferredText = useDeferredValue(text);
@@ -77,8 +76,7 @@ export function EventLog(props: {
       if (accept(event)) found.push(event);
     }
     return found;
-    // `entries` grows in place; `version` says when.
-  }, [entries, version, type, deferredText, replaySeq]);
+  }, [entries, type, deferredText, replaySeq]);
 
   const scroller = useRef<HTMLDivElement>(null);
   const [scrollTop, setScrollTop] = useState(0);

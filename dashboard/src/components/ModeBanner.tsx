@@ -1,6 +1,6 @@
 import { useEffect, useState } from "react";
 import { formatDateTime } from "../format";
-import type { Connection } from "../hooks";
+import type { Connection } from "../hooks/useLiveDashboard";
 
 const CONNECTION_TEXT: Readonly<Record<Connection, string>> = {
   connecting: "connecting",

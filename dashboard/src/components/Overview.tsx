@@ -1,9 +1,8 @@
 // The overview cards: the job at a glance, every figure from the dashboard state shown.
 
 import type { ReactNode } from "react";
-import type { Dashboard } from "../api/types";
+import type { Dashboard, LossView, RestartView } from "../api/types";
 import { formatAge, formatBytes, formatDurationMs, formatNumber } from "../format";
-import { isLive } from "../status";
 
 function Card(props: {
   label: string;
@@ -21,34 +20,33 @@ function Card(props: {
   );
 }
 
+/** "rank 1 lost at step 38, 12 s ago; restarted 3 s ago, resumed at step 30" */
+export function describeRestart(
+  restart: RestartView | undefined,
+  loss: LossView | undefined,
+  nowNs: number,
+): string {
+  if (!restart && !loss) return "no rank lost";
+  const lost = loss
+    ? `rank ${loss.rank} lost at step ${loss.step}, ${formatAge(loss.at, nowNs)}`
+    : "";
+  if (!restart || (loss && loss.at > restart.at)) return lost;
+  const ranks = restart.ranks.length === 1 ? "rank" : "ranks";
+  const resumed =
+    restart.resumed_step === null ? "" : `, resumed at step ${restart.resumed_step}`;
+  const restarted = `${ranks} ${restart.ranks.join(", ")} restarted ${formatAge(restart.at, nowNs)}${resumed}`;
+  return lost ? `${lost}; ${restarted}` : restarted;
+}
+
 export function Overview(props: { state: Dashboard; replay: boolean; nowNs: number }) {
   const { state, replay, nowNs } = props;
-  const { workers, datasets, checkpoints, metrics } = state;
-  let live = 0;
-  let failed = 0;
-  let left = 0;
-  let maxStep: number | null = null;
-  let minStep: number | null = null;
-  let maxEpoch: number | null = null;
-  for (const worker of workers) {
-    if (worker.status === "failed") failed += 1;
-    else if (worker.status === "left") left += 1;
-    if (isLive(worker.status)) {
-      live += 1;
-      maxStep = maxStep === null ? worker.step : Math.max(maxStep, worker.step);
-      minStep = minStep === null ? worker.step : Math.min(minStep, worker.step);
-      maxEpoch = maxEpoch === null ? worker.epoch : Math.max(maxEpoch, worker.epoch);
-    }
-  }
-  const doneShards = datasets.reduce((sum, dataset) => sum + dataset.done_shards, 0);
-  const allShards = datasets.reduce((sum, dataset) => sum + dataset.num_shards, 0);
-  const committed = checkpoints
-    .filter((checkpoint) => checkpoint.status === "committed")
-    .reduce<(typeof checkpoints)[number] | null>(
-      (best, checkpoint) => (best === null || checkpoint.step > best.step ? checkpoint : best),
-      null,
-    );
-  const open = checkpoints.filter((checkpoint) => checkpoint.status === "open").length;
+  const { figures, metrics } = state;
+  const lastLoss = state.losses[state.losses.length - 1];
+  const lastRestart = state.restarts[state.restarts.length - 1];
+  const committed = state.checkpoints.find(
+    (checkpoint) => checkpoint.step === figures.last_committed_step && checkpoint.status === "committed",
+  );
+  const open = figures.open_checkpoints;
   // A replay carries no live rates: say so rather than show a dash.
   const rate = (value: number | null, unit: string): ReactNode =>
     value !== null ? (
@@ -66,29 +64,46 @@ export function Overview(props: { state: Dashboard; replay: boolean; nowNs: numb
         testId="card-workers"
         value={
           <>
-            {live}
-            <span className="of"> / {workers.length}</span>
+            {figures.live}
+            <span className="of"> / {figures.workers}</span>
           </>
         }
-        detail={`${failed} failed · ${left} left`}
-        tone={failed > 0 ? "bad" : live > 0 ? "good" : ""}
+        detail={`${figures.failed} failed · ${figures.left} left`}
+        tone={figures.failed > 0 ? "bad" : figures.live > 0 ? "good" : ""}
+      />
+      <Card
+        label="Restarts"
+        testId="card-restarts"
+        value={
+          <>
+            {figures.restarts}
+            <span className="of">
+              {" "}
+              · {figures.ranks_lost} {figures.ranks_lost === 1 ? "rank" : "ranks"} lost
+            </span>
+          </>
+        }
+        detail={describeRestart(lastRestart, lastLoss, nowNs)}
+        tone={figures.ranks_lost > 0 ? "warn" : ""}
       />
       <Card
         label="Step · epoch"
         testId="card-step"
-        value={maxStep === null ? "—" : `${maxStep} · ${maxEpoch ?? "—"}`}
+        value={figures.max_step === null ? "—" : `${figures.max_step} · ${figures.max_epoch ?? "—"}`}
         detail={
-          maxStep === null || minStep === null
+          figures.min_step === null
             ? "no live worker"
-            : `slowest live worker at step ${minStep}`
+            : `slowest live worker at step ${figures.min_step}`
         }
       />
       <Card
         label="Datasets"
         testId="card-datasets"
-        value={datasets.length}
+        value={state.datasets.length}
         detail={
-          allShards > 0 ? `${doneShards} / ${allShards} shards done this epoch` : "none registered"
+          figures.total_shards > 0
+            ? `${figures.done_shards} / ${figures.total_shards} shards done this epoch`
+            : "none registered"
         }
       />
       <Card

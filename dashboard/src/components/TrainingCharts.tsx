@@ -1,9 +1,11 @@
 // Training metrics (what workers logged with `log_metrics`): one chart per metric against the
 // training step, a line per rank and the job's line on top: the mean over ranks (a loss), or
-// their total for a rate (names ending in `_per_s`, which add up across ranks).
+// their total for a rate (names ending in `_per_s`, which add up across ranks). A restart is a
+// dashed marker at the step its replacements resumed from, with the steps trained twice shaded
+// up to the step the lost processes had reached.
 
 import { memo, useMemo } from "react";
-import type { MetricView, MetricsHistoryView } from "../api/types";
+import type { MetricView, MetricsHistoryView, RestartView } from "../api/types";
 import { formatNumber } from "../format";
 import { CHART_PAD, CHART_WIDTH, ValueGrid } from "./ChartFrame";
 import { Empty, Panel } from "./Panel";
@@ -34,10 +36,19 @@ function niceCeiling(value: number): number {
   return 10 * power;
 }
 
-function linesOf(name: string, history: MetricView): Line[] {
+export function linesOf(name: string, history: MetricView): Line[] {
   const total = addsUp(name);
-  const ranks = history.workers.slice(0, MAX_RANK_LINES).map((worker, index) => ({
-    label: worker.rank === null ? worker.worker : `rank ${worker.rank}`,
+  const shown = history.workers.slice(0, MAX_RANK_LINES);
+  // A restarted rank has a line per process: those are told apart by worker id.
+  const perRank = new Map<number | null, number>();
+  for (const worker of shown) perRank.set(worker.rank, (perRank.get(worker.rank) ?? 0) + 1);
+  const ranks = shown.map((worker, index) => ({
+    label:
+      worker.rank === null
+        ? worker.worker
+        : (perRank.get(worker.rank) ?? 0) > 1
+          ? `rank ${worker.rank} (${worker.worker})`
+          : `rank ${worker.rank}`,
     colour: RANK_COLOURS[index % RANK_COLOURS.length] ?? "#94a3b8",
     width: 1.1,
     steps: worker.steps,
@@ -54,8 +65,43 @@ function linesOf(name: string, history: MetricView): Line[] {
   return history.workers.length > 1 ? [...ranks, job] : [job];
 }
 
-const StepChart = memo(function StepChart(props: { name: string; history: MetricView }) {
-  const { name, history } = props;
+/** A restart on a step axis: its marker and the steps trained again after it. */
+export interface RestartSpan {
+  readonly marker: number;
+  /** The first and last step trained twice (none when they are not known yet). */
+  readonly retrained: readonly [number, number] | null;
+  readonly label: string;
+}
+
+export function restartSpans(restarts: readonly RestartView[]): RestartSpan[] {
+  return restarts.map((restart) => {
+    const resumed = restart.resumed_step;
+    const ranks = `${restart.ranks.length === 1 ? "rank" : "ranks"} ${restart.ranks.join(", ")}`;
+    if (resumed === null) {
+      return {
+        marker: restart.step_reached,
+        retrained: null,
+        label: `${ranks} restarted after step ${restart.step_reached}`,
+      };
+    }
+    const retrained: readonly [number, number] | null =
+      resumed <= restart.step_reached ? [resumed, restart.step_reached] : null;
+    return {
+      marker: resumed,
+      retrained,
+      label: retrained
+        ? `${ranks} restarted: steps ${resumed}–${restart.step_reached} trained again`
+        : `${ranks} restarted, resumed at step ${resumed}`,
+    };
+  });
+}
+
+const StepChart = memo(function StepChart(props: {
+  name: string;
+  history: MetricView;
+  restarts: readonly RestartSpan[];
+}) {
+  const { name, history, restarts } = props;
   const lines = useMemo(() => linesOf(name, history), [name, history]);
   let first = Infinity;
   let last = -Infinity;
@@ -108,6 +154,33 @@ const StepChart = memo(function StepChart(props: { name: string; history: Metric
             per {formatNumber(history.stride)} steps
           </text>
         )}
+        {restarts.map((restart, index) => {
+          const inside = (step: number): number => Math.min(last, Math.max(first, step));
+          return (
+            <g key={index} data-testid="restart-marker" data-step={restart.marker}>
+              {restart.retrained && (
+                <rect
+                  className="retrained"
+                  data-testid="retrained-steps"
+                  data-from={restart.retrained[0]}
+                  data-to={restart.retrained[1]}
+                  x={x(inside(restart.retrained[0]))}
+                  width={Math.max(1, x(inside(restart.retrained[1])) - x(inside(restart.retrained[0])))}
+                  y={CHART_PAD.top}
+                  height={plotH}
+                />
+              )}
+              <line
+                className="restart-marker"
+                x1={x(inside(restart.marker))}
+                x2={x(inside(restart.marker))}
+                y1={CHART_PAD.top}
+                y2={CHART_PAD.top + plotH}
+              />
+              <title>{restart.label}</title>
+            </g>
+          );
+        })}
         {lines.map((line) => (
           <path
             key={line.label}
@@ -132,18 +205,30 @@ const StepChart = memo(function StepChart(props: { name: string; history: Metric
             {line.label} <strong>{formatNumber(line.values[line.values.length - 1] ?? null)}</strong>
           </li>
         ))}
+        {restarts.some((restart) => restart.retrained) && (
+          <li>
+            <span className="swatch retrained" />
+            trained again after a restart
+          </li>
+        )}
       </ul>
     </figure>
   );
 });
 
-/** Loss first, then the other metrics by name. */
-function ordered(names: readonly string[]): string[] {
-  return [...names].sort((a, b) => Number(b === "loss") - Number(a === "loss") || a.localeCompare(b));
+/** Losses first (names containing "loss"), then the other metrics, each group by name. */
+export function ordered(names: readonly string[]): string[] {
+  const isLoss = (name: string): number => Number(name.includes("loss"));
+  return [...names].sort((a, b) => isLoss(b) - isLoss(a) || (a < b ? -1 : a > b ? 1 : 0));
 }
 
-export function TrainingCharts(props: { metrics: MetricsHistoryView | null; replaying: boolean }) {
+export function TrainingCharts(props: {
+  metrics: MetricsHistoryView | null;
+  restarts: readonly RestartView[];
+  replaying: boolean;
+}) {
   const { metrics, replaying } = props;
+  const spans = useMemo(() => restartSpans(props.restarts), [props.restarts]);
   const names = metrics ? ordered(Object.keys(metrics.metrics)) : [];
   const shown = names.slice(0, MAX_CHARTS);
   const subtitle = replaying
@@ -169,7 +254,9 @@ export function TrainingCharts(props: { metrics: MetricsHistoryView | null; repl
         <div className="chart-row">
           {shown.map((name) => {
             const history = metrics.metrics[name];
-            return history ? <StepChart key={name} name={name} history={history} /> : null;
+            return history ? (
+              <StepChart key={name} name={name} history={history} restarts={spans} />
+            ) : null;
           })}
         </div>
       )}

@@ -3,21 +3,18 @@
 // replayed point in time.
 
 import { useEffect, useState } from "react";
-import { AuthRequired } from "./api/client";
-import { trainingMetrics } from "./api/metrics";
-import type { MetricsHistoryView } from "./api/types";
+import { AuthRequired } from "../api/client";
+import { trainingMetrics } from "../api/metrics";
+import type { MetricsHistoryView } from "../api/types";
+import { type ErrorSink, isAbort } from "./common";
 
 const REFRESH_MS = 2000;
-
-function isAbort(error: unknown): boolean {
-  return error instanceof DOMException && error.name === "AbortError";
-}
 
 export function useTrainingMetrics(
   job: string | null,
   untilNs: number | null,
   authVersion: number,
-  onError: (error: unknown) => void,
+  onError: ErrorSink,
 ): MetricsHistoryView | null {
   const [metrics, setMetrics] = useState<MetricsHistoryView | null>(null);
 

@@ -1,0 +1,61 @@
+import { describe, expect, it } from "vitest";
+import type { MetricView, RestartView } from "../api/types";
+import { linesOf, ordered, restartSpans } from "./TrainingCharts";
+
+function restart(resumed: number | null, reached: number, ranks = [1]): RestartView {
+  return { at: 1, ranks, replaced: [], step_reached: reached, resumed_step: resumed };
+}
+
+describe("training charts", () => {
+  it("put the losses first, then the rest by name", () => {
+    expect(ordered(["epoch", "train_loss", "lr", "val_loss", "accuracy"])).toEqual([
+      "train_loss",
+      "val_loss",
+      "accuracy",
+      "epoch",
+      "lr",
+    ]);
+  });
+
+  it("shade the steps trained again after a restart", () => {
+    expect(restartSpans([restart(30, 38)])).toEqual([
+      { marker: 30, retrained: [30, 38], label: "rank 1 restarted: steps 30–38 trained again" },
+    ]);
+  });
+
+  it("mark a restart whose resumed step is not known yet at the step reached", () => {
+    const [span] = restartSpans([restart(null, 38, [0, 1])]);
+    expect(span).toEqual({
+      marker: 38,
+      retrained: null,
+      label: "ranks 0, 1 restarted after step 38",
+    });
+  });
+
+  it("shade nothing when the replacement resumed past the step reached", () => {
+    expect(restartSpans([restart(40, 38)])[0]?.retrained).toBeNull();
+  });
+});
+
+describe("the lines of a chart", () => {
+  it("tell the processes of a restarted rank apart by worker id", () => {
+    const series = (worker: string, rank: number) => ({
+      worker,
+      rank,
+      stride: 1,
+      steps: [1],
+      values: [0.5],
+    });
+    const history: MetricView = {
+      stride: 1,
+      job: { steps: [1], mean: [0.5], total: [1.5] },
+      workers: [series("w0", 0), series("w1", 1), series("w1-again", 1)],
+    };
+    expect(linesOf("loss", history).map((line) => line.label)).toEqual([
+      "rank 0",
+      "rank 1 (w1)",
+      "rank 1 (w1-again)",
+      "job mean",
+    ]);
+  });
+});
