@@ -19,7 +19,6 @@ import pydantic
 import structlog
 from nats.aio.subscription import Subscription
 
-from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int
 from strata._metrics import MetricBatcher
 from strata.aio._sampling import ProcessSampler
@@ -238,7 +237,6 @@ class _WorkerCore:
         self._heartbeat_failures = 0
         self._heartbeats_suspended = False
         self._sampler = ProcessSampler()
-        self._barriers: BarrierClient | None = None
         self._metrics = MetricBatcher(self._job, lambda: self._worker_id, self._publish_sample)
         self._log = log.bind(job=self._job, worker=self._worker_id)
 

@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Self
 
 from strata import _signals
-from strata._barrier import BarrierClient
+from strata.aio._barrier import BarrierClient
 from strata.aio._core import CLOSE_TIMEOUT_S, _Saver, log
 from strata.aio._training import _TrainingMetrics
 from strata.bus import Bus, Caller
@@ -26,6 +26,9 @@ class Worker(_TrainingMetrics):
     process that starts under the same worker id supersedes this one, which then stops
     heartbeating and never registers again (`superseded`).
     """
+
+    _barriers: BarrierClient | None = None
+    """The barrier waits of this worker, from its first `barrier()` until `stop()`."""
 
     # -- life -------------------------------------------------------------------------------------
 
