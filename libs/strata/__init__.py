@@ -43,7 +43,7 @@ from strata.errors import (
 
 if TYPE_CHECKING:
     from strata import aio
-    from strata.aio import WorkerNotStarted
+    from strata.aio import CheckpointOptions, DatasetOptions, WorkerNotStarted, WorkerOptions
     from strata.checkpoint import CheckpointManager
     from strata.datasets import DatasetRegistry
     from strata.worker import Worker, default_worker
@@ -53,6 +53,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "aio": "strata.aio",
     "WorkerNotStarted": "strata.aio",
+    "WorkerOptions": "strata.aio",
+    "CheckpointOptions": "strata.aio",
+    "DatasetOptions": "strata.aio",
     "CheckpointManager": "strata.checkpoint",
     "DatasetRegistry": "strata.datasets",
     "Worker": "strata.worker",
@@ -65,10 +68,12 @@ __all__ = [
     "BusError",
     "Busy",
     "CheckpointManager",
+    "CheckpointOptions",
     "ChecksumMismatch",
     "CodecError",
     "ConfigError",
     "ConflictError",
+    "DatasetOptions",
     "DatasetRegistry",
     "Forbidden",
     "InvalidRequest",
@@ -87,6 +92,7 @@ __all__ = [
     "ValidationError",
     "Worker",
     "WorkerNotStarted",
+    "WorkerOptions",
     "WorkerSuperseded",
     "__version__",
     "aio",
