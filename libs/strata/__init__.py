@@ -44,7 +44,7 @@ from strata.errors import (
 
 if TYPE_CHECKING:
     from strata import aio
-    from strata.aio import WorkerNotStarted
+    from strata.aio import CheckpointOptions, DatasetOptions, WorkerNotStarted, WorkerOptions
     from strata.checkpoint import CheckpointManager
     from strata.datasets import DatasetRegistry
     from strata.worker import Worker, default_worker
@@ -54,6 +54,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "aio": "strata.aio",
     "WorkerNotStarted": "strata.aio",
+    "WorkerOptions": "strata.aio",
+    "CheckpointOptions": "strata.aio",
+    "DatasetOptions": "strata.aio",
     "CheckpointManager": "strata.checkpoint",
     "DatasetRegistry": "strata.datasets",
     "Worker": "strata.worker",
@@ -67,10 +70,12 @@ __all__ = [
     "BusError",
     "Busy",
     "CheckpointManager",
+    "CheckpointOptions",
     "ChecksumMismatch",
     "CodecError",
     "ConfigError",
     "ConflictError",
+    "DatasetOptions",
     "DatasetRegistry",
     "Forbidden",
     "InvalidRequest",
@@ -89,6 +94,7 @@ __all__ = [
     "ValidationError",
     "Worker",
     "WorkerNotStarted",
+    "WorkerOptions",
     "WorkerSuperseded",
     "__version__",
     "aio",

@@ -16,14 +16,15 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, Unpack
 
 import structlog
 
 from strata import _signals
 from strata._loop import LoopRunner
-from strata.aio import MEMBERS_RETRY_S, SAVES_TIMEOUT_S, OnRejoin
+from strata.aio import MEMBERS_RETRY_S, OnRejoin, WorkerArgs, WorkerOptions
 from strata.aio import Worker as AsyncWorker
 from strata.bus import Bus
 from strata.config import Settings
@@ -31,7 +32,7 @@ from strata.errors import StrataError, ValidationError
 from strata.events import LiveState
 from strata.events.requests import Lease, MembersResult, Registration
 
-__all__ = ["Worker", "default_worker"]
+__all__ = ["Worker", "WorkerArgs", "WorkerOptions", "default_worker"]
 
 EXIT_STOP_TIMEOUT_S: Final = 10.0
 
@@ -104,27 +105,14 @@ class Worker:
         job: str | None = None,
         nats_url: str | None = None,
         *,
-        worker_id: str | None = None,
-        hostname: str | None = None,
-        gpus: int = 0,
-        labels: dict[str, str] | None = None,
-        settings: Settings | None = None,
-        on_rejoin: OnRejoin | None = None,
-        rank: int | None = None,
-        saves_timeout: float = SAVES_TIMEOUT_S,
+        options: WorkerOptions | None = None,
+        **overrides: Unpack[WorkerArgs],
     ) -> None:
-        self._aio = AsyncWorker(
-            job,
-            nats_url,
-            worker_id=worker_id,
-            hostname=hostname,
-            gpus=gpus,
-            labels=labels,
-            settings=settings,
-            on_rejoin=_off_the_loop(on_rejoin),
-            rank=rank,
-            saves_timeout=saves_timeout,
-        )
+        options = replace(options or WorkerOptions(), **overrides)
+        self._options = options
+        # The callback runs in a thread of its own, so that it may call this face's methods.
+        on_loop = replace(options, on_rejoin=_off_the_loop(options.on_rejoin))
+        self._aio = AsyncWorker(job, nats_url, options=on_loop)
         self._runner = LoopRunner(name=f"strata-worker-{self._aio.id}")
         self._exit_hook: Callable[[], None] | None = None
 
@@ -134,7 +122,15 @@ class Worker:
     # -- life -------------------------------------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> Self:
-        """Connect, register and start heartbeating in the background; returns the worker."""
+        """Connect, register and start heartbeating in the background; returns the worker.
+        Idempotent.
+
+        A live process registered under the same worker id is superseded (recorded as failed):
+        this one takes its place, with its rank unless `rank=` asks for another. Raises
+        `ConflictError` when the requested rank is held by another live worker, `BusError` when
+        NATS cannot be reached within 30 s, `ServiceUnavailable` when no registry answers for 60 s.
+        The blocking `strata.Worker.start(timeout=...)` gives up after `timeout` seconds.
+        """
         try:
             self._runner.run(self._aio.start(), timeout)
         except BaseException:
@@ -148,9 +144,12 @@ class Worker:
         return self
 
     def stop(self, timeout: float | None = None) -> None:
-        """Wait for this worker's pending checkpoint saves (up to `saves_timeout`), leave the
-        job, disconnect and end the background thread. Idempotent. Raises a save that failed or
-        did not finish in time (`code="pending_saves"`), after leaving."""
+        """Wait for this worker's pending checkpoint saves (up to `saves_timeout`), stop
+        heartbeating, leave the job and disconnect. Idempotent. Raises a save that failed or did
+        not finish in time (`code="pending_saves"`), after leaving; never raises for a leave the
+        registry cannot take (it then marks the worker failed after the heartbeat timeout). The
+        blocking `strata.Worker.stop(timeout=...)` also ends its background thread, and gives up
+        after `timeout` seconds."""
         if self._exit_hook is not None:
             atexit.unregister(self._exit_hook)
             self._exit_hook = None
@@ -166,8 +165,10 @@ class Worker:
         default: end the process, with the usual status), so the registry records `worker.left`
         at once instead of failing the worker after its heartbeat timeout.
 
-        Opt in: the library installs no signal handler unless this is called. Call it from the
-        main thread (Python runs signal handlers only there); `strata.ConfigError` otherwise.
+        Opt in: the library installs no signal handler unless this is called. Call it on the
+        main thread (Python runs signal handlers only there): `strata.Worker`'s from that thread,
+        `strata.aio.Worker`'s from a coroutine on its event loop (it uses
+        `loop.add_signal_handler`); `strata.ConfigError` otherwise.
         """
         _signals.install_sync(self.id, lambda: self.stop(timeout=EXIT_STOP_TIMEOUT_S))
 
@@ -193,19 +194,19 @@ class Worker:
     def set_state(
         self, state: LiveState, *, step: int | None = None, epoch: int | None = None
     ) -> None:
-        """Record what the worker is doing (idle, loading, training, checkpointing, recovering);
-        a new state is announced at once, step and epoch alone with the next heartbeat."""
+        """Record what the worker is doing; a new state is announced at once, step and epoch
+        alone ride on the next heartbeat (so calling this every step costs no messages)."""
         # Recorded on the caller's thread: calling this every training step costs no round trip.
         if self._aio._record_progress(state, step, epoch) and self._aio.started:
             self._runner.run(self._aio._beat())
 
     def log_metrics(self, metrics: dict[str, float], *, step: int | None = None) -> None:
         """Record training figures, e.g. `{"loss": 0.31, "samples_per_s": 812}`, at `step` (by
-        default the step last given to `set_state`). Returns at once: samples are buffered and
-        published as `metric.sampled` events about once a second (sooner when many wait) and
-        when the worker stops. Names are 1 to 64 of `a-z0-9_` starting with a letter, values
-        finite numbers, at most 64 per call; anything else raises `strata.ValidationError`
-        naming the metric."""
+        default the step last given to `set_state`). Never waits on the network: samples are
+        buffered and published as `metric.sampled` events about once a second (sooner when many
+        wait) and when the worker stops. Names are 1 to 64 of `a-z0-9_` starting with a letter,
+        values finite numbers, at most 64 per call; anything else raises
+        `strata.ValidationError` naming the metric."""
         # Buffered on the caller's thread: logging every training step costs no round trip.
         self._aio._add_metrics(metrics, step)
 
@@ -215,7 +216,8 @@ class Worker:
         return self._aio.metrics_published
 
     def flush_metrics(self) -> int:
-        """Publish the samples `log_metrics` buffered now; returns how many were sent."""
+        """Publish the samples `log_metrics` buffered now rather than at the next tick; returns
+        how many were sent."""
         return self._runner.run(self._aio.flush_metrics())
 
     def members(
@@ -225,10 +227,11 @@ class Worker:
         return self._runner.run(self._aio.members(include_gone=include_gone, retry_for=retry_for))
 
     def barrier(self, name: str, timeout: float = 60.0, *, expected: int | None = None) -> int:
-        """Wait at barrier `name` until every participant arrives; returns its generation.
+        """Wait until every expected participant has arrived at `name`; returns the generation.
 
-        Raises `strata.BarrierBroken` when a participant fails or leaves meanwhile, and
-        `strata.BarrierTimeout` when it is not complete within `timeout` seconds.
+        Expected participants are the job's live workers when the barrier opens, or `expected`
+        workers when given. Raises `strata.BarrierBroken` as soon as a participant fails or
+        leaves, and `strata.BarrierTimeout` if it is not complete within `timeout` seconds.
         """
         return self._runner.run(self._aio.barrier(name, timeout, expected=expected))
 
@@ -247,17 +250,27 @@ class Worker:
 
     @property
     def bus(self) -> Bus:
-        """The worker's NATS connection (for the SDK's own clients)."""
+        """The NATS connection, for the other SDK parts that work on behalf of this worker."""
         return self._aio.bus
 
     @property
+    def settings(self) -> Settings:
+        """The settings this worker was built with (storage, heartbeats, NATS)."""
+        return self._aio.settings
+
+    @property
+    def options(self) -> WorkerOptions:
+        """The options this worker was made with."""
+        return self._options
+
+    @property
     def id(self) -> str:
-        """This worker's id: given, taken from the NATS user, or made up by the registry."""
+        """The worker id: the one given, else the one the registry derived from `instance`."""
         return self._aio.id
 
     @property
     def instance(self) -> str:
-        """Random per process: tells this process from another under the same worker id."""
+        """Random per Worker object: tells the registry a retry from a second process."""
         return self._aio.instance
 
     @property
@@ -274,18 +287,18 @@ class Worker:
 
     @property
     def requested_rank(self) -> int | None:
-        """The rank asked for (`rank=`, STRATA_RANK or the launcher's), or None for the lowest
+        """The rank asked for (`rank=`, `STRATA_RANK` or the launcher's), or None for the lowest
         free one."""
         return self._aio.requested_rank
 
     @property
     def world_size(self) -> int:
-        """Live workers of the job, as last heard (kept current as workers join and fail)."""
+        """Live workers in the job, kept current from the registry's membership events."""
         return self._aio.world_size
 
     @property
     def membership_epoch(self) -> int:
-        """The job's membership epoch as last heard: it grows with every join and failure."""
+        """Grows with every join, leave and failure in the job."""
         return self._aio.membership_epoch
 
     @property
@@ -300,7 +313,7 @@ class Worker:
 
     @property
     def registration(self) -> Registration:
-        """The registry's answer to this worker's latest registration."""
+        """The registry's latest answer to this worker's registration."""
         return self._aio.registration
 
     @property
@@ -320,34 +333,50 @@ class Worker:
 
     @property
     def started(self) -> bool:
-        """Whether the worker is registered and heartbeating."""
+        """True from a successful `start()` until `stop()`."""
         return self._aio.started
 
     @property
     def rejoined(self) -> bool:
-        """Whether the latest registration followed a failure or superseded a live process."""
+        """The current registration took over an id that had failed or left (restore state!)."""
         return self._aio.rejoined
 
     @property
     def rejoin_count(self) -> int:
-        """How many times this worker registered again on its own after being failed."""
+        """How often this worker registered again on its own after being marked failed."""
         return self._aio.rejoin_count
 
     @property
     def superseded(self) -> bool:
-        """A newer process registered this worker id: this one no longer counts; stop it."""
+        """A newer process registered this worker id (a restart): this one no longer counts
+        as the worker. It stops heartbeating and never registers again; stop it."""
         return self._aio.superseded
 
     @property
     def lease(self) -> Lease:
-        """The current registration as a fencing token (instance, lease epoch); a re-registration
-        after being failed is a new instance and a new lease."""
+        """This worker's lease: its current registration (instance and the membership epoch it
+        was granted at). Requests that change sharding state carry it; a service refuses one
+        that is no longer current (`strata.StaleLease`). A re-registration is a new lease."""
         return self._aio.lease
 
     @property
+    def lease_in_doubt(self) -> bool:
+        """A heartbeat was confirmed after a gap longer than the heartbeat timeout (this process
+        or its connection was held up): the lease may have ended in the gap, and holds again
+        only once a service accepts it (`strata.DatasetRegistry` asks the sharding service)."""
+        return self._aio.lease_in_doubt
+
+    @property
+    def lease_age(self) -> float:
+        """Seconds since the heartbeat (or registration) that last renewed the lease was sent."""
+        return self._aio.lease_age
+
+    @property
     def lease_expired(self) -> bool:
-        """Whether the registry may have failed this worker: no heartbeat confirmed within the
-        heartbeat timeout (monotonic clock), or the registry said so. Read no data meanwhile."""
+        """True when the registry may have failed this worker: its last heartbeat NATS confirmed
+        is older than the heartbeat timeout (monotonic clock), or the registry said so. A worker
+        whose lease expired must not read more data under it (`ShardSampler` waits for a
+        confirmed heartbeat or a new registration)."""
         return self._aio.lease_expired
 
 

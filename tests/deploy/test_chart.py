@@ -691,7 +691,7 @@ def test_workers_publish_nothing_on_the_event_stream_and_only_in_their_job(rende
 def test_workers_may_subscribe_to_what_the_sdk_listens_to_in_their_job_only(
     render: Render,
 ) -> None:
-    from strata._barrier import FINAL
+    from strata.aio._barrier import FINAL
 
     job = "default"
     worker = _nats_auth(render())["strata-workers-default"][1]

@@ -21,7 +21,7 @@ import pytest
 import strata
 from nats.aio.subscription import Subscription
 from strata import clock
-from strata._barrier import GRACE_S
+from strata.aio._barrier import GRACE_S
 from strata.bus import Bus
 from strata.events import (
     AnyEvent,

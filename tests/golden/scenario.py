@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nats.js.errors
 import strata
-from strata.datasets import AsyncDatasetRegistry
+from strata.aio import DatasetRegistry as AsyncDatasetRegistry
 from strata.events import BarrierArrived, decode_event, subjects
 
 DATASET = "tokens"
@@ -88,7 +88,7 @@ class Scenario:
     async def checkpoint(self, step: int) -> None:
         if self.checkpoint_root is None:
             return
-        from strata.checkpoint import AsyncCheckpointManager
+        from strata.aio import CheckpointManager as AsyncCheckpointManager
 
         managers = {
             worker_id: AsyncCheckpointManager(worker, str(self.checkpoint_root), keep_count=2)

@@ -27,10 +27,10 @@ import pytest
 import strata
 from pydantic import TypeAdapter
 from strata import procutil
+from strata.aio import DatasetRegistry as AsyncDatasetRegistry
 from strata.bus import Bus
 from strata.cli.main import main as cli
 from strata.config import Env, load_settings
-from strata.datasets import AsyncDatasetRegistry
 from strata.history import job_history
 from strata.services.gateway.app import API_TOKEN_ENV
 from strata.services.gateway.live import LiveModel

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pytest
 import strata
+from strata.aio import DatasetRegistry as AsyncDatasetRegistry
 from strata.bus import Bus, Caller, RpcClient
 from strata.bus.server import NatsServer
 from strata.config import Env
-from strata.datasets import AsyncDatasetRegistry
 from strata.errors import QuotaExceeded
 from strata.events.requests import (
     ArriveRequest,

@@ -22,9 +22,9 @@ import pytest
 import strata
 from nats.aio.msg import Msg
 from strata import procutil
+from strata.aio import DatasetRegistry as AsyncDatasetRegistry
 from strata.bus import Bus
 from strata.bus.server import NatsServer
-from strata.datasets import AsyncDatasetRegistry
 from strata.errors import EpochOutOfRange
 from strata.events import (
     ShardPlanChanged,

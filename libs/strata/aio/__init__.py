@@ -1,17 +1,22 @@
-"""The asyncio worker SDK: join a job, heartbeat in the background, and follow its membership.
+"""The asyncio SDK: a worker that joins a job, heartbeats in the background and follows its
+membership, and on it datasets and shards, checkpoints and barriers.
 
-`Worker` is what asyncio training code uses directly; the synchronous `strata.Worker` runs one on a
-background event loop. Later SDK parts (datasets, checkpoints, barriers) reuse its `bus`.
+These classes own the SDK's behaviour; `strata.Worker`, `strata.DatasetRegistry` and
+`strata.CheckpointManager` are their blocking faces, which run these coroutines on a background
+event loop (`strata._loop`) and take the same options objects (`WorkerOptions`,
+`DatasetOptions`, `CheckpointOptions`). This package never imports those faces.
 
 The worker is built in layers, one module per concern: its identity, settings and registration
 (`_core`), what a heartbeat reports about the process (`_sampling`), its heartbeats
 (`_heartbeats`), its membership and re-registration (`_membership`), its training metrics
-(`_training`), and its life and barriers (`worker`). This module is the public face: import
-from `strata.aio`, not from those.
+(`_training`), and its life (`worker`); its barrier waits are `_barrier`'s, and datasets and
+checkpoints are `_datasets` and `_checkpoint`, on the worker's bus. This module is the public
+face: import from `strata.aio`, not from those.
 """
 
 from __future__ import annotations
 
+from strata.aio._checkpoint import CheckpointArgs, CheckpointManager, CheckpointOptions, ShardSlot
 from strata.aio._core import (
     CLOSE_TIMEOUT_S,
     LEAVE_RETRY_S,
@@ -21,8 +26,11 @@ from strata.aio._core import (
     RPC_TIMEOUT_S,
     SAVES_TIMEOUT_S,
     OnRejoin,
+    WorkerArgs,
     WorkerNotStarted,
+    WorkerOptions,
 )
+from strata.aio._datasets import DatasetArgs, DatasetOptions, DatasetRegistry
 from strata.aio._membership import decode_world_notice
 from strata.aio.worker import Worker
 
@@ -34,14 +42,17 @@ __all__ = [
     "REGISTRY",
     "RPC_TIMEOUT_S",
     "SAVES_TIMEOUT_S",
+    "CheckpointArgs",
     "CheckpointManager",
+    "CheckpointOptions",
+    "DatasetArgs",
+    "DatasetOptions",
     "DatasetRegistry",
     "OnRejoin",
+    "ShardSlot",
     "Worker",
+    "WorkerArgs",
     "WorkerNotStarted",
+    "WorkerOptions",
     "decode_world_notice",
 ]
-
-# The other asyncio SDK parts, under their public names (they import this package for types only).
-from strata.checkpoint import AsyncCheckpointManager as CheckpointManager
-from strata.datasets import AsyncDatasetRegistry as DatasetRegistry

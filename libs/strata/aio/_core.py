@@ -13,13 +13,13 @@ import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Final, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Final, Protocol, TypedDict, Unpack
 
 import pydantic
 import structlog
 from nats.aio.subscription import Subscription
 
-from strata._barrier import BarrierClient
 from strata._checks import check_id, check_int
 from strata._metrics import MetricBatcher
 from strata._supervise import Supervisor
@@ -55,6 +55,52 @@ _NATS_SCHEMES: Final = ("nats://", "tls://", "ws://", "wss://")
 
 OnRejoin = Callable[[Registration], Awaitable[None] | None]
 """Called after the worker re-registered on its own, having been marked failed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerOptions:
+    """How a worker joins its job, besides the job and the NATS URL: what `strata.Worker` and
+    `strata.aio.Worker` take, as `options=` or as keyword arguments (`gpus=8`), which replace
+    the fields they name. Left out, the settings are read from the environment (`STRATA_*`)."""
+
+    worker_id: str | None = None
+    """The worker's id; by default the NATS credential's, the launcher's, or one the registry
+    makes up."""
+    hostname: str | None = None
+    """Reported to the registry; by default this machine's name."""
+    gpus: int = 0
+    """GPUs this worker uses, reported to the registry."""
+    labels: dict[str, str] | None = None
+    """Free-form labels reported to the registry."""
+    settings: Settings | None = None
+    """The settings (NATS, heartbeats, storage); by default read from the environment."""
+    on_rejoin: OnRejoin | None = None
+    """Called after the worker registered again on its own, having been marked failed."""
+    rank: int | None = None
+    """The rank to ask for; by default `STRATA_RANK`, the launcher's, or the lowest free one."""
+    saves_timeout: float = SAVES_TIMEOUT_S
+    """Seconds `stop()` waits for pending checkpoint saves."""
+
+    def __post_init__(self) -> None:
+        timeout = self.saves_timeout
+        if not isinstance(timeout, int | float) or not 0 <= timeout <= 86_400:
+            raise ValidationError(
+                f"saves_timeout must be seconds in [0, 86400], got {timeout!r}",
+                field="saves_timeout",
+            )
+
+
+class WorkerArgs(TypedDict, total=False):
+    """`WorkerOptions`' fields as keyword arguments of the constructors."""
+
+    worker_id: str | None
+    hostname: str | None
+    gpus: int
+    labels: dict[str, str] | None
+    settings: Settings | None
+    on_rejoin: OnRejoin | None
+    rank: int | None
+    saves_timeout: float
 
 
 class _Saver(Protocol):
@@ -138,22 +184,15 @@ class _WorkerCore:
         job: str | None = None,
         nats_url: str | None = None,
         *,
-        worker_id: str | None = None,
-        hostname: str | None = None,
-        gpus: int = 0,
-        labels: dict[str, str] | None = None,
-        settings: Settings | None = None,
-        on_rejoin: OnRejoin | None = None,
-        rank: int | None = None,
-        saves_timeout: float = SAVES_TIMEOUT_S,
+        options: WorkerOptions | None = None,
+        **overrides: Unpack[WorkerArgs],
     ) -> None:
+        options = replace(options or WorkerOptions(), **overrides)
+        self._options = options
+        worker_id, rank, hostname = options.worker_id, options.rank, options.hostname
+        settings = options.settings
         self._settings = settings if settings is not None else load_settings()
-        if not isinstance(saves_timeout, int | float) or not 0 <= saves_timeout <= 86_400:
-            raise ValidationError(
-                f"saves_timeout must be seconds in [0, 86400], got {saves_timeout!r}",
-                field="saves_timeout",
-            )
-        self._saves_timeout = float(saves_timeout)
+        self._saves_timeout = float(options.saves_timeout)
         self._savers: weakref.WeakSet[_Saver] = weakref.WeakSet()
         if not structlog.is_configured():
             # structlog's default prints to stdout, which belongs to the training program: hand
@@ -187,13 +226,13 @@ class _WorkerCore:
                 instance=self._instance,
                 worker_id=worker_id,
                 hostname=(hostname if hostname is not None else socket.gethostname())[:253],
-                gpus=gpus,
-                labels=dict(labels or {}),
+                gpus=options.gpus,
+                labels=dict(options.labels or {}),
                 rank=rank,
             )
         except pydantic.ValidationError as exc:
             raise validation_error(exc, "worker settings") from None
-        self._on_rejoin = on_rejoin
+        self._on_rejoin = options.on_rejoin
 
         # One tuple, replaced whole: a heartbeat never mixes one call's step with another's epoch.
         self._progress: tuple[LiveState, int, int] = ("idle", 0, 0)
@@ -241,7 +280,6 @@ class _WorkerCore:
         self._heartbeat_failures = 0
         self._heartbeats_suspended = False
         self._sampler = ProcessSampler()
-        self._barriers: BarrierClient | None = None
         self._metrics = MetricBatcher(self._job, lambda: self._worker_id, self._publish_sample)
         self._log = log.bind(job=self._job, worker=self._worker_id)
 
@@ -347,6 +385,11 @@ class _WorkerCore:
     def settings(self) -> Settings:
         """The settings this worker was built with (storage, heartbeats, NATS)."""
         return self._settings
+
+    @property
+    def options(self) -> WorkerOptions:
+        """The options this worker was made with."""
+        return self._options
 
     @property
     def job(self) -> str:

@@ -9,8 +9,8 @@ from types import TracebackType
 from typing import Self
 
 from strata import _signals
-from strata._barrier import BarrierClient
 from strata._supervise import Supervisor
+from strata.aio._barrier import BarrierClient
 from strata.aio._core import CLOSE_TIMEOUT_S, _Saver, log
 from strata.aio._training import _TrainingMetrics
 from strata.bus import Bus, Caller
@@ -28,15 +28,20 @@ class Worker(_TrainingMetrics):
     heartbeating and never registers again (`superseded`).
     """
 
+    _barriers: BarrierClient | None = None
+    """The barrier waits of this worker, from its first `barrier()` until `stop()`."""
+
     # -- life -------------------------------------------------------------------------------------
 
     async def start(self) -> Self:
-        """Connect, register and start heartbeating; returns the worker. Idempotent.
+        """Connect, register and start heartbeating in the background; returns the worker.
+        Idempotent.
 
         A live process registered under the same worker id is superseded (recorded as failed):
         this one takes its place, with its rank unless `rank=` asks for another. Raises
         `ConflictError` when the requested rank is held by another live worker, `BusError` when
         NATS cannot be reached within 30 s, `ServiceUnavailable` when no registry answers for 60 s.
+        The blocking `strata.Worker.start(timeout=...)` gives up after `timeout` seconds.
         """
         async with self._lock():
             if self._started:
@@ -110,8 +115,10 @@ class Worker(_TrainingMetrics):
     async def stop(self) -> None:
         """Wait for this worker's pending checkpoint saves (up to `saves_timeout`), stop
         heartbeating, leave the job and disconnect. Idempotent. Raises a save that failed or did
-        not finish in time, after leaving; never raises for a leave the registry cannot take (it
-        then marks the worker failed after the heartbeat timeout)."""
+        not finish in time (`code="pending_saves"`), after leaving; never raises for a leave the
+        registry cannot take (it then marks the worker failed after the heartbeat timeout). The
+        blocking `strata.Worker.stop(timeout=...)` also ends its background thread, and gives up
+        after `timeout` seconds."""
         failure = await self._pending_saves_failure() if self._started else None
         async with self._lock():
             if not self._started:
@@ -138,9 +145,14 @@ class Worker(_TrainingMetrics):
 
     def leave_on_sigterm(self) -> None:
         """Leave the job gracefully on SIGTERM, then let SIGTERM do what it did before (by
-        default: end the process, with the usual status). Opt in: nothing is installed unless
-        this is called. Call it from a coroutine on the main thread's event loop (it uses
-        `loop.add_signal_handler`); `strata.ConfigError` otherwise."""
+        default: end the process, with the usual status), so the registry records `worker.left`
+        at once instead of failing the worker after its heartbeat timeout.
+
+        Opt in: the library installs no signal handler unless this is called. Call it on the
+        main thread (Python runs signal handlers only there): `strata.Worker`'s from that thread,
+        `strata.aio.Worker`'s from a coroutine on its event loop (it uses
+        `loop.add_signal_handler`); `strata.ConfigError` otherwise.
+        """
         _signals.install_async(self._worker_id, self.stop)
 
     async def __aenter__(self) -> Self:

@@ -20,12 +20,13 @@ import contextlib
 import re
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from strata.aio._core import _WorkerCore
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,
@@ -48,9 +49,6 @@ from strata.events.requests import (
     WithdrawRequest,
     WithdrawResult,
 )
-
-if TYPE_CHECKING:
-    from strata.aio import Worker
 
 log = structlog.get_logger("strata.barrier")
 
@@ -89,7 +87,7 @@ def _raise_for(outcome: BarrierOutcome) -> None:
 
 
 class BarrierClient:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: _WorkerCore) -> None:
         self._worker = worker
         self._arrivals: dict[str, int] = {}
         self._passed: dict[str, int] = {}
