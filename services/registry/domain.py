@@ -47,6 +47,7 @@ from strata.services.registry.liveness import (
     begin_grace,
     confirm_failures,
     detect_failures,
+    failure_id,
     observe_beat,
     observe_heartbeat,
     progress_since,
@@ -87,6 +88,7 @@ __all__ = [
     "decide_all",
     "detect_failures",
     "evolve",
+    "failure_id",
     "leave_result",
     "members",
     "observe_beat",
@@ -308,7 +310,7 @@ def _register(
         world_size -= 1
         events.append(
             WorkerFailed(
-                id=event_id("failed", request.job, worker_id, superseded.registered_epoch),
+                id=failure_id(request.job, superseded),
                 job=request.job,
                 source=SOURCE,
                 ts=now_ns,

@@ -22,10 +22,19 @@ from strata.services.domain import NS_PER_S
 from strata.services.registry.state import (
     GONE,
     SOURCE,
+    Member,
     Policy,
     RegistryState,
     host_of,
 )
+
+
+def failure_id(job: str, member: Member) -> str:
+    """The id of the event that ends `member`'s registration with a failure, whoever decides it
+    (a heartbeat timeout, a heartbeat partition's report, a restart superseding it): it names
+    the registration, so a registration ends once and the first decision stored is the one that
+    counts; a copy decided again is dropped as a duplicate."""
+    return event_id("failed", job, member.worker_id, member.registered_epoch)
 
 
 def detect_failures(
@@ -73,7 +82,7 @@ def detect_failures(
             epoch += 1
             failed.append(
                 WorkerFailed(
-                    id=event_id("failed", job.job, member.worker_id, member.registered_epoch),
+                    id=failure_id(job.job, member),
                     job=job.job,
                     source=SOURCE,
                     ts=stamp_ns,
@@ -100,7 +109,7 @@ def confirm_failures(state: RegistryState, found: Sequence[WorkerFailed]) -> lis
         member = job.members.get(failure.worker_id) if job is not None else None
         if job is None or member is None or not member.live or failure.id in seen:
             continue
-        if failure.id != event_id("failed", job.job, member.worker_id, member.registered_epoch):
+        if failure.id != failure_id(job.job, member):
             continue  # judged on another registration of this worker id than the live one
         seen.add(failure.id)
         epoch = epochs[job.job] = epochs.get(job.job, job.membership_epoch) + 1
