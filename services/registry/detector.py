@@ -16,14 +16,15 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import nats.errors
+import nats.js.errors
 import structlog
 from strata.clock import monotonic_ns, wall
 from strata.errors import ConflictError, StrataError
-from strata.events import subjects
+from strata.events import WorkerFailed, subjects
 from strata.events.models import Event
 from strata.services.registry import domain
 from strata.services.registry.base import _fields
-from strata.services.registry.heartbeats import HeartbeatIntake
+from strata.services.registry.heartbeats import HeartbeatIntake, stored_beat
 from strata.services.registry.partitions import PartitionReports
 
 log = structlog.get_logger("strata.registry")
@@ -75,6 +76,12 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
                 judged = replace(mine, liveness_ns=heard_until)
                 if not self.leader:
                     found = domain.decide(self.state, judged, self.now_ns(), self.policy).events
+                    async with asyncio.timeout(self._bound_s()):
+                        contradicted = await self._contradicted_by_stream(found)
+                    if contradicted is None:
+                        continue  # the stream could not be read: decided again on a later look
+                    if contradicted:
+                        found = domain.decide(self.state, judged, self.now_ns(), self.policy).events
                     await self._report_silences(found)
                     continue
                 async with self.lock:
@@ -163,6 +170,7 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
         for event in domain.decide(self.state, judged, self.now_ns(), self.policy).events:
             by_job[event.job].append(event)
         recorded: list[Event] = []
+        checked: set[str] = set()
         for job, failures in by_job.items():
             while failures:
                 remaining = bound - (time.monotonic() - decided)
@@ -170,6 +178,15 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
                     if remaining <= 0:
                         raise TimeoutError
                     async with asyncio.timeout(remaining):
+                        unchecked = [event for event in failures if event.id not in checked]
+                        checked.update(event.id for event in unchecked)
+                        contradicted = await self._contradicted_by_stream(unchecked)
+                        if contradicted is None:
+                            raise TimeoutError  # no evidence from the stream: dropped
+                        if contradicted:
+                            again = domain.decide(self.state, judged, self.now_ns(), self.policy)
+                            failures = [event for event in again.events if event.job == job]
+                            continue
                         ack = await self.bus.publish(
                             failures[0],
                             expected_last_subject_seq=self._worker_seqs.get(job, 0),
@@ -197,3 +214,46 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
                 recorded.extend(failures[1:])
                 break
         return recorded
+
+    async def _contradicted_by_stream(self, failures: list[Event]) -> bool | None:
+        """Check the failures about to be recorded (or reported to the leader) against the
+        telemetry stream's record of each worker's heartbeats, read from the stream's leader
+        right before the write (`domain.stream_contradicts`). A worker whose heartbeats the
+        stream stored beyond the last one applied here is not silent, only unheard (a route of
+        this registry's node cut while the workers heartbeat to the majority): it gets a fresh
+        timeout instead. Returns whether any failure was contradicted (decide again), or None
+        when the stream could not be read (the decision is dropped)."""
+        judged = [event for event in failures if isinstance(event, WorkerFailed)]
+
+        async def last_stored(event: WorkerFailed) -> tuple[domain.Beat | None, int]:
+            subject = subjects.heartbeat_subject(event.job, event.worker_id)
+            try:
+                msg = await self.bus.js.get_last_msg(
+                    subjects.TELEMETRY_STREAM, subject, direct=True
+                )
+            except nats.js.errors.NotFoundError:
+                return None, 0
+            return stored_beat(msg.data or b""), msg.seq or 0
+
+        try:
+            found = await asyncio.gather(*(last_stored(event) for event in judged))
+        except nats.errors.Error as exc:
+            log.warning("failures_unconfirmed", workers=len(judged), error=str(exc))
+            return None
+        contradicted = False
+        for event, (stored, seq) in zip(judged, found, strict=True):
+            job = self.state.jobs.get(event.job)
+            member = job.members.get(event.worker_id) if job is not None else None
+            if member is None or stored is None:
+                continue
+            if domain.stream_contradicts(member, stored, seq, self._listening_from):
+                domain.heard_in_stream(member, stored, self._liveness_ns())
+                log.warning(
+                    "failure_contradicted",
+                    job=event.job,
+                    worker_id=event.worker_id,
+                    hint="its heartbeats reach the stream but not this registry: is a route "
+                    "of this registry's NATS node cut?",
+                )
+                contradicted = True
+        return contradicted

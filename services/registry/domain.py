@@ -48,9 +48,11 @@ from strata.services.registry.liveness import (
     confirm_failures,
     detect_failures,
     failure_id,
+    heard_in_stream,
     observe_beat,
     observe_heartbeat,
     progress_since,
+    stream_contradicts,
 )
 from strata.services.registry.state import (
     GONE,
@@ -89,6 +91,7 @@ __all__ = [
     "detect_failures",
     "evolve",
     "failure_id",
+    "heard_in_stream",
     "leave_result",
     "members",
     "observe_beat",
@@ -98,6 +101,7 @@ __all__ = [
     "registration_reply",
     "restore",
     "snapshot",
+    "stream_contradicts",
     "takes_over",
     "worker_id_for",
 ]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Final
 
 import msgpack
+import nats.errors
 import structlog
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
@@ -75,6 +76,8 @@ class HeartbeatIntake(Notices):
         self._listening = False
         self._markers: dict[bytes, asyncio.Future[None]] = {}
         self._senders: dict[bytes, tuple[str, str]] = {}
+        self._listening_from = 0
+        """The telemetry stream's last sequence when the intake last began to listen."""
 
     async def _open_intake(self) -> None:
         """Connect the heartbeat intake and subscribe its subjects (again after a dead reader)."""
@@ -99,6 +102,12 @@ class HeartbeatIntake(Notices):
         # survives a late PONG: see `IntakeClient._process_pong`.)
         await nc.flush()
         self._hb_nc, self._hb_reconnects = nc, nc.stats["reconnects"]
+        # Heartbeats stored before this are ones this connection could not have heard.
+        try:
+            info = await self.bus.js.stream_info(subjects.TELEMETRY_STREAM)
+            self._listening_from = info.state.last_seq
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("telemetry_position_unknown", error=str(exc))
 
     def _take_marker(self, subject: bytes, data: bytes) -> None:
         arrived = self._markers.get(data)
@@ -210,3 +219,19 @@ def fast_beat(data: bytes) -> domain.Beat | None:
         return None
     facts = plain_heartbeat(obj)
     return None if facts is None else domain.Beat(*facts)
+
+
+def stored_beat(data: bytes) -> domain.Beat | None:
+    """The `Beat` of a heartbeat read back from the telemetry stream, or None if it is none."""
+    beat = fast_beat(data)
+    if beat is not None:
+        return beat
+    try:
+        event = decode_event(data)
+    except StrataError:
+        return None
+    if not isinstance(event, WorkerHeartbeat):
+        return None
+    return domain.Beat(
+        event.job, event.worker_id, event.instance, event.seq, event.state, event.step, event.epoch
+    )

@@ -190,6 +190,7 @@ def observe_beat(
         member.last_seen_ns = seen
     member.last_heartbeat_ts = now_ns
     member.step, member.epoch = beat.step, beat.epoch
+    member.last_beat_seq = beat.seq
     if beat.state == status:
         return ALIVE
     changed = WorkerStateChanged(
@@ -259,3 +260,33 @@ def begin_grace(state: RegistryState, now_ns: int) -> None:
     for job in state.jobs.values():
         for member in job.live_members():
             member.last_seen_ns = now_ns
+
+
+def stream_contradicts(
+    member: Member, stored: Beat | None, stored_seq: int, listening_from: int
+) -> bool:
+    """Whether the telemetry stream's record of `member`'s heartbeats contradicts the silence it
+    is about to be failed for: the last heartbeat stored on its subject (`stored`, at stream
+    sequence `stored_seq`) is one of this registration that this registry never applied, stored
+    after it began to listen (past sequence `listening_from`; an older one it could not have
+    heard).
+
+    The proof of hearing shows that every heartbeat the registry's own NATS node routed to it was
+    applied; a heartbeat a worker sent to another node, which the stream stored with its quorum
+    but whose route to the registry's node is cut (a partial partition), it does not cover. The
+    stream's leader does.
+    """
+    if stored is None or stored_seq <= listening_from:
+        return False
+    if stored.worker_id != member.worker_id or stored.instance != member.instance:
+        return False  # another process's heartbeat under this id, not this registration's
+    return member.last_beat_seq is None or stored.seq > member.last_beat_seq
+
+
+def heard_in_stream(member: Member, stored: Beat, seen_ns: int) -> None:
+    """Count a heartbeat found in the stream (`stream_contradicts`) as a sign of life heard at
+    `seen_ns` (liveness clock): a fresh timeout, after which a worker that fell silent since is
+    failed, its last stored heartbeat then being one this registry knows."""
+    if seen_ns > member.last_seen_ns:
+        member.last_seen_ns = seen_ns
+    member.last_beat_seq = stored.seq

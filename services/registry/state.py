@@ -39,6 +39,10 @@ class Member:
     Folded from a registration it is the event's wall-clock stamp; the live service overwrites
     it with its monotonic clock (`begin_grace`, and each registration folded once live)."""
     last_heartbeat_ts: int | None = None
+    last_beat_seq: int | None = None
+    """The `seq` of this registration's last heartbeat applied here (None: none since this
+    registry started): what the stream's record of its heartbeats is checked against before it
+    is failed (`liveness.stream_contradicts`)."""
 
     @property
     def live(self) -> bool:

@@ -4,7 +4,9 @@
 what was sent waits in the sockets' buffers, as it does behind a dropped link while TCP keeps
 retransmitting, and flows again after `heal()`. `cut(involving=...)` holds only the connections
 whose first bytes either way contain that marker (a nats-server's id, which both its INFO and
-its route CONNECT carry): every link of one node, whichever side dialled it. The proxy runs its
+its route CONNECT carry): every link of one node, whichever side dialled it; given several
+markers, only the links that carry all of them (the links between two nodes, the others left
+flowing: a partial partition). The proxy runs its
 own event loop in a thread, so it keeps its pace whatever the test's loop is doing.
 """
 
@@ -43,7 +45,7 @@ class Proxy:
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name="netproxy", daemon=True)
         self._writers: set[asyncio.StreamWriter] = set()
-        self._involving: bytes | None = None
+        self._involving: tuple[bytes, ...] = ()
         self.connections = 0
 
     def __enter__(self) -> Proxy:
@@ -71,9 +73,11 @@ class Proxy:
         """The proxy as a nats-server route."""
         return f"nats-route://{self.host}:{self.port}"
 
-    def cut(self, involving: bytes | None = None) -> None:
+    def cut(self, involving: bytes | tuple[bytes, ...] | None = None) -> None:
+        markers = (involving,) if isinstance(involving, bytes) else tuple(involving or ())
+
         def cut() -> None:
-            self._involving = involving
+            self._involving = markers
             self._open.clear()
 
         self._loop.call_soon_threadsafe(cut)
@@ -84,7 +88,7 @@ class Proxy:
     async def _pass(self, link: _Link) -> None:
         """Wait while this link is cut."""
         while not self._open.is_set():
-            if self._involving is not None and self._involving not in link.seen:
+            if not all(marker in link.seen for marker in self._involving):
                 return
             await self._open.wait()
 
@@ -143,7 +147,7 @@ class Proxies:
     def __init__(self, proxies: list[Proxy]) -> None:
         self.proxies = proxies
 
-    def cut(self, involving: bytes | None = None) -> None:
+    def cut(self, involving: bytes | tuple[bytes, ...] | None = None) -> None:
         for proxy in self.proxies:
             proxy.cut(involving)
 
