@@ -27,6 +27,7 @@ from strata.errors import (
     EpochOutOfRange,
     NotFound,
     QuotaExceeded,
+    StaleLease,
     StrataError,
     ValidationError,
 )
@@ -119,6 +120,10 @@ class JobSharding:
     a duplicate of the first."""
     leases: Leases = field(default_factory=Leases)
     """Each live worker's registration (lease): requests carrying an ended one are refused."""
+    uncounted: dict[str, None] = field(default_factory=dict)
+    """Ids of the latest progress events stored after their reporter's lease ended, so counted
+    nothing (`evolve`): the answer to their report says so (`progress_answer`). Oldest dropped
+    past `UNCOUNTED_KEPT`; not in snapshots (an answer is given once, right after the fold)."""
 
     def fork(self, dataset_ids: set[str]) -> JobSharding:
         """A copy that `evolve` may change without changing this one, for events of the datasets
@@ -136,6 +141,7 @@ class JobSharding:
             retired=dict(self.retired),
             restores=dict(self.restores),
             leases=self.leases.copy(),
+            uncounted=dict(self.uncounted),
         )
 
     def latest_epoch(self, dataset_id: str) -> int | None:
@@ -199,6 +205,18 @@ REQUESTED: Final[tuple[type[Event], ...]] = (DatasetRegistered, ShardProgress)
 requests/s)."""
 
 
+UNCOUNTED_KEPT = 1_000
+"""Progress events counted for nothing remembered per job (`JobSharding.uncounted`)."""
+
+
+def _reported_under_live_lease(job: JobSharding, event: ShardProgress) -> bool:
+    """Whether the lease `event` was reported under is still the worker's, in stream order."""
+    current = job.leases.current.get(event.worker_id)
+    if current is None:
+        return False
+    return event.lease_epoch is None or event.lease_epoch == current[1]
+
+
 def evolve(state: ShardingState, event: Event) -> ShardingState:
     if isinstance(event, WorkerRegistered):
         job = state.job(event.job)
@@ -244,7 +262,16 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
                 if p.shard_id < size and not epoch_plan.plan.done[p.shard_id]
             }
     elif isinstance(event, ShardProgress):
-        epoch_plan = state.job(event.job).plans.get((event.dataset_id, event.epoch))
+        job = state.job(event.job)
+        if not _reported_under_live_lease(job, event):
+            # Decided before the reporter's end was folded, stored after it: the re-plan that
+            # end caused has moved these shards on from the offsets recorded before this report,
+            # so counting it would count its samples twice.
+            job.uncounted[event.id] = None
+            while len(job.uncounted) > UNCOUNTED_KEPT:
+                del job.uncounted[next(iter(job.uncounted))]
+            return state
+        epoch_plan = job.plans.get((event.dataset_id, event.epoch))
         if epoch_plan is None:
             return state
         valid = [s for s in event.completed if s < epoch_plan.plan.owner.size]
@@ -582,6 +609,7 @@ def report_progress(
                 worker_id=request.worker_id,
                 completed=completed,
                 partial=[ShardOffset(shard_id=p.shard_id, offset=p.offset) for p in partial],
+                lease_epoch=request.lease.epoch if request.lease is not None else None,
             )
         ]
     )
@@ -668,6 +696,22 @@ def restore_progress(
     )
     events += [replanned] if replanned else []
     return Decision(events)
+
+
+def progress_answer(
+    state: ShardingState, request: ReportProgressRequest, event: Event | None
+) -> ProgressResult:
+    """The answer to a progress report once its event (`event`, None when it recorded nothing)
+    is folded: refused when the event was stored after the reporter's lease ended, since then it
+    counted nothing (`evolve`), else `progress_result`."""
+    job = state.job(request.job)
+    if event is not None and event.id in job.uncounted:
+        raise job.leases.check(request.job, request.lease, request.worker_id) or StaleLease(
+            f"the progress of worker {request.worker_id!r} of job {request.job!r} was stored "
+            "after its registration ended, and is not counted; the SDK registers again as a "
+            "new instance and starts over from the plan"
+        )
+    return progress_result(state, request)
 
 
 def progress_result(
