@@ -198,7 +198,9 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
                 except ConflictError:
                     try:
                         await self.sync(deadline_s=max(remaining, 0.001))
-                    except (StrataError, TimeoutError) as exc:
+                        async with asyncio.timeout(bound):
+                            await self._learn_worker_seq(job)
+                    except (StrataError, TimeoutError, nats.errors.Error) as exc:
                         log.warning("failures_dropped", job=job, error=str(exc))
                         break
                     again = domain.decide(self.state, judged, self.now_ns(), self.policy)
@@ -214,6 +216,21 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
                 recorded.extend(failures[1:])
                 break
         return recorded
+
+    async def _learn_worker_seq(self, job: str) -> None:
+        """After a refused conditional write, once caught up with the stream: expect the last
+        sequence the stream holds on the job's worker subjects from now on. Every event up to it
+        is folded (or refused by the provenance rule, which changes nothing), so the evidence
+        still stands on all of it; a registry restored from a snapshot folded none of a quiet
+        job's worker events, which are older than the snapshot, and knew no sequence to expect."""
+        try:
+            msg = await self.bus.js.get_last_msg(
+                subjects.EVENTS_STREAM, subjects.area_events(job, "worker")
+            )
+        except nats.js.errors.NotFoundError:
+            return
+        if msg.seq is not None and msg.seq <= self.last_seq:
+            self._worker_seqs[job] = max(self._worker_seqs.get(job, 0), msg.seq)
 
     async def _contradicted_by_stream(self, failures: list[Event]) -> bool | None:
         """Check the failures about to be recorded (or reported to the leader) against the
