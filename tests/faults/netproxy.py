@@ -5,8 +5,10 @@ what was sent waits in the sockets' buffers, as it does behind a dropped link wh
 retransmitting, and flows again after `heal()`. `cut(involving=...)` holds only the connections
 whose first bytes either way contain that marker (a nats-server's id, which both its INFO and
 its route CONNECT carry): every link of one node, whichever side dialled it; given several
-markers, only the links that carry all of them (the links between two nodes, the others left
-flowing: a partial partition). The proxy runs its
+markers, only the links whose opening messages, the first read each way (a route's INFO and
+CONNECT), carry all of them: the links between two nodes, the others left flowing (a partial
+partition). Later messages are not looked at for that: a route between two other nodes goes on
+to mention the third one's id. The proxy runs its
 own event loop in a thread, so it keeps its pace whatever the test's loop is doing.
 """
 
@@ -27,10 +29,19 @@ class _Link:
 
     def __init__(self) -> None:
         self.seen = bytearray()
+        self.opening = bytearray()
+        """The first bytes read each way, together."""
 
-    def saw(self, data: bytes) -> None:
+    def saw(self, data: bytes, first: bool = False) -> None:
+        if first:
+            self.opening += data[: self.SNIFFED]
         if len(self.seen) < self.SNIFFED:
             self.seen += data[: self.SNIFFED - len(self.seen)]
+
+    def carries(self, markers: tuple[bytes, ...]) -> bool:
+        if len(markers) == 1:
+            return markers[0] in self.seen
+        return all(marker in self.opening for marker in markers)
 
 
 class Proxy:
@@ -88,7 +99,7 @@ class Proxy:
     async def _pass(self, link: _Link) -> None:
         """Wait while this link is cut."""
         while not self._open.is_set():
-            if not all(marker in link.seen for marker in self._involving):
+            if not link.carries(self._involving):
                 return
             await self._open.wait()
 
@@ -126,13 +137,15 @@ class Proxy:
     async def _pump(
         self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        first = True
         try:
             while True:
                 await self._pass(link)
                 data = await reader.read(65536)
                 if not data:
                     break
-                link.saw(data)
+                link.saw(data, first)
+                first = False
                 await self._pass(link)  # read just before a cut: held like the rest
                 writer.write(data)
                 await writer.drain()
