@@ -1,4 +1,8 @@
-"""The registry's pure core: membership state, the decisions on it, and failure detection.
+"""The registry's pure core: the fold of its events and the decisions on its state.
+
+The state itself is in `state`, the rules of liveness (heartbeats observed, silence judged,
+failures confirmed, `failure_id`) in `liveness`; both are re-exported here, so this module is the
+registry's one domain face for the service, the read model and `strata replay`.
 
 `evolve(state, event)` folds an event into the state (in place, returning it: a projector over
 thousands of workers must not copy per heartbeat). `decide(state, command, now_ns, policy)`
@@ -12,142 +16,95 @@ a live worker nor keep a dead one alive). No I/O here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Final, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, Final
 
 from strata.errors import ConflictError, NotFound, WorkerSuperseded
 from strata.events import (
     Event,
-    LiveState,
     WorkerFailed,
-    WorkerHeartbeat,
     WorkerLeft,
     WorkerRegistered,
     WorkerState,
     WorkerStateChanged,
-    subjects,
 )
 from strata.events.ids import event_id
 from strata.events.models import MAX_WORKERS, SUPERSEDED_REASON
 from strata.events.requests import (
     LeaveRequest,
     LeaveResult,
-    MemberInfo,
     MembersResult,
     RegisterRequest,
     Registration,
 )
 from strata.services.domain import NS_PER_S, Decision
+from strata.services.registry.liveness import (
+    ALIVE,
+    Beat,
+    HeartbeatOutcome,
+    Progress,
+    apply_progress,
+    begin_grace,
+    confirm_failures,
+    detect_failures,
+    failure_id,
+    heard_in_stream,
+    observe_beat,
+    observe_heartbeat,
+    progress_since,
+    stream_contradicts,
+)
+from strata.services.registry.state import (
+    GONE,
+    MAX_GONE_PER_JOB,
+    SOURCE,
+    Job,
+    Member,
+    Policy,
+    RegistryState,
+    host_of,
+)
 
-SOURCE = "registry"
-MAX_GONE_PER_JOB = 1_000
-"""Failed and departed members a job remembers (`members(include_gone=True)` lists them)."""
-GONE: frozenset[WorkerState] = frozenset({"failed", "left"})
-
-
-@dataclass(frozen=True)
-class Policy:
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
-
-
-@dataclass
-class Member:
-    worker_id: str
-    instance: str
-    rank: int
-    status: WorkerState
-    hostname: str = ""
-    gpus: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
-    registered_epoch: int = 0
-    step: int = 0
-    epoch: int = 0
-    last_seen_ns: int = 0
-    """Liveness-clock ns of the last sign of life: registration, then each heartbeat's arrival.
-    Folded from a registration it is the event's wall-clock stamp; the live service overwrites
-    it with its monotonic clock (`begin_grace`, and each registration folded once live)."""
-    last_heartbeat_ts: int | None = None
-
-    @property
-    def live(self) -> bool:
-        return self.status not in GONE
-
-    def info(self) -> MemberInfo:
-        return MemberInfo(
-            worker_id=self.worker_id,
-            instance=self.instance,
-            rank=self.rank,
-            status=self.status,
-            hostname=self.hostname,
-            gpus=self.gpus,
-            step=self.step,
-            epoch=self.epoch,
-            last_heartbeat_ts=self.last_heartbeat_ts,
-        )
-
-
-@dataclass
-class Job:
-    job: str
-    membership_epoch: int = 0
-    members: dict[str, Member] = field(default_factory=dict)
-    ranks: dict[int, str] = field(default_factory=dict)
-    """Live rank -> worker id; changed only through `take_rank` and `free_rank`."""
-    gone: dict[str, None] = field(default_factory=dict)
-    """Failed and departed members, oldest first; past `MAX_GONE_PER_JOB` the oldest is forgotten,
-    so a job with churn (preemptions, autoscaling) does not grow the state without bound."""
-    _free_from: int = field(default=0, repr=False, compare=False)
-    """Every rank below this one is taken: the search for a free rank starts here, so filling a
-    job of N workers costs O(N) in all, not O(N^2)."""
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def lowest_free_rank(self) -> int:
-        rank = self._free_from
-        while rank in self.ranks:
-            rank += 1
-        self._free_from = rank
-        return rank
-
-    def take_rank(self, rank: int, worker_id: str) -> None:
-        self.ranks[rank] = worker_id
-
-    def free_rank(self, rank: int) -> None:
-        self.ranks.pop(rank, None)
-        self._free_from = min(self._free_from, rank)
-
-    def fork(self) -> Job:
-        """A copy to decide on without changing this job: its maps are copied, its members
-        shared (the events a decision folds, registrations, leaves and failures, replace a
-        member rather than change it)."""
-        return replace(
-            self, members=dict(self.members), ranks=dict(self.ranks), gone=dict(self.gone)
-        )
-
-    def live_members(self) -> list[Member]:
-        return [self.members[w] for _, w in sorted(self.ranks.items())]
-
-    def mark_gone(self, worker_id: str) -> None:
-        self.gone.pop(worker_id, None)
-        self.gone[worker_id] = None
-        while len(self.gone) > MAX_GONE_PER_JOB:
-            oldest = next(iter(self.gone))
-            del self.gone[oldest]
-            del self.members[oldest]
-
-
-@dataclass
-class RegistryState:
-    jobs: dict[str, Job] = field(default_factory=dict)
-
-    def job(self, job: str) -> Job:
-        found = self.jobs.get(job)
-        if found is None:
-            found = self.jobs[job] = Job(job)
-        return found
+__all__ = [
+    "ALIVE",
+    "FOLDS",
+    "GONE",
+    "MAX_GONE_PER_JOB",
+    "REQUESTED",
+    "SOURCE",
+    "Beat",
+    "Command",
+    "DetectFailures",
+    "HeartbeatOutcome",
+    "Job",
+    "Leave",
+    "Member",
+    "Policy",
+    "Progress",
+    "Register",
+    "RegistryState",
+    "apply_progress",
+    "begin_grace",
+    "confirm_failures",
+    "decide",
+    "decide_all",
+    "detect_failures",
+    "evolve",
+    "failure_id",
+    "heard_in_stream",
+    "leave_result",
+    "members",
+    "observe_beat",
+    "observe_heartbeat",
+    "progress_since",
+    "registration",
+    "registration_reply",
+    "restore",
+    "snapshot",
+    "stream_contradicts",
+    "takes_over",
+    "worker_id_for",
+]
 
 
 # -- evolve ---------------------------------------------------------------------------------------
@@ -288,10 +245,6 @@ def takes_over(state: RegistryState, request: RegisterRequest) -> bool:
     return existing is not None and (not existing.live or existing.instance != request.instance)
 
 
-def _host(member: Member) -> str:
-    return member.hostname or "an unknown host"
-
-
 def _register(
     state: RegistryState, request: RegisterRequest, now_ns: int, policy: Policy
 ) -> Decision[None]:
@@ -323,7 +276,7 @@ def _register(
         return Decision(
             error=WorkerSuperseded(
                 f"worker id {worker_id!r} of job {request.job!r} was registered by another "
-                f"process (on {_host(existing)}) after this one, which therefore no longer "
+                f"process (on {host_of(existing)}) after this one, which therefore no longer "
                 "counts as that worker and must not register again; stop this process"
             )
         )
@@ -339,7 +292,7 @@ def _register(
             return Decision(
                 error=ConflictError(
                     f"rank {request.rank} of job {request.job!r} is held by live worker "
-                    f"{holder_id!r} on {_host(holder)}; stop that worker (or wait until it is "
+                    f"{holder_id!r} on {host_of(holder)}; stop that worker (or wait until it is "
                     "failed), or ask for a free rank, or for none to get the lowest free one",
                     rank=request.rank,
                     holder=holder_id,
@@ -361,7 +314,7 @@ def _register(
         world_size -= 1
         events.append(
             WorkerFailed(
-                id=event_id("failed", request.job, worker_id, superseded.registered_epoch),
+                id=failure_id(request.job, superseded),
                 job=request.job,
                 source=SOURCE,
                 ts=now_ns,
@@ -424,230 +377,6 @@ def _leave(state: RegistryState, request: LeaveRequest, now_ns: int) -> Decision
             )
         ]
     )
-
-
-def detect_failures(
-    state: RegistryState,
-    now_ns: int,
-    policy: Policy,
-    partition: int = 0,
-    partitions: int = 1,
-    *,
-    liveness_ns: int | None = None,
-) -> list[Event]:
-    """The failures of the live workers silent for longer than the timeout, of those whose
-    heartbeats partition `partition` of `partitions` takes in (`subjects.partition_of`): a
-    partition has heard nothing of the others, so their silence is no evidence to it.
-
-    Silence is measured at `liveness_ns` (the clock of `Member.last_seen_ns`; `now_ns` when
-    None); the failures are stamped `now_ns`."""
-    failed: list[Event] = []
-    stamp_ns = now_ns
-    if liveness_ns is not None:
-        now_ns = liveness_ns
-    timeout = policy.heartbeat_timeout
-    timeout_ns = round(timeout * NS_PER_S)
-    for job in state.jobs.values():
-        # Runs several times a heartbeat interval over every member: a plain scan, and only the
-        # few late members are put in rank order.
-        members = job.members
-        late = [
-            member
-            for member in (members[worker_id] for worker_id in job.ranks.values())
-            if now_ns - member.last_seen_ns > timeout_ns
-        ]
-        if partitions > 1:
-            late = [
-                member
-                for member in late
-                if subjects.partition_of(member.worker_id, partitions) == partition
-            ]
-        if not late:
-            continue
-        late.sort(key=lambda member: member.rank)
-        epoch = job.membership_epoch
-        for member in late:
-            silent = (now_ns - member.last_seen_ns) / NS_PER_S
-            epoch += 1
-            failed.append(
-                WorkerFailed(
-                    id=event_id("failed", job.job, member.worker_id, member.registered_epoch),
-                    job=job.job,
-                    source=SOURCE,
-                    ts=stamp_ns,
-                    worker_id=member.worker_id,
-                    rank=member.rank,
-                    reason=f"no heartbeat for {silent:.1f}s (timeout {timeout:g}s)",
-                    last_heartbeat_ts=member.last_heartbeat_ts or 0,
-                    membership_epoch=epoch,
-                )
-            )
-    return failed
-
-
-def confirm_failures(state: RegistryState, found: Sequence[WorkerFailed]) -> list[Event]:
-    """The failures a heartbeat partition found (`detect_failures` on its own state), as the
-    leader records them: only those of registrations still live here, the very ones the partition
-    judged (a failure's id names the registration), with the rank and the membership epochs of
-    the leader's state, so epochs still grow by one per change whoever noticed the silence."""
-    confirmed: list[Event] = []
-    epochs: dict[str, int] = {}
-    seen: set[str] = set()
-    for failure in found:
-        job = state.jobs.get(failure.job)
-        member = job.members.get(failure.worker_id) if job is not None else None
-        if job is None or member is None or not member.live or failure.id in seen:
-            continue
-        if failure.id != event_id("failed", job.job, member.worker_id, member.registered_epoch):
-            continue  # judged on another registration of this worker id than the live one
-        seen.add(failure.id)
-        epoch = epochs[job.job] = epochs.get(job.job, job.membership_epoch) + 1
-        confirmed.append(
-            failure.model_copy(update={"rank": member.rank, "membership_epoch": epoch})
-        )
-    return confirmed
-
-
-# -- heartbeats -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HeartbeatOutcome:
-    events: list[Event] = field(default_factory=list)
-    reregister: str | None = None
-    """Set when the sender is not a live member: why it must register again."""
-    superseded: str | None = None
-    """Set when another process registered the sender's worker id after it: why it must stop
-    (never told to register again, or the two processes would take the id from each other)."""
-    rejected: str | None = None
-    """Set when the heartbeat is ignored (also for a sender told to re-register): the reason."""
-
-
-ALIVE: Final = HeartbeatOutcome()
-"""The outcome of almost every heartbeat: shared, so never change its `events`."""
-
-
-class Beat(NamedTuple):
-    """What the registry uses of a heartbeat: the wire fields failure detection needs."""
-
-    job: str
-    worker_id: str
-    instance: str
-    seq: int
-    state: LiveState
-    step: int
-    epoch: int
-
-
-def observe_heartbeat(state: RegistryState, hb: WorkerHeartbeat, now_ns: int) -> HeartbeatOutcome:
-    """Record a sign of life; a state change becomes an event, a stranger is told to re-register.
-
-    Liveness itself is not an event (it would flood the stream): it is kept in memory, and after a
-    restart every member gets a fresh grace period instead (`begin_grace`).
-    """
-    beat = Beat(hb.job, hb.worker_id, hb.instance, hb.seq, hb.state, hb.step, hb.epoch)
-    return observe_beat(state, beat, now_ns)
-
-
-def observe_beat(
-    state: RegistryState, beat: Beat, now_ns: int, seen_ns: int | None = None
-) -> HeartbeatOutcome:
-    """`observe_heartbeat` for a heartbeat already reduced to its `Beat`: `now_ns` is the wall
-    clock (what the member's last heartbeat is stamped with), `seen_ns` the liveness clock
-    (`Member.last_seen_ns`; `now_ns` when None)."""
-    job = state.jobs.get(beat.job)
-    member = job.members.get(beat.worker_id) if job is not None else None
-    if member is None:
-        return HeartbeatOutcome(
-            reregister=f"worker {beat.worker_id!r} is not registered", rejected="not_registered"
-        )
-    status = member.status
-    if member.instance != beat.instance:
-        # The SDK heartbeats only after registering, so the sender held this id once and a
-        # later registration (a restart of the worker) replaced it, whatever became of that one.
-        return HeartbeatOutcome(
-            superseded=f"worker id {beat.worker_id!r} of job {beat.job!r} was registered by "
-            f"another process (on {_host(member)}) after this one",
-            rejected="instance_mismatch",
-        )
-    if status in GONE:
-        return HeartbeatOutcome(
-            reregister=f"worker {beat.worker_id!r} was marked {status}", rejected="not_live"
-        )
-    seen = now_ns if seen_ns is None else seen_ns
-    if seen > member.last_seen_ns:
-        member.last_seen_ns = seen
-    member.last_heartbeat_ts = now_ns
-    member.step, member.epoch = beat.step, beat.epoch
-    if beat.state == status:
-        return ALIVE
-    changed = WorkerStateChanged(
-        id=event_id("state", beat.job, beat.worker_id, beat.instance, beat.seq, beat.state),
-        job=beat.job,
-        source=SOURCE,
-        ts=now_ns,
-        worker_id=beat.worker_id,
-        state=beat.state,
-        previous=status,  # type: ignore[arg-type]  # live here, so a LiveState
-        step=beat.step,
-        epoch=beat.epoch,
-    )
-    # Applied at once, not when the event comes back from the stream: the heartbeats that follow
-    # must not announce the same change again. Folding the event later sets the same value.
-    member.status = beat.state
-    return HeartbeatOutcome([changed])
-
-
-Progress = tuple[str, str, str, int, int, int]
-"""What a heartbeat partition tells the leader of one worker: job, worker id, instance, the time
-its last heartbeat arrived (ns), step, epoch."""
-
-
-def progress_since(
-    state: RegistryState, since_ns: int, partition: int, partitions: int
-) -> list[Progress]:
-    """The live workers of partition `partition` heard from after `since_ns`."""
-    found: list[Progress] = []
-    for job in state.jobs.values():
-        for worker_id in job.ranks.values():
-            member = job.members[worker_id]
-            heard = member.last_heartbeat_ts
-            if heard is None or heard <= since_ns:
-                continue
-            if partitions == 1 or subjects.partition_of(worker_id, partitions) == partition:
-                entry = (job.job, worker_id, member.instance, heard, member.step, member.epoch)
-                found.append(entry)
-    return found
-
-
-def apply_progress(state: RegistryState, progress: Sequence[Progress]) -> int:
-    """The leader's side of `progress_since`: the last heartbeat, step and epoch of workers
-    whose heartbeats another partition takes in, for `members`. Liveness stays with that
-    partition (it judges silence); only live members of the same registration are updated.
-    Returns how many were."""
-    updated = 0
-    for job_id, worker_id, instance, heard, step, epoch in progress:
-        job = state.jobs.get(job_id)
-        member = job.members.get(worker_id) if job is not None else None
-        if member is None or not member.live or member.instance != instance:
-            continue
-        if member.last_heartbeat_ts is None or heard > member.last_heartbeat_ts:
-            member.last_heartbeat_ts = heard
-            member.step, member.epoch = step, epoch
-            updated += 1
-    return updated
-
-
-def begin_grace(state: RegistryState, now_ns: int) -> None:
-    """After a (re)start, or once hearing is proven again, count every live member as seen at
-    `now_ns` (liveness clock): a restart, or a time the registry could not hear, fails nobody.
-
-    Set, not raised to: signs of life folded from events carry wall-clock stamps, which may lie
-    ahead of the liveness clock (a wall clock stepped forward) and would keep a dead worker alive.
-    """
-    for job in state.jobs.values():
-        for member in job.live_members():
-            member.last_seen_ns = now_ns
 
 
 # -- views ----------------------------------------------------------------------------------------

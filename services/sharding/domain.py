@@ -33,7 +33,7 @@ from strata.events.requests import (
 )
 from strata.services.domain import Decision
 from strata.services.sharding.datasets import dataset_info, register_dataset
-from strata.services.sharding.fold import FOLDS, REQUESTED, evolve
+from strata.services.sharding.fold import FOLDS, REQUESTED, UNCOUNTED_KEPT, evolve
 from strata.services.sharding.plans import (
     assignment,
     get_shards,
@@ -41,7 +41,12 @@ from strata.services.sharding.plans import (
     plan_summary,
     replan_after_membership_change,
 )
-from strata.services.sharding.progress import progress_result, report_progress, restore_progress
+from strata.services.sharding.progress import (
+    progress_answer,
+    progress_result,
+    report_progress,
+    restore_progress,
+)
 from strata.services.sharding.snapshots import SNAPSHOT_VERSION, restore, snapshot
 from strata.services.sharding.state import (
     DEFAULT_LIMITS,
@@ -63,6 +68,7 @@ __all__ = [
     "REQUESTED",
     "SNAPSHOT_VERSION",
     "SOURCE",
+    "UNCOUNTED_KEPT",
     "VERSIONS_REMEMBERED",
     "Command",
     "EpochPlan",
@@ -78,6 +84,7 @@ __all__ = [
     "get_shards",
     "plan_of",
     "plan_summary",
+    "progress_answer",
     "progress_result",
     "register_dataset",
     "replan_after_membership_change",

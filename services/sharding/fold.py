@@ -17,7 +17,7 @@ from strata.events import (
     WorkerLeft,
     WorkerRegistered,
 )
-from strata.services.sharding.state import EpochPlan, ShardingState, _spec
+from strata.services.sharding.state import EpochPlan, JobSharding, ShardingState, _spec
 from strata.sharding import initial_plan, replan
 
 # -- evolve ---------------------------------------------------------------------------------------
@@ -36,6 +36,17 @@ FOLDS: Final[tuple[type[Event], ...]] = (
 REQUESTED: Final[tuple[type[Event], ...]] = (DatasetRegistered, ShardProgress)
 """Of those, the ones this service records in answer to a worker's request (the dashboard's
 requests/s)."""
+
+UNCOUNTED_KEPT = 1_000
+"""Progress events counted for nothing remembered per job (`JobSharding.uncounted`)."""
+
+
+def _reported_under_live_lease(job: JobSharding, event: ShardProgress) -> bool:
+    """Whether the lease `event` was reported under is still the worker's, in stream order."""
+    current = job.leases.current.get(event.worker_id)
+    if current is None:
+        return False
+    return event.lease_epoch is None or event.lease_epoch == current[1]
 
 
 def evolve(state: ShardingState, event: Event) -> ShardingState:
@@ -83,7 +94,16 @@ def evolve(state: ShardingState, event: Event) -> ShardingState:
                 if p.shard_id < size and not epoch_plan.plan.done[p.shard_id]
             }
     elif isinstance(event, ShardProgress):
-        epoch_plan = state.job(event.job).plans.get((event.dataset_id, event.epoch))
+        job = state.job(event.job)
+        if not _reported_under_live_lease(job, event):
+            # Decided before the reporter's end was folded, stored after it: the re-plan that
+            # end caused has moved these shards on from the offsets recorded before this report,
+            # so counting it would count its samples twice.
+            job.uncounted[event.id] = None
+            while len(job.uncounted) > UNCOUNTED_KEPT:
+                del job.uncounted[next(iter(job.uncounted))]
+            return state
+        epoch_plan = job.plans.get((event.dataset_id, event.epoch))
         if epoch_plan is None:
             return state
         valid = [s for s in event.completed if s < epoch_plan.plan.owner.size]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from strata.errors import ConflictError, NotFound, StrataError, ValidationError
+from strata.errors import ConflictError, NotFound, StaleLease, StrataError, ValidationError
 from strata.events import Event, ShardOffset, ShardProgress, ShardProgressRestored
 from strata.events.ids import event_id
 from strata.events.requests import ProgressResult, ReportProgressRequest, RestoreProgressRequest
@@ -90,6 +90,7 @@ def report_progress(
                 worker_id=request.worker_id,
                 completed=completed,
                 partial=[ShardOffset(shard_id=p.shard_id, offset=p.offset) for p in partial],
+                lease_epoch=request.lease.epoch if request.lease is not None else None,
             )
         ]
     )
@@ -176,6 +177,22 @@ def restore_progress(
     )
     events += [replanned] if replanned else []
     return Decision(events)
+
+
+def progress_answer(
+    state: ShardingState, request: ReportProgressRequest, event: Event | None
+) -> ProgressResult:
+    """The answer to a progress report once its event (`event`, None when it recorded nothing)
+    is folded: refused when the event was stored after the reporter's lease ended, since then it
+    counted nothing (`evolve`), else `progress_result`."""
+    job = state.job(request.job)
+    if event is not None and event.id in job.uncounted:
+        raise job.leases.check(request.job, request.lease, request.worker_id) or StaleLease(
+            f"the progress of worker {request.worker_id!r} of job {request.job!r} was stored "
+            "after its registration ended, and is not counted; the SDK registers again as a "
+            "new instance and starts over from the plan"
+        )
+    return progress_result(state, request)
 
 
 def progress_result(

@@ -189,7 +189,11 @@ class Sharding(Projection[ShardingState]):
         return domain.assignment(self.state, request)
 
     async def _report_progress(self, request: ReportProgressRequest) -> ProgressResult:
-        return await self.commits.submit(request, lambda _: self._progress(request))
+        def answer(decision: Decision[None]) -> ProgressResult:
+            event = decision.events[0] if decision.events else None
+            return domain.progress_answer(self.state, request, event)
+
+        return await self.commits.submit(request, answer)
 
     async def _restore_progress(self, request: RestoreProgressRequest) -> ProgressResult:
         return await self.commits.submit(request, lambda _: self._progress(request))

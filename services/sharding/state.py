@@ -73,6 +73,10 @@ class JobSharding:
     a duplicate of the first."""
     leases: Leases = field(default_factory=Leases)
     """Each live worker's registration (lease): requests carrying an ended one are refused."""
+    uncounted: dict[str, None] = field(default_factory=dict)
+    """Ids of the latest progress events stored after their reporter's lease ended, so counted
+    nothing (`evolve`): the answer to their report says so (`progress_answer`). Oldest dropped
+    past `UNCOUNTED_KEPT`; not in snapshots (an answer is given once, right after the fold)."""
 
     def fork(self, dataset_ids: set[str]) -> JobSharding:
         """A copy that `evolve` may change without changing this one, for events of the datasets
@@ -90,6 +94,7 @@ class JobSharding:
             retired=dict(self.retired),
             restores=dict(self.restores),
             leases=self.leases.copy(),
+            uncounted=dict(self.uncounted),
         )
 
     def latest_epoch(self, dataset_id: str) -> int | None:

@@ -4,7 +4,11 @@
 what was sent waits in the sockets' buffers, as it does behind a dropped link while TCP keeps
 retransmitting, and flows again after `heal()`. `cut(involving=...)` holds only the connections
 whose first bytes either way contain that marker (a nats-server's id, which both its INFO and
-its route CONNECT carry): every link of one node, whichever side dialled it. The proxy runs its
+its route CONNECT carry): every link of one node, whichever side dialled it; given several
+markers, only the links whose opening messages, the first read each way (a route's INFO and
+CONNECT), carry all of them: the links between two nodes, the others left flowing (a partial
+partition). Later messages are not looked at for that: a route between two other nodes goes on
+to mention the third one's id. The proxy runs its
 own event loop in a thread, so it keeps its pace whatever the test's loop is doing.
 """
 
@@ -25,10 +29,19 @@ class _Link:
 
     def __init__(self) -> None:
         self.seen = bytearray()
+        self.opening = bytearray()
+        """The first bytes read each way, together."""
 
-    def saw(self, data: bytes) -> None:
+    def saw(self, data: bytes, first: bool = False) -> None:
+        if first:
+            self.opening += data[: self.SNIFFED]
         if len(self.seen) < self.SNIFFED:
             self.seen += data[: self.SNIFFED - len(self.seen)]
+
+    def carries(self, markers: tuple[bytes, ...]) -> bool:
+        if len(markers) == 1:
+            return markers[0] in self.seen
+        return all(marker in self.opening for marker in markers)
 
 
 class Proxy:
@@ -43,7 +56,7 @@ class Proxy:
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name="netproxy", daemon=True)
         self._writers: set[asyncio.StreamWriter] = set()
-        self._involving: bytes | None = None
+        self._involving: tuple[bytes, ...] = ()
         self.connections = 0
 
     def __enter__(self) -> Proxy:
@@ -71,9 +84,11 @@ class Proxy:
         """The proxy as a nats-server route."""
         return f"nats-route://{self.host}:{self.port}"
 
-    def cut(self, involving: bytes | None = None) -> None:
+    def cut(self, involving: bytes | tuple[bytes, ...] | None = None) -> None:
+        markers = (involving,) if isinstance(involving, bytes) else tuple(involving or ())
+
         def cut() -> None:
-            self._involving = involving
+            self._involving = markers
             self._open.clear()
 
         self._loop.call_soon_threadsafe(cut)
@@ -84,7 +99,7 @@ class Proxy:
     async def _pass(self, link: _Link) -> None:
         """Wait while this link is cut."""
         while not self._open.is_set():
-            if self._involving is not None and self._involving not in link.seen:
+            if not link.carries(self._involving):
                 return
             await self._open.wait()
 
@@ -122,13 +137,15 @@ class Proxy:
     async def _pump(
         self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        first = True
         try:
             while True:
                 await self._pass(link)
                 data = await reader.read(65536)
                 if not data:
                     break
-                link.saw(data)
+                link.saw(data, first)
+                first = False
                 await self._pass(link)  # read just before a cut: held like the rest
                 writer.write(data)
                 await writer.drain()
@@ -143,7 +160,7 @@ class Proxies:
     def __init__(self, proxies: list[Proxy]) -> None:
         self.proxies = proxies
 
-    def cut(self, involving: bytes | None = None) -> None:
+    def cut(self, involving: bytes | tuple[bytes, ...] | None = None) -> None:
         for proxy in self.proxies:
             proxy.cut(involving)
 

@@ -114,3 +114,37 @@ async def test_a_malformed_message_on_the_worker_subjects_does_not_block_failure
             assert await failed_workers(bus, job) == ["w1"]
         finally:
             await registry.stop()
+
+
+async def test_a_registry_restored_from_a_snapshot_fails_a_silent_worker_of_a_quiet_job(
+    own_nats_server: NatsServer, workers: list[strata.aio.Worker]
+) -> None:
+    """The conditional write expects the last sequence on the job's worker subjects; a registry
+    restored from a snapshot has folded none of the job's worker events (they are all older than
+    the snapshot), and must learn it rather than expect an empty subject for ever."""
+    url = own_nats_server.url
+    job = new_job("restored")
+    settings = Settings(nats_url=url, heartbeat_interval=0.5, heartbeat_timeout=TIMEOUT)
+    async with await Bus.connect(url, deadline=10) as bus:
+        await bus.ensure_streams()
+        first = Registry()
+        await first.start(bus, settings)
+        try:
+            for worker_id in ("w0", "w1"):
+                worker = strata.aio.Worker(job, url, worker_id=worker_id)
+                workers.append(worker)
+                await worker.start()
+            await first.save_snapshot()
+        finally:
+            await first.stop()
+        restored = Registry()
+        await restored.start(bus, settings)
+        try:
+            # Nothing of the job folded from the stream: all of it came from the snapshot.
+            assert job in restored.state.jobs
+            assert job not in restored._worker_seqs
+            workers[1]._suspend_heartbeats(True)
+            await failed_within(bus, job, "w1", TIMEOUT + DETECTION_BOUND)
+            assert await failed_workers(bus, job) == ["w1"]
+        finally:
+            await restored.stop()

@@ -133,6 +133,7 @@ async def test_provisioning_twice_changes_nothing(own_bus: Bus) -> None:
     assert telemetry.max_msgs_per_subject == TELEMETRY_MAX_MSGS_PER_SUBJECT
     assert telemetry.max_msg_size == TELEMETRY_MAX_MSG_SIZE
     assert telemetry.max_age == pytest.approx(6 * 3600)
+    assert telemetry.allow_direct  # the registry's read of a worker's last heartbeat
     assert (after[EVENTS].max_bytes, after[EVENTS].max_msgs_per_subject) == (-1, -1)
 
 

@@ -47,7 +47,7 @@ from strata.events import (
 )
 from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import MembersResult
-from strata.services.registry.service import fast_beat
+from strata.services.registry.heartbeats import fast_beat
 
 from tests.support import (
     ServiceProcess,

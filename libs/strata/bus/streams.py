@@ -140,6 +140,10 @@ def strata_streams(
             max_msgs_per_subject=TELEMETRY_MAX_MSGS_PER_SUBJECT,
             max_msg_size=TELEMETRY_MAX_MSG_SIZE,
             description="Worker heartbeats and metric samples, kept for a limited age and size.",
+            # The registry reads a worker's last heartbeat by subject before failing it, from
+            # whichever replica answers first, with no JetStream API round through the cluster's
+            # meta leader (which a registry cut off from it could not reach).
+            allow_direct=True,
         ),
     ]
 

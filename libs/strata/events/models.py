@@ -323,6 +323,13 @@ class ShardProgress(Event):
     partial: Annotated[list[ShardOffset], Field(max_length=MAX_PROGRESS_ITEMS, fail_fast=True)] = (
         Field(default_factory=list)
     )
+    lease_epoch: MembershipEpoch | None = Field(
+        default=None,
+        description="The membership epoch of the registration (lease) the progress was reported "
+        "under. Stored after that registration ended (the worker failed, left or registered "
+        "again), the progress counts nothing. None in events recorded before it was carried: "
+        "then any live registration of the worker counts.",
+    )
 
 
 class ShardProgressRestored(Event):

@@ -20,6 +20,7 @@ from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import LeaveRequest, RegisterRequest, Registration
 from strata.services.domain import Decision
 from strata.services.registry import domain
+from strata.services.registry import state as registry_state
 from strata.services.registry.domain import (
     DetectFailures,
     Leave,
@@ -328,7 +329,7 @@ def test_a_snapshot_of_the_seconds_era_restores_in_ns() -> None:
 def test_a_job_forgets_its_oldest_gone_members_past_the_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(domain, "MAX_GONE_PER_JOB", 3)
+    monkeypatch.setattr(registry_state, "MAX_GONE_PER_JOB", 3)
     state = RegistryState()
     for i in range(6):
         register(state, f"w{i}", float(i))

@@ -3,7 +3,7 @@ fan-out of a long start stays bounded whatever the number of workers."""
 
 from __future__ import annotations
 
-from strata.services.registry.service import (
+from strata.services.registry.notices import (
     WORLD_COALESCE_S,
     WORLD_SPACING_PER_WORKER,
     world_spacing,
