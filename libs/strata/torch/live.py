@@ -322,8 +322,11 @@ class LiveGroup:
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         shuffle_within_shard: bool = False,
         seed: int = 0,
+        on_commit: Callable[[int], None] | None = None,
     ) -> EpochResult:
         """Train this rank's shards of `epoch` until the job has trained every sample of it.
+
+        `on_commit(step)` is called after each committed step (to log metrics, for instance).
 
         Returns at once (with nothing trained) for an epoch the group has already finished,
         which is how a replacement that healed into a later epoch skips the ones before it.
@@ -384,6 +387,8 @@ class LiveGroup:
                 samples += len(pending)
                 sampler.ack(len(pending))
                 sampler.flush()
+                if on_commit is not None:
+                    on_commit(self.step)
             else:
                 sampler.flush()
                 done = torch.tensor([int(self._epoch_done(registry, dataset_id, epoch))])
