@@ -26,7 +26,9 @@ from tests.support import new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
-EPOCHS = 3
+EPOCHS = 5
+"""More than the example's 3: on a loaded machine the survivors must still be training when the
+replacement (a new Python with torch to import) comes up."""
 DATASET = "live-points"
 RESULT = re.compile(
     r"(\S+): pid (\d+) every sample (\d+) times: (True|False), step (\d+), healed (True|False), "
@@ -103,6 +105,15 @@ class Plans:
         self.runner.close()
 
 
+def example(directory: Path) -> Path:
+    script = write_example("docs/pytorch.md", "train_live.py", directory)
+    text = script.read_text(encoding="utf-8")
+    written = 'DATASET, SAMPLES, EPOCHS = "live-points", 3000, 3'
+    assert written in text, "the example's constants changed: update this test"
+    script.write_text(text.replace(written, written[:-1] + str(EPOCHS)), encoding="utf-8")
+    return script
+
+
 def outputs(ranks: list[Rank]) -> str:
     return "\n".join(f"--- {r.worker_id}\n{r.output()[-4000:]}" for r in ranks)
 
@@ -124,7 +135,7 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     stack: str, tmp_path: Path
 ) -> None:
     job = new_job("live")
-    script = write_example("docs/pytorch.md", "train_live.py", tmp_path)
+    script = example(tmp_path)
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
@@ -154,3 +165,31 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     # The replacement took the state from a live peer (there is no checkpoint to read).
     assert by_worker["w3"][6] == "True", text
     assert "joined at step 0," not in replacement.output(), text
+
+
+def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replacement(
+    stack: str, tmp_path: Path
+) -> None:
+    job = new_job("live")
+    script = example(tmp_path)
+    plans = Plans(stack, job)
+    ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
+    try:
+        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        ranks[1].kill()
+        wait_until(lambda: plans.done(0) >= 0.35, 120, "two survivors going on")
+        ranks[2].kill()
+        replacement = Rank(script, stack, job, "w3")
+        ranks.append(replacement)
+        results = finish([ranks[0], replacement], 300)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        plans.close()
+    text = outputs(ranks)
+    by_worker = {m[1]: m for m in results}
+    for match in results:
+        assert match[4] == "True", f"{match[1]} did not train every sample once:\n{text}"
+    assert by_worker["w0"][7] == by_worker["w3"][7], f"other weights:\n{text}"
+    assert int(by_worker["w0"][2]) == ranks[0].proc.pid
+    assert by_worker["w3"][6] == "True", text

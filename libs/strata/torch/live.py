@@ -31,7 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data._utils.collate import default_collate
 
-from strata.errors import BarrierBroken, BarrierTimeout, DeadlineExceeded, StrataError
+from strata.errors import (
+    BarrierBroken,
+    BarrierTimeout,
+    ConfigError,
+    DeadlineExceeded,
+    StrataError,
+)
 from strata.events.requests import MemberInfo
 from strata.torch.sampler import ShardSampler, ShardSource
 from strata.worker import Worker
@@ -43,6 +49,9 @@ IDLE_S: Final = 0.1
 """How long a rank waits between empty steps while a failed worker's shards have not moved yet."""
 BARRIER_S: Final = 10.0
 STATE_FORMAT: Final = 1
+SLOTS: Final = 4
+"""Shards one rank's batch may touch in a step: each step's vote carries, for every rank, where
+each of them stands once the step commits."""
 
 log = structlog.get_logger("strata.live")
 
@@ -96,8 +105,10 @@ class LiveGroup:
     sample the contributing ranks trained in it. The epoch ends on every rank at the same step,
     once the sharding service has every shard done.
 
-    `wait_for=N`: the first group forms when N workers are registered (later groups are whoever
-    is live). `audit_samples=N` keeps `ledger`, how many times each of N samples went into a
+    `wait_for=N`: the first group forms when N workers are registered (later groups, and a
+    joiner's first while the others train, are whoever is live). The worker's state is
+    `training` (with the step) while the group trains and `recovering` while it re-forms.
+    `audit_samples=N` keeps `ledger`, how many times each of N samples went into a
     committed step, healed along with the weights (a check for small datasets: it adds N
     numbers to every step's all-reduce). `timeout` bounds each collective and a re-forming.
     """
@@ -126,6 +137,9 @@ class LiveGroup:
         self.healed = False
         """Whether this rank ever received the state from a peer after training had begun."""
         self.reformed = 0
+        self._floors: dict[int, int] = {}
+        """Shard -> samples trained in committed steps, as every rank's vote said (this epoch):
+        what a rank that died before reporting its last step had trained."""
         self._pg: Any = None
         self._group_epoch: int | None = None
         self._rank = 0
@@ -179,6 +193,8 @@ class LiveGroup:
         worker = self._worker
         previous = self._group_epoch
         self._pg = None
+        if self.reformed:
+            worker.set_state("recovering", step=self.step, epoch=self.epoch)
         while True:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
@@ -193,7 +209,8 @@ class LiveGroup:
             if (previous is not None and epoch <= previous) or worker.id not in ids:
                 time.sleep(POLL_S)  # the registry has not recorded the change yet
                 continue
-            if not self.reformed and self.step == 0 and len(ids) < self._wait_for:
+            going = any(m.status in ("training", "recovering") for m in result.members)
+            if not self.reformed and not going and len(ids) < self._wait_for:
                 time.sleep(POLL_S)
                 continue
             try:
@@ -220,6 +237,7 @@ class LiveGroup:
                 continue
             break
         self.reformed += 1
+        worker.set_state("training", step=self.step, epoch=self.epoch)
         self._log.info(
             "live_group_formed",
             membership_epoch=self._group_epoch,
@@ -267,6 +285,7 @@ class LiveGroup:
                 "step": self.step,
                 "epoch": self.epoch,
                 "ledger": self.ledger,
+                "floors": self._floors,
             },
             out,
         )
@@ -282,6 +301,7 @@ class LiveGroup:
         self.step = int(state["step"])
         self.epoch = int(state["epoch"])
         self.ledger = state["ledger"]
+        self._floors = {int(k): int(v) for k, v in state["floors"].items()}
 
     def _allreduce(self, tensor: torch.Tensor, op: Any) -> None:
         if self._size == 1:
@@ -358,6 +378,8 @@ class LiveGroup:
                 break
             if pending is None:
                 pending = []
+                for shard, offset in self._floors.items():
+                    sampler.skip_to(shard, offset)
                 if indices is None:
                     indices = iter(sampler)
                 for index in indices:
@@ -371,7 +393,7 @@ class LiveGroup:
                 loss = loss_fn(collate_fn([data[i] for i in pending]))
                 loss.backward()  # type: ignore[no-untyped-call]
             vector = self._vector(pending)
-            vote = torch.tensor([self._worker.membership_epoch], dtype=torch.int64)
+            vote = self._vote(sampler)
             try:
                 self._allreduce(vector, dist.ReduceOp.SUM)
                 self._allreduce(vote, dist.ReduceOp.MAX)
@@ -382,11 +404,15 @@ class LiveGroup:
             total = int(vector[len(vector) - 1 - self.ledger.numel()].item())
             if total:
                 self._apply(vector, total)
+                self._note_positions(vote)
                 self.step += 1
                 committed += 1
                 samples += len(pending)
                 sampler.ack(len(pending))
                 sampler.flush()
+                # Rides on the next heartbeat: the dashboard's step, and a joiner's sign that
+                # the group is already training (it need not wait for `wait_for` workers).
+                self._worker.set_state("training", step=self.step, epoch=epoch)
                 if on_commit is not None:
                     on_commit(self.step)
             else:
@@ -400,12 +426,37 @@ class LiveGroup:
                     continue
                 if done.item():
                     self.epoch = epoch + 1
+                    self._floors = {}
                     break
                 time.sleep(IDLE_S)
             pending = None
-            if int(vote.item()) > (self._group_epoch or 0):
+            if int(vote[0].item()) > (self._group_epoch or 0):
                 self._pg = None  # someone heard of a newer membership: re-form at this boundary
         return EpochResult(epoch, committed, discarded, samples, self.reformed - reformed)
+
+    def _vote(self, sampler: ShardSampler) -> torch.Tensor:
+        """[newest membership epoch heard of, then per rank SLOTS (shard id + 1, position)]:
+        reduced with MAX, each rank filling only its own slots."""
+        vote = torch.zeros(1 + self._size * SLOTS * 2, dtype=torch.int64)
+        vote[0] = self._worker.membership_epoch
+        positions = sampler.pending_positions()
+        if len(positions) > SLOTS:
+            raise ConfigError(
+                f"a batch of this rank spans {len(positions)} shards, more than the {SLOTS} a "
+                "step's vote records: use larger shards or smaller batches"
+            )
+        base = 1 + self._rank * SLOTS * 2
+        for i, (shard, offset) in enumerate(positions):
+            vote[base + 2 * i] = shard + 1
+            vote[base + 2 * i + 1] = offset
+        return vote
+
+    def _note_positions(self, vote: torch.Tensor) -> None:
+        pairs = vote[1:].view(-1, 2).tolist()
+        for shard_plus_one, offset in pairs:
+            if shard_plus_one:
+                shard = int(shard_plus_one) - 1
+                self._floors[shard] = max(self._floors.get(shard, 0), int(offset))
 
     def _vector(self, pending: list[int]) -> torch.Tensor:
         parts = [
