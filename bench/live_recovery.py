@@ -169,7 +169,7 @@ class Run:
         self.job = new_job(f"bench-{way}")
         self.procs: list[subprocess.Popen[bytes]] = []
         body = {"live": LIVE, "restart": RESTART, "torchft": TORCHFT}[way]
-        script = work / f"{way}.py"
+        script = work / f"train_{way}.py"  # not torchft.py: it would shadow the package
         script.write_text(COMMON + body, encoding="utf-8")
         base = {
             **os.environ,
@@ -250,7 +250,14 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 def measure(run: Run, kill_at: int) -> tuple[float, int]:
     """Kill rank 1 once `kill_at` steps are committed; (seconds to the next commit, steps lost)."""
-    wait_for(lambda: run.committed() >= kill_at, 300, f"{kill_at} steps of {run.way}")
+
+    def started() -> bool:
+        if all(proc.poll() is not None for proc in run.procs):
+            out = "".join(p.read_text(errors="replace")[-3000:] for p in run.work.glob("*.out"))
+            raise RuntimeError(f"every process of {run.way} exited:\n{out}")
+        return run.committed() >= kill_at
+
+    wait_for(started, 300, f"{kill_at} steps of {run.way}")
     before = run.committed()
     killed = time.time()
     run.kill_rank_1()
