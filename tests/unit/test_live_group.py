@@ -63,3 +63,27 @@ def test_members_form_the_group_in_registry_rank_order_without_the_gone() -> Non
 def test_every_member_computes_the_same_group_from_any_order(order: list[int]) -> None:
     members = [member(f"w{i}", i) for i in order]
     assert group_members(members) == [f"w{i}" for i in range(8)]
+
+
+def test_a_floor_moves_a_shards_start_past_what_a_dead_rank_trained() -> None:
+    from strata.events.requests import ShardAssignment
+    from strata.torch.sampler import reading_queue
+
+    assignment = ShardAssignment.model_validate(
+        {
+            "job": "j",
+            "dataset_id": "d",
+            "worker_id": "w0",
+            "epoch": 0,
+            "plan_version": 3,
+            "world_size": 2,
+            "shards": [
+                {"shard_id": 4, "start": 200, "end": 250, "offset": 10, "done": False},
+                {"shard_id": 9, "start": 450, "end": 500, "offset": 0, "done": False},
+            ],
+        }
+    )
+    queue = reading_queue(assignment, set(), None, {4: 30, 9: 50, 11: 7})
+    assert [(q.shard_id, q.offset, q.left) for q in queue] == [(4, 30, 20), (9, 50, 0)]
+    # A floor below the recorded offset changes nothing.
+    assert reading_queue(assignment, set(), None, {4: 5})[0].offset == 10
