@@ -7,8 +7,9 @@ of recovering the same 3-rank data-parallel job (an MLP, gloo, CPU):
 - `torchft`: torchft 0.2.0's Manager (one replica group per process, its lighthouse with the same
   heartbeat timeout as the registry's), skipped with a message when torchft is not installed.
 
-Every rank appends `commit <step> <wall time>` per optimizer step to a file of its own. Once the
-job has committed `--kill-at` steps, rank 1 is SIGKILLed; the figure is the wall time from the
+Every rank appends `commit <step> <wall time> <ranks in the step>` per optimizer step to a file of
+its own. Once the job has committed `--kill-at` steps with all three ranks (torchft's third replica
+may join the quorum late), rank 1 is SIGKILLed; the figure is the wall time from the
 kill to the first commit after it on any other rank. Steps lost: for `restart`, the steps
 committed before the kill that were done again (the last step before the kill minus the
 checkpoint resumed from); for the others, the steps discarded. Rounds alternate the ways; the
@@ -76,7 +77,7 @@ live = LiveGroup(worker, model, optimizer, wait_for=3)
 live.join()
 for epoch in range(100):
     live.train_epoch(registry, "bench", data, loss_fn, batch_size=32, epoch=epoch,
-                     on_commit=lambda step: note("commit", step, time.time()))
+                     on_commit=lambda step: note("commit", step, time.time(), live.world_size))
 """
 
 RESTART = """
@@ -114,7 +115,7 @@ for epoch in range(first_epoch, 100):
         optimizer.step()
         lockstep.trained(batch)
         step += 1
-        note("commit", step, time.time())
+        note("commit", step, time.time(), dist.get_world_size())
         if step % 10 == 0:
             lockstep.flush()
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -152,7 +153,7 @@ while True:
         manager.allreduce(p.grad).wait()
     if manager.should_commit():
         optimizer.step()
-        note("commit", manager.current_step(), time.time())
+        note("commit", manager.current_step(), time.time(), manager.num_participants())
     else:
         note("discard", time.time())
 """
@@ -225,7 +226,9 @@ class Run:
         return found
 
     def committed(self) -> int:
-        return max((int(w[1]) for w in self.lines() if w[0] == "commit"), default=0)
+        """The last step committed by all three ranks together."""
+        lines = self.lines()
+        return max((int(w[1]) for w in lines if w[0] == "commit" and w[3] == "3"), default=0)
 
     def kill_rank_1(self) -> None:
         if self.way == "restart":
@@ -263,7 +266,17 @@ def measure(run: Run, kill_at: int) -> tuple[float, int]:
     run.kill_rank_1()
 
     def after() -> list[float]:
-        return [float(w[2]) for w in run.lines() if w[0] == "commit" and float(w[2]) > killed]
+        """Commits of steps taken without the dead rank: in the smaller world (live, torchft),
+        or after the restarted ranks resumed (restart); not a step all-reduced before the kill
+        and committed just after it."""
+        lines = run.lines()
+        if run.way == "restart":
+            resumed = [float(w[2]) for w in lines if w[0] == "resume" and float(w[2]) > killed]
+            since = min(resumed, default=float("inf"))
+            return [float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > since]
+        return [
+            float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > killed and w[3] != "3"
+        ]
 
     wait_for(lambda: bool(after()), 300, f"a step of {run.way} after the kill")
     seconds = min(after()) - killed

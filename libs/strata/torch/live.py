@@ -36,6 +36,7 @@ from strata.errors import (
     BarrierTimeout,
     ConfigError,
     DeadlineExceeded,
+    StaleLease,
     StrataError,
 )
 from strata.events.requests import MemberInfo
@@ -370,8 +371,7 @@ class LiveGroup:
                 if behind == 1 and pending is not None:
                     # This rank's vote failed where the others' passed: the step it was in,
                     # its batch included, is committed; the state just received holds it.
-                    sampler.ack(len(pending))
-                    sampler.flush()
+                    self._record(sampler, len(pending))
                     samples += len(pending)
                     pending = None
             if self.epoch > epoch:
@@ -408,8 +408,7 @@ class LiveGroup:
                 self.step += 1
                 committed += 1
                 samples += len(pending)
-                sampler.ack(len(pending))
-                sampler.flush()
+                self._record(sampler, len(pending))
                 # Rides on the next heartbeat: the dashboard's step, and a joiner's sign that
                 # the group is already training (it need not wait for `wait_for` workers).
                 self._worker.set_state("training", step=self.step, epoch=epoch)
@@ -433,6 +432,22 @@ class LiveGroup:
             if int(vote[0].item()) > (self._group_epoch or 0):
                 self._pg = None  # someone heard of a newer membership: re-form at this boundary
         return EpochResult(epoch, committed, discarded, samples, self.reformed - reformed)
+
+    def _record(self, sampler: ShardSampler, count: int) -> None:
+        """Acknowledge a committed step's samples and report them to the sharding service."""
+        try:
+            sampler.ack(count)
+            sampler.flush()
+        except StaleLease as exc:
+            # The registry took this worker for failed meanwhile (a stall): the report is refused
+            # and its shards may move, but the votes recorded where they stand, so whoever
+            # reads them next starts after what this step trained.
+            self._log.warning(
+                "live_progress_refused",
+                step=self.step,
+                error=exc.message,
+                consequence="the shards' positions travel in the group's votes instead",
+            )
 
     def _vote(self, sampler: ShardSampler) -> torch.Tensor:
         """[newest membership epoch heard of, then per rank SLOTS (shard id + 1, position)]:
