@@ -284,7 +284,8 @@ def measure(run: Run, kill_at: int) -> tuple[float, int]:
         resumed = [int(w[1]) for w in run.lines() if w[0] == "resume" and float(w[2]) > killed]
         lost = before - min(resumed) if resumed else -1
     elif run.way == "torchft":
-        lost = sum(1 for w in run.lines() if w[0] == "discard" and float(w[1]) > killed - 5)
+        discards = sum(1 for w in run.lines() if w[0] == "discard" and float(w[1]) > killed - 5)
+        lost = discards // 2  # each survivor discards the same steps
     else:
         out = "".join(p.read_text(errors="replace") for p in run.work.glob("w*.out"))
         lost = len(LIVE_DISCARD.findall(out)) // 2  # each survivor logs the one step
