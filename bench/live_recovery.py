@@ -14,11 +14,21 @@ kill to the first commit after it on any other rank. Steps lost: for `restart`, 
 committed before the kill that were done again (the last step before the kill minus the
 checkpoint resumed from); for the others, the steps discarded. Rounds alternate the ways; the
 figures are the median and the spread (min-max), and each way's median over `restart`'s.
+
+Once the survivors have taken that step, a replacement starts (`w3`; torchrun starts its own): the
+second figure is the time from the kill to the first step of 3 ranks again, and of it the time
+from the replacement's start.
+
+First, the steady state: the same job without a kill, on a wider MLP (32-2048-2048-2, tens of ms
+of compute per step), `LiveGroup` against plain `DistributedDataParallel` over gloo with a
+`DistributedSampler` on the same data, alternating rounds; the figure is the median time between
+rank 0's steps over `--steps` steps after `--warmup`, and `LiveGroup`'s median over DDP's.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import signal
@@ -30,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from strata.bus.server import NatsServer
 from strata.config import Env
@@ -51,7 +62,13 @@ generator = torch.Generator().manual_seed(0)
 inputs = torch.randn(SAMPLES, 32, generator=generator)
 labels = (inputs.sum(1) > 0).long()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 2))
+WIDE = int(os.environ.get("BENCH_WIDE", "0"))
+if WIDE:  # the steady-state figure: a step with tens of ms of compute
+    model = nn.Sequential(
+        nn.Linear(32, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE), nn.ReLU(), nn.Linear(WIDE, 2)
+    )
+else:
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 LOG = open(os.environ["BENCH_LOG"], "a", buffering=1)
 
@@ -124,6 +141,26 @@ for epoch in range(first_epoch, 100):
     carried = None
 """
 
+DDP = """
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+ddp = nn.parallel.DistributedDataParallel(model)
+data = TensorDataset(inputs, labels)
+step = 0
+for epoch in range(100):
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=32, sampler=sampler):
+        loss = F.cross_entropy(ddp(x), y, reduction="sum")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        note("commit", step, time.time(), dist.get_world_size())
+"""
+
 TORCHFT = """
 from datetime import timedelta
 import torch.distributed as dist
@@ -164,14 +201,17 @@ LIVE_DISCARD = re.compile(r"live_step_discarded")
 class Run:
     """One job's ranks, the log of each, and how to kill rank 1."""
 
-    def __init__(self, way: str, work: Path, nats_url: str, lighthouse: str | None) -> None:
+    def __init__(
+        self, way: str, work: Path, nats_url: str, lighthouse: str | None, wide: int = 0
+    ) -> None:
         self.way = way
         self.work = work
         self.job = new_job(f"bench-{way}")
         self.procs: list[subprocess.Popen[bytes]] = []
-        body = {"live": LIVE, "restart": RESTART, "torchft": TORCHFT}[way]
-        script = work / f"train_{way}.py"  # not torchft.py: it would shadow the package
-        script.write_text(COMMON + body, encoding="utf-8")
+        body = {"live": LIVE, "restart": RESTART, "torchft": TORCHFT, "ddp": DDP}[way]
+        self.script = work / f"train_{way}.py"  # not torchft.py: it would shadow the package
+        self.script.write_text(COMMON + body, encoding="utf-8")
+        script = self.script
         base = {
             **os.environ,
             Env.NATS_URL: nats_url,
@@ -182,6 +222,8 @@ class Run:
         }
         if lighthouse is not None:
             base["TORCHFT_LIGHTHOUSE"] = lighthouse
+        if wide:
+            base["BENCH_WIDE"] = str(wide)
         if way == "restart":
             env = {**base, "BENCH_LOG": str(work / "rank.log")}
             out = (work / "torchrun.out").open("wb")
@@ -205,19 +247,28 @@ class Run:
                 )
             )
             return
+        if way == "ddp":
+            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+        self.base = base
         for i in range(3):
-            env = {**base, "WORKER_ID": f"w{i}", "BENCH_LOG": str(work / f"w{i}.log")}
-            out = (work / f"w{i}.out").open("wb")
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(script)],
-                    cwd=work,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        """Start process `w<i>` (rank i for `ddp`); i = 3 is a replacement."""
+        env = {**self.base, "WORKER_ID": f"w{i}", "BENCH_LOG": str(self.work / f"w{i}.log")}
+        if self.way == "ddp":
+            env.update(RANK=str(i), LOCAL_RANK=str(i))
+        out = (self.work / f"w{i}.out").open("wb")
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, str(self.script)],
+                cwd=self.work,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        )
 
     def lines(self) -> list[list[str]]:
         found = []
@@ -251,8 +302,19 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def measure(run: Run, kill_at: int) -> tuple[float, int]:
-    """Kill rank 1 once `kill_at` steps are committed; (seconds to the next commit, steps lost)."""
+class Recovery(NamedTuple):
+    next_step: float
+    """Seconds from the kill to the survivors' next optimizer step."""
+    lost: int
+    full: float
+    """Seconds from the kill to the first step taken by a world of 3 again."""
+    joined: float | None
+    """Of which from the replacement's start (None for `restart`: torchrun starts it)."""
+
+
+def measure(run: Run, kill_at: int) -> Recovery:
+    """Kill rank 1 once `kill_at` steps are committed; once the survivors have taken a step
+    without it, start a replacement (torchrun starts its own) and wait for a step of 3 ranks."""
 
     def started() -> bool:
         if all(proc.poll() is not None for proc in run.procs):
@@ -289,7 +351,44 @@ def measure(run: Run, kill_at: int) -> tuple[float, int]:
     else:
         out = "".join(p.read_text(errors="replace") for p in run.work.glob("w*.out"))
         lost = len(LIVE_DISCARD.findall(out)) // 2  # each survivor logs the one step
-    return seconds, lost
+    replaced: float | None = None
+    if run.way != "restart":
+        replaced = time.time()
+        run.start(3)
+    since = replaced if replaced is not None else killed + seconds - 0.001
+
+    def full() -> list[float]:
+        return [
+            float(w[2])
+            for w in run.lines()
+            if w[0] == "commit" and float(w[2]) > since and w[3] == "3"
+        ]
+
+    wait_for(lambda: bool(full()), 300, f"a step of 3 ranks of {run.way} after the kill")
+    back = min(full())
+    joined = back - replaced if replaced is not None else None
+    return Recovery(seconds, lost, back - killed, joined)
+
+
+def step_time(run: Run, warmup: int, steps: int) -> float:
+    """The median time between rank 0's optimizer steps, over `steps` steps after `warmup`."""
+
+    def times() -> list[float]:
+        path = run.work / "w0.log"
+        if not path.exists():
+            return []
+        lines = [line.split() for line in path.read_text().splitlines() if line]
+        return [float(w[2]) for w in lines if w[0] == "commit"]
+
+    def enough() -> bool:
+        if any(proc.poll() is not None for proc in run.procs):
+            out = "".join(p.read_text(errors="replace")[-3000:] for p in run.work.glob("*.out"))
+            raise RuntimeError(f"a process of {run.way} exited:\n{out}")
+        return len(times()) > warmup + steps
+
+    wait_for(enough, 600, f"{warmup + steps} steps of {run.way}")
+    found = times()[warmup : warmup + steps + 1]
+    return statistics.median(b - a for a, b in itertools.pairwise(found))
 
 
 def spread(values: list[float]) -> str:
@@ -316,6 +415,19 @@ def main() -> None:
     parser.add_argument(
         "--work", default=None, help="where the runs' logs go (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="steady state: steps timed per round, LiveGroup against plain DDP (0 skips it; "
+        "default 60)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="steady state: steps not timed first (default 10)"
+    )
+    parser.add_argument(
+        "--wide", type=int, default=2048, help="steady state: the MLP's width (default 2048)"
+    )
     args = parser.parse_args()
     ways = args.ways.split(",")
     lighthouse = None
@@ -333,37 +445,73 @@ def main() -> None:
                 heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT * 1000),
             )
             lighthouse = server.address()
-    results: dict[str, list[tuple[float, int]]] = {way: [] for way in ways}
+    results: dict[str, list[Recovery]] = {way: [] for way in ways}
+    overhead: dict[str, list[float]] = {"live": [], "ddp": []}
     with (
         tempfile.TemporaryDirectory(dir=args.work) as tmp,
         NatsServer(store_dir=Path(tmp) / "nats") as nats,
         running_services(nats.url, Path(tmp) / "logs"),
     ):
+        for round_ in range(args.rounds if args.steps else 0):
+            for way in ("live", "ddp") if round_ % 2 == 0 else ("ddp", "live"):
+                work = Path(tmp) / f"steady-{way}-{round_}"
+                work.mkdir()
+                run = Run(way, work, nats.url, None, wide=args.wide)
+                try:
+                    seconds = step_time(run, args.warmup, args.steps)
+                finally:
+                    run.stop()
+                overhead[way].append(seconds)
+                print(f"round {round_ + 1} steady {way}: {seconds * 1000:.1f} ms/step", flush=True)
         for round_ in range(args.rounds):
             for way in ways if round_ % 2 == 0 else list(reversed(ways)):
                 work = Path(tmp) / f"{way}-{round_}"
                 work.mkdir()
                 run = Run(way, work, nats.url, lighthouse)
                 try:
-                    seconds, lost = measure(run, args.kill_at)
+                    found = measure(run, args.kill_at)
                 finally:
                     run.stop()
-                results[way].append((seconds, lost))
+                results[way].append(found)
+                joined = "" if found.joined is None else f" ({found.joined:.2f} s after it started)"
                 print(
-                    f"round {round_ + 1} {way}: {seconds:.2f} s to the next step, "
-                    f"{lost} steps lost",
+                    f"round {round_ + 1} {way}: {found.next_step:.2f} s to the next step, "
+                    f"{found.lost} steps lost, {found.full:.2f} s to a world of 3{joined}",
                     flush=True,
                 )
+    if overhead["live"]:
+        live, ddp = overhead["live"], overhead["ddp"]
+        print(
+            f"\nsteady state, 3 ranks, MLP 32-{args.wide}-{args.wide}-2, batch 32 per rank, "
+            f"median step of {args.steps} after {args.warmup}, median (min-max) of "
+            f"{args.rounds} rounds:"
+        )
+        for way, times in overhead.items():
+            print(
+                f"  {way:8s} {statistics.median(times) * 1000:.1f} ms/step "
+                f"({min(times) * 1000:.1f}-{max(times) * 1000:.1f})"
+            )
+        ratio = statistics.median(live) / statistics.median(ddp)
+        print(f"  LiveGroup / DDP: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    if not args.rounds or not ways:
+        return
     print(
         f"\nkill to the next optimizer step, 3 ranks, heartbeat timeout {HEARTBEAT_TIMEOUT} s, "
         f"median (min-max) of {args.rounds} rounds:"
     )
-    base = statistics.median(s for s, _ in results["restart"]) if "restart" in results else None
+    base = (
+        statistics.median(r.next_step for r in results["restart"]) if "restart" in results else None
+    )
     for way, values in results.items():
-        seconds = [s for s, _ in values]
-        ratio = f", {statistics.median(seconds) / base:.2f}x restart's" if base else ""
-        lost = [n for _, n in values]
-        print(f"  {way:8s} {spread(seconds)}{ratio}; steps lost {lost}")
+        nexts = [r.next_step for r in values]
+        against = f", {statistics.median(nexts) / base:.2f}x restart's" if base else ""
+        print(f"  {way:8s} {spread(nexts)}{against}; steps lost {[r.lost for r in values]}")
+    print("\nkill to a step of 3 ranks again (a replacement started after the survivors' step):")
+    for way, values in results.items():
+        full = spread([r.full for r in values])
+        joins = [r.joined for r in values if r.joined is not None]
+        joined = f"; from the replacement's start {spread(joins)}" if joins else ""
+        print(f"  {way:8s} {full}{joined}")
 
 
 if __name__ == "__main__":
