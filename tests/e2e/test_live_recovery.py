@@ -45,7 +45,9 @@ def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
 class Rank:
     """One process of the example, its output in a file."""
 
-    def __init__(self, script: Path, nats_url: str, job: str, worker_id: str) -> None:
+    def __init__(
+        self, script: Path, nats_url: str, job: str, worker_id: str, die_in_heal: str = ""
+    ) -> None:
         self.worker_id = worker_id
         self.log = script.parent / f"{worker_id}.log"
         env = {
@@ -54,6 +56,7 @@ class Rank:
             Env.JOB: job,
             "WORKER_ID": worker_id,
             "OMP_NUM_THREADS": "1",
+            "DIE_IN_HEAL": die_in_heal,
         }
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
@@ -187,6 +190,103 @@ def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replaceme
             rank.kill()
         plans.close()
     text = outputs(ranks)
+    by_worker = {m[1]: m for m in results}
+    for match in results:
+        assert match[4] == "True", f"{match[1]} did not train every sample once:\n{text}"
+    assert by_worker["w0"][7] == by_worker["w3"][7], f"other weights:\n{text}"
+    assert int(by_worker["w0"][2]) == ranks[0].proc.pid
+    assert by_worker["w3"][6] == "True", text
+
+
+DIE_IN_HEAL = """
+if os.environ.get("DIE_IN_HEAL") == "joiner":
+    # SIGKILLed once the state of the group that takes it in has arrived, before loading it.
+    import signal
+
+    live._load_state = lambda data: os.kill(os.getpid(), signal.SIGKILL)
+elif os.environ.get("DIE_IN_HEAL") == "survivor":
+    # SIGKILLed on entering the state sync of its third group: the one taking in a replacement
+    # (the first formed at the start, the second after a peer died).
+    import signal
+
+    _sync_state = live._sync_state
+
+    def _dying_sync() -> int:
+        if live.reformed == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _sync_state()
+
+    live._sync_state = _dying_sync
+"""
+
+
+def dying_example(directory: Path) -> Path:
+    """The example, with a process that is told to (DIE_IN_HEAL) SIGKILLing itself in a heal."""
+    script = example(directory)
+    text = script.read_text(encoding="utf-8")
+    assert text.count("\nlive.join()\n") == 1, "the example's join changed: update this test"
+    script.write_text(text.replace("\nlive.join()\n", DIE_IN_HEAL + "live.join()\n"), "utf-8")
+    return script
+
+
+def test_a_joiner_killed_in_its_heal_leaves_the_survivors_going_and_a_second_one_heals(
+    stack: str, tmp_path: Path
+) -> None:
+    job = new_job("live")
+    script = dying_example(tmp_path)
+    plans = Plans(stack, job)
+    ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
+    try:
+        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        ranks[1].kill()
+        wait_until(lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on")
+        doomed = Rank(script, stack, job, "w3", die_in_heal="joiner")
+        ranks.append(doomed)
+        doomed.proc.wait(240)
+        replacement = Rank(script, stack, job, "w4")
+        ranks.append(replacement)
+        results = finish([ranks[0], ranks[2], replacement], 300)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        plans.close()
+    text = outputs(ranks)
+    # It died inside the heal: the state received, never loaded, `join` never returned.
+    assert doomed.proc.returncode == -signal.SIGKILL, text
+    assert "joined at step" not in doomed.output(), text
+    by_worker = {m[1]: m for m in results}
+    for match in results:
+        assert match[4] == "True", f"{match[1]} did not train every sample once:\n{text}"
+    assert len({m[7] for m in results}) == 1, f"the ranks ended with other weights:\n{text}"
+    for rank in (ranks[0], ranks[2]):
+        assert int(by_worker[rank.worker_id][2]) == rank.proc.pid
+    assert by_worker["w4"][6] == "True", text
+
+
+def test_a_survivor_killed_while_the_group_heals_a_replacement_leaves_the_others_going(
+    stack: str, tmp_path: Path
+) -> None:
+    job = new_job("live")
+    script = dying_example(tmp_path)
+    plans = Plans(stack, job)
+    ranks = [Rank(script, stack, job, "w0"), Rank(script, stack, job, "w1")]
+    ranks.append(Rank(script, stack, job, "w2", die_in_heal="survivor"))
+    try:
+        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        ranks[1].kill()
+        wait_until(lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on")
+        replacement = Rank(script, stack, job, "w3")
+        ranks.append(replacement)
+        ranks[2].proc.wait(240)
+        results = finish([ranks[0], replacement], 300)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        plans.close()
+    text = outputs(ranks)
+    # w2 died on entering the sync of the group that took in w3.
+    assert ranks[2].proc.returncode == -signal.SIGKILL, text
+    assert not ranks[2].result(), text
     by_worker = {m[1]: m for m in results}
     for match in results:
         assert match[4] == "True", f"{match[1]} did not train every sample once:\n{text}"
