@@ -91,6 +91,11 @@ UNRUN = [
         "benchmark: thousands of workers, minutes of full load",
     ),
     ("docs/sharding.md", ".venv/bin/python bench/sharding.py", "benchmark: minutes of full load"),
+    (
+        "docs/pytorch.md",
+        ".venv/bin/python bench/live_recovery.py",
+        "benchmark: minutes of full load",
+    ),
     ("docs/storage.md", ".venv/bin/python bench/storage.py", "benchmark: minutes of full load"),
     ("docs/storage.md", ".venv/bin/python bench/checkpoint.py", "benchmark: minutes of full load"),
     ("docs/storage.md", ".venv/bin/python bench/verify_load.py", "benchmark: minutes of full load"),
@@ -855,7 +860,7 @@ def test_benchmark_command_lines_name_real_options() -> None:
             if words[:2] != [".venv/bin/python", words[1]] or not words[1].startswith("bench/"):
                 continue
             scripts.setdefault(words[1], set()).update(w for w in words[2:] if w.startswith("--"))
-    assert len(scripts) == 8, scripts
+    assert len(scripts) == 9, scripts
     for script, options in scripts.items():
         done = subprocess.run(
             [sys.executable, script, "--help"],

@@ -132,18 +132,22 @@ class Queued(NamedTuple):
 
 
 def reading_queue(
-    assignment: ShardAssignment, skip: AbstractSet[int], current: tuple[int, int] | None
+    assignment: ShardAssignment,
+    skip: AbstractSet[int],
+    current: tuple[int, int] | None,
+    floors: Mapping[int, int] | None = None,
 ) -> list[Queued]:
     """The shards of `assignment` still to read, in its order, each with where to start.
 
     Done shards and those in `skip` are left out. A shard starts after the larger of the
-    service's recorded offset and this reader's own (`current`: shard id, samples consumed).
+    service's recorded offset, this reader's own (`current`: shard id, samples consumed) and its
+    floor in `floors` (samples of it known to be trained elsewhere, not yet recorded).
     """
     queue = []
     for span in assignment.shards:
         if span.done or span.shard_id in skip:
             continue
-        offset = span.offset
+        offset = max(span.offset, (floors or {}).get(span.shard_id, 0))
         if current is not None and current[0] == span.shard_id:
             offset = max(offset, current[1])
         offset = min(offset, span.end - span.start)
@@ -277,6 +281,7 @@ class ShardSampler(Sampler[int]):
             self.load_state_dict(cursor)
 
     def _reset(self) -> None:
+        self._floors: dict[int, int] = {}
         self._completed: set[int] = set()
         self._unreported: list[int] = []
         self._current: tuple[int, int] | None = None
@@ -522,6 +527,21 @@ class ShardSampler(Sampler[int]):
                 partial[shard] = offset
         return self._report(partial)
 
+    def pending_positions(self) -> list[tuple[int, int]]:
+        """With `manual_ack=True`: for each shard with indices handed out and not yet
+        acknowledged, (shard id, samples of it consumed once they are): where the shard stands
+        if the step they are in commits."""
+        return [(run.shard_id, run.offset + run.count) for run in self._in_flight]
+
+    def skip_to(self, shard_id: int, offset: int) -> None:
+        """The first `offset` samples of shard `shard_id` of this epoch were trained by another
+        worker that could not report them (it died after its step committed): should the shard
+        come to this sampler, it starts after them (and is done at once if that is all of it)."""
+        shard = check_int("shard_id", shard_id, 0, MAX_SHARDS - 1)
+        self._floors[shard] = max(
+            self._floors.get(shard, 0), check_int("offset", offset, 0, MAX_TOTAL_SAMPLES)
+        )
+
     def wait_for_more(self, timeout: float = 300.0) -> bool:
         """After an iteration ended: wait until this worker has shards to read again (True: iterate
         again) or every shard of the epoch is done, by anyone (False: the epoch is over).
@@ -656,7 +676,7 @@ class ShardSampler(Sampler[int]):
         if self._in_flight:
             last = self._in_flight[-1]
             position = (last.shard_id, last.offset + last.count)
-        queue = reading_queue(assignment, self._completed | drawn, position)
+        queue = reading_queue(assignment, self._completed | drawn, position, self._floors)
         self._remaining = sum(item.left for item in queue)
         return queue
 

@@ -1,0 +1,518 @@
+"""Time from a SIGKILLed rank to the survivors' next optimizer step, and steps lost, for three ways
+of recovering the same 3-rank data-parallel job (an MLP, gloo, CPU):
+
+- `live`: `strata.torch.live.LiveGroup`, the survivors re-form their group in place;
+- `restart`: Strata through torchrun, which restarts every rank, each resuming from the latest
+  committed `save_state` checkpoint (every 10 steps) with `Lockstep` data;
+- `torchft`: torchft 0.2.0's Manager (one replica group per process, its lighthouse with the same
+  heartbeat timeout as the registry's), skipped with a message when torchft is not installed.
+
+Every rank appends `commit <step> <wall time> <ranks in the step>` per optimizer step to a file of
+its own. Once the job has committed `--kill-at` steps with all three ranks (torchft's third replica
+may join the quorum late), rank 1 is SIGKILLed; the figure is the wall time from the
+kill to the first commit after it on any other rank. Steps lost: for `restart`, the steps
+committed before the kill that were done again (the last step before the kill minus the
+checkpoint resumed from); for the others, the steps discarded. Rounds alternate the ways; the
+figures are the median and the spread (min-max), and each way's median over `restart`'s.
+
+Once the survivors have taken that step, a replacement starts (`w3`; torchrun starts its own): the
+second figure is the time from the kill to the first step of 3 ranks again, and of it the time
+from the replacement's start.
+
+First, the steady state: the same job without a kill, on a wider MLP (32-2048-2048-2, tens of ms
+of compute per step), `LiveGroup` against plain `DistributedDataParallel` over gloo with a
+`DistributedSampler` on the same data, alternating rounds; the figure is the median time between
+rank 0's steps over `--steps` steps after `--warmup`, and `LiveGroup`'s median over DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from strata.bus.server import NatsServer
+from strata.config import Env
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.rendezvous import children, env_of, kill_tree  # noqa: E402
+from tests.support import HEARTBEAT_TIMEOUT, new_job, running_services  # noqa: E402
+
+COMMON = """
+import os, sys, time
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SAMPLES = 100_000
+generator = torch.Generator().manual_seed(0)
+inputs = torch.randn(SAMPLES, 32, generator=generator)
+labels = (inputs.sum(1) > 0).long()
+torch.manual_seed(0)
+WIDE = int(os.environ.get("BENCH_WIDE", "0"))
+if WIDE:  # the steady-state figure: a step with tens of ms of compute
+    model = nn.Sequential(
+        nn.Linear(32, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE), nn.ReLU(), nn.Linear(WIDE, 2)
+    )
+else:
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+LOG = open(os.environ["BENCH_LOG"], "a", buffering=1)
+
+def note(*words):
+    LOG.write(" ".join(str(w) for w in words) + "\\n")
+"""
+
+LIVE = """
+import strata
+from strata.torch.live import LiveGroup
+
+worker = strata.Worker(worker_id=os.environ["WORKER_ID"])
+worker.start()
+registry = strata.DatasetRegistry(worker)
+registry.register_dataset("bench", total_samples=SAMPLES, shard_size=200, shuffle=True, seed=0)
+data = list(zip(inputs, labels))
+
+def loss_fn(batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+live = LiveGroup(worker, model, optimizer, wait_for=3)
+live.join()
+for epoch in range(100):
+    live.train_epoch(registry, "bench", data, loss_fn, batch_size=32, epoch=epoch,
+                     on_commit=lambda step: note("commit", step, time.time(), live.world_size))
+"""
+
+RESTART = """
+import strata
+import torch.distributed as dist
+from strata.torch import Lockstep
+from torch.utils.data import TensorDataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+worker = strata.Worker(worker_id=f"rank-{rank}", rank=rank)
+worker.start()
+registry = strata.DatasetRegistry(worker)
+registry.register_dataset("bench", total_samples=SAMPLES, shard_size=200, shuffle=True, seed=0)
+checkpoints = strata.CheckpointManager(worker, keep_count=2)
+ddp = nn.parallel.DistributedDataParallel(model)
+data = TensorDataset(inputs, labels)
+manifest = checkpoints.latest()
+step, first_epoch = 0, 0
+if manifest is not None:
+    state = checkpoints.load_state(step=manifest.step, rank=0)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    step, first_epoch = manifest.step, manifest.epoch
+note("resume", step, time.time())
+carried = registry.restore_from(manifest, "bench")
+dist.barrier()
+for epoch in range(first_epoch, 100):
+    lockstep = Lockstep(registry, "bench", data, batch_size=32, epoch=epoch)
+    for batch in lockstep:
+        x, y = batch.batch
+        loss = F.cross_entropy(ddp(x), y, reduction="sum") * batch.scale
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        lockstep.trained(batch)
+        step += 1
+        note("commit", step, time.time(), dist.get_world_size())
+        if step % 10 == 0:
+            lockstep.flush()
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            cursors = [lockstep.cursor(carried)]
+            checkpoints.save_state(state, step=step, epoch=epoch, cursors=cursors)
+    carried = None
+"""
+
+DDP = """
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+dist.init_process_group("gloo")
+ddp = nn.parallel.DistributedDataParallel(model)
+data = TensorDataset(inputs, labels)
+step = 0
+for epoch in range(100):
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    for x, y in DataLoader(data, batch_size=32, sampler=sampler):
+        loss = F.cross_entropy(ddp(x), y, reduction="sum")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        note("commit", step, time.time(), dist.get_world_size())
+"""
+
+TORCHFT = """
+from datetime import timedelta
+import torch.distributed as dist
+from torchft import Manager, ProcessGroupGloo
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+state = lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+def load(s):
+    model.load_state_dict(s["model"])
+    optimizer.load_state_dict(s["optimizer"])
+manager = Manager(
+    pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+    load_state_dict=load, state_dict=state, replica_id=os.environ["WORKER_ID"],
+    lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"], store_addr="127.0.0.1",
+    store_port=store.port, rank=0, world_size=1, timeout=timedelta(seconds=10),
+    hostname="127.0.0.1",
+)
+rank = int(os.environ["WORKER_ID"][1:])
+position = rank * 32
+while True:
+    manager.start_quorum()
+    x, y = inputs[position:position + 32], labels[position:position + 32]
+    position = (position + 96) % (SAMPLES - 32)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        manager.allreduce(p.grad).wait()
+    if manager.should_commit():
+        optimizer.step()
+        note("commit", manager.current_step(), time.time(), manager.num_participants())
+    else:
+        note("discard", time.time())
+"""
+
+LIVE_DISCARD = re.compile(r"live_step_discarded")
+
+
+class Run:
+    """One job's ranks, the log of each, and how to kill rank 1."""
+
+    def __init__(
+        self, way: str, work: Path, nats_url: str, lighthouse: str | None, wide: int = 0
+    ) -> None:
+        self.way = way
+        self.work = work
+        self.job = new_job(f"bench-{way}")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        body = {"live": LIVE, "restart": RESTART, "torchft": TORCHFT, "ddp": DDP}[way]
+        self.script = work / f"train_{way}.py"  # not torchft.py: it would shadow the package
+        self.script.write_text(COMMON + body, encoding="utf-8")
+        script = self.script
+        base = {
+            **os.environ,
+            Env.NATS_URL: nats_url,
+            Env.JOB: self.job,
+            Env.DATA_DIR: str(work / "data"),
+            "OMP_NUM_THREADS": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+        if lighthouse is not None:
+            base["TORCHFT_LIGHTHOUSE"] = lighthouse
+        if wide:
+            base["BENCH_WIDE"] = str(wide)
+        if way == "restart":
+            env = {**base, "BENCH_LOG": str(work / "rank.log")}
+            out = (work / "torchrun.out").open("wb")
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc-per-node=3",
+                        "--max-restarts=2",
+                        "--monitor-interval=0.2",
+                        str(script),
+                    ],
+                    cwd=work,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            return
+        if way == "ddp":
+            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+        self.base = base
+        for i in range(3):
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        """Start process `w<i>` (rank i for `ddp`); i = 3 is a replacement."""
+        env = {**self.base, "WORKER_ID": f"w{i}", "BENCH_LOG": str(self.work / f"w{i}.log")}
+        if self.way == "ddp":
+            env.update(RANK=str(i), LOCAL_RANK=str(i))
+        out = (self.work / f"w{i}.out").open("wb")
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, str(self.script)],
+                cwd=self.work,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+
+    def lines(self) -> list[list[str]]:
+        found = []
+        for path in self.work.glob("*.log"):
+            found += [line.split() for line in path.read_text().splitlines() if line]
+        return found
+
+    def committed(self) -> int:
+        """The last step committed by all three ranks together."""
+        lines = self.lines()
+        return max((int(w[1]) for w in lines if w[0] == "commit" and w[3] == "3"), default=0)
+
+    def kill_rank_1(self) -> None:
+        if self.way == "restart":
+            pid = next((p for p in children(self.procs[0].pid) if env_of(p, "RANK") == "1"), None)
+            assert pid is not None, "no rank 1 under torchrun"
+            os.kill(pid, signal.SIGKILL)
+        else:
+            self.procs[1].send_signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            kill_tree(proc)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no {what} within {timeout}s")
+        time.sleep(0.02)
+
+
+class Recovery(NamedTuple):
+    next_step: float
+    """Seconds from the kill to the survivors' next optimizer step."""
+    lost: int
+    full: float
+    """Seconds from the kill to the first step taken by a world of 3 again."""
+    joined: float | None
+    """Of which from the replacement's start (None for `restart`: torchrun starts it)."""
+
+
+def measure(run: Run, kill_at: int) -> Recovery:
+    """Kill rank 1 once `kill_at` steps are committed; once the survivors have taken a step
+    without it, start a replacement (torchrun starts its own) and wait for a step of 3 ranks."""
+
+    def started() -> bool:
+        if all(proc.poll() is not None for proc in run.procs):
+            out = "".join(p.read_text(errors="replace")[-3000:] for p in run.work.glob("*.out"))
+            raise RuntimeError(f"every process of {run.way} exited:\n{out}")
+        return run.committed() >= kill_at
+
+    wait_for(started, 300, f"{kill_at} steps of {run.way}")
+    before = run.committed()
+    killed = time.time()
+    run.kill_rank_1()
+
+    def after() -> list[float]:
+        """Commits of steps taken without the dead rank: in the smaller world (live, torchft),
+        or after the restarted ranks resumed (restart); not a step all-reduced before the kill
+        and committed just after it."""
+        lines = run.lines()
+        if run.way == "restart":
+            resumed = [float(w[2]) for w in lines if w[0] == "resume" and float(w[2]) > killed]
+            since = min(resumed, default=float("inf"))
+            return [float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > since]
+        return [
+            float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > killed and w[3] != "3"
+        ]
+
+    wait_for(lambda: bool(after()), 300, f"a step of {run.way} after the kill")
+    seconds = min(after()) - killed
+    if run.way == "restart":
+        resumed = [int(w[1]) for w in run.lines() if w[0] == "resume" and float(w[2]) > killed]
+        lost = before - min(resumed) if resumed else -1
+    elif run.way == "torchft":
+        discards = sum(1 for w in run.lines() if w[0] == "discard" and float(w[1]) > killed - 5)
+        lost = discards // 2  # each survivor discards the same steps
+    else:
+        out = "".join(p.read_text(errors="replace") for p in run.work.glob("w*.out"))
+        lost = len(LIVE_DISCARD.findall(out)) // 2  # each survivor logs the one step
+    replaced: float | None = None
+    if run.way != "restart":
+        replaced = time.time()
+        run.start(3)
+    since = replaced if replaced is not None else killed + seconds - 0.001
+
+    def full() -> list[float]:
+        return [
+            float(w[2])
+            for w in run.lines()
+            if w[0] == "commit" and float(w[2]) > since and w[3] == "3"
+        ]
+
+    wait_for(lambda: bool(full()), 300, f"a step of 3 ranks of {run.way} after the kill")
+    back = min(full())
+    joined = back - replaced if replaced is not None else None
+    return Recovery(seconds, lost, back - killed, joined)
+
+
+def step_time(run: Run, warmup: int, steps: int) -> float:
+    """The median time between rank 0's optimizer steps, over `steps` steps after `warmup`."""
+
+    def times() -> list[float]:
+        path = run.work / "w0.log"
+        if not path.exists():
+            return []
+        lines = [line.split() for line in path.read_text().splitlines() if line]
+        return [float(w[2]) for w in lines if w[0] == "commit"]
+
+    def enough() -> bool:
+        if any(proc.poll() is not None for proc in run.procs):
+            out = "".join(p.read_text(errors="replace")[-3000:] for p in run.work.glob("*.out"))
+            raise RuntimeError(f"a process of {run.way} exited:\n{out}")
+        return len(times()) > warmup + steps
+
+    wait_for(enough, 600, f"{warmup + steps} steps of {run.way}")
+    found = times()[warmup : warmup + steps + 1]
+    return statistics.median(b - a for a, b in itertools.pairwise(found))
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each way (default 3)")
+    parser.add_argument(
+        "--kill-at", type=int, default=40, help="steps committed before the kill (default 40)"
+    )
+    parser.add_argument(
+        "--ways",
+        default="live,restart,torchft",
+        help="which ways to measure, comma separated (default live,restart,torchft)",
+    )
+    parser.add_argument(
+        "--work", default=None, help="where the runs' logs go (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="steady state: steps timed per round, LiveGroup against plain DDP (0 skips it; "
+        "default 60)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="steady state: steps not timed first (default 10)"
+    )
+    parser.add_argument(
+        "--wide", type=int, default=2048, help="steady state: the MLP's width (default 2048)"
+    )
+    args = parser.parse_args()
+    ways = args.ways.split(",")
+    lighthouse = None
+    if "torchft" in ways:
+        try:
+            from torchft.coordination import LighthouseServer
+        except ImportError:
+            print("torchft is not installed (pip install torchft==0.2.0): skipping it")
+            ways.remove("torchft")
+        else:
+            server = LighthouseServer(
+                bind=f"[::]:{free_port()}",
+                min_replicas=2,
+                join_timeout_ms=100,
+                heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT * 1000),
+            )
+            lighthouse = server.address()
+    results: dict[str, list[Recovery]] = {way: [] for way in ways}
+    overhead: dict[str, list[float]] = {"live": [], "ddp": []}
+    with (
+        tempfile.TemporaryDirectory(dir=args.work) as tmp,
+        NatsServer(store_dir=Path(tmp) / "nats") as nats,
+        running_services(nats.url, Path(tmp) / "logs"),
+    ):
+        for round_ in range(args.rounds if args.steps else 0):
+            for way in ("live", "ddp") if round_ % 2 == 0 else ("ddp", "live"):
+                work = Path(tmp) / f"steady-{way}-{round_}"
+                work.mkdir()
+                run = Run(way, work, nats.url, None, wide=args.wide)
+                try:
+                    seconds = step_time(run, args.warmup, args.steps)
+                finally:
+                    run.stop()
+                overhead[way].append(seconds)
+                print(f"round {round_ + 1} steady {way}: {seconds * 1000:.1f} ms/step", flush=True)
+        for round_ in range(args.rounds):
+            for way in ways if round_ % 2 == 0 else list(reversed(ways)):
+                work = Path(tmp) / f"{way}-{round_}"
+                work.mkdir()
+                run = Run(way, work, nats.url, lighthouse)
+                try:
+                    found = measure(run, args.kill_at)
+                finally:
+                    run.stop()
+                results[way].append(found)
+                joined = "" if found.joined is None else f" ({found.joined:.2f} s after it started)"
+                print(
+                    f"round {round_ + 1} {way}: {found.next_step:.2f} s to the next step, "
+                    f"{found.lost} steps lost, {found.full:.2f} s to a world of 3{joined}",
+                    flush=True,
+                )
+    if overhead["live"]:
+        live, ddp = overhead["live"], overhead["ddp"]
+        print(
+            f"\nsteady state, 3 ranks, MLP 32-{args.wide}-{args.wide}-2, batch 32 per rank, "
+            f"median step of {args.steps} after {args.warmup}, median (min-max) of "
+            f"{args.rounds} rounds:"
+        )
+        for way, times in overhead.items():
+            print(
+                f"  {way:8s} {statistics.median(times) * 1000:.1f} ms/step "
+                f"({min(times) * 1000:.1f}-{max(times) * 1000:.1f})"
+            )
+        ratio = statistics.median(live) / statistics.median(ddp)
+        print(f"  LiveGroup / DDP: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    if not args.rounds or not ways:
+        return
+    print(
+        f"\nkill to the next optimizer step, 3 ranks, heartbeat timeout {HEARTBEAT_TIMEOUT} s, "
+        f"median (min-max) of {args.rounds} rounds:"
+    )
+    base = (
+        statistics.median(r.next_step for r in results["restart"]) if "restart" in results else None
+    )
+    for way, values in results.items():
+        nexts = [r.next_step for r in values]
+        against = f", {statistics.median(nexts) / base:.2f}x restart's" if base else ""
+        print(f"  {way:8s} {spread(nexts)}{against}; steps lost {[r.lost for r in values]}")
+    print("\nkill to a step of 3 ranks again (a replacement started after the survivors' step):")
+    for way, values in results.items():
+        full = spread([r.full for r in values])
+        joins = [r.joined for r in values if r.joined is not None]
+        joined = f"; from the replacement's start {spread(joins)}" if joins else ""
+        print(f"  {way:8s} {full}{joined}")
+
+
+if __name__ == "__main__":
+    main()

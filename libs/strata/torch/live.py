@@ -1,0 +1,510 @@
+"""`LiveGroup`: data-parallel training that survives a failed rank without restarting the others.
+
+Each step every rank trains its batch, then one gloo all-reduce sums the gradients with the
+number of samples each rank trained, and a second, tiny one carries the newest membership epoch
+each rank has heard of (the registry's world notices): that is the commit vote. A step whose
+collectives all complete is committed (the optimizer steps, the samples are acknowledged to the
+sharding service); a step whose collective fails (a peer died) is discarded, and its samples are
+trained again. After a failure the survivors wait for the registry to record it (a new membership
+epoch), meet at a Strata barrier named after that epoch, and build a new gloo group over a store
+prefix of their own in the job's rendezvous bucket, in the same processes. A newer epoch heard of
+in a vote (a replacement registered) makes every rank re-form the group after that step, so a
+joiner enters at a step boundary. Whenever a group forms, the ranks compare their committed steps
+and the one furthest ahead broadcasts its weights, optimizer state and position to the others: a
+replacement heals from a live peer and never reads a checkpoint, and a survivor whose last vote
+failed while the others' passed takes the step it missed.
+
+The pure parts (who serves the state, which members form the group) are functions here.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.utils.data._utils.collate import default_collate
+
+from strata.errors import (
+    BarrierBroken,
+    BarrierTimeout,
+    ConfigError,
+    DeadlineExceeded,
+    StaleLease,
+    StrataError,
+)
+from strata.events.requests import MemberInfo
+from strata.torch.sampler import ShardSampler, ShardSource
+from strata.worker import Worker
+
+__all__ = ["EpochResult", "LiveGroup", "group_members", "state_source"]
+
+POLL_S: Final = 0.05
+IDLE_S: Final = 0.1
+"""How long a rank waits between empty steps while a failed worker's shards have not moved yet."""
+BARRIER_S: Final = 10.0
+STATE_FORMAT: Final = 1
+SLOTS: Final = 4
+"""Shards one rank's batch may touch in a step: each step's vote carries, for every rank, where
+each of them stands once the step commits."""
+
+log = structlog.get_logger("strata.live")
+
+
+# -- pure parts -----------------------------------------------------------------------------------
+
+
+def group_members(members: Sequence[MemberInfo]) -> list[str]:
+    """The worker ids of a group, in group-rank order: live members by registry rank."""
+    live = [m for m in members if m.status not in ("failed", "left")]
+    return [m.worker_id for m in sorted(live, key=lambda m: (m.rank, m.worker_id))]
+
+
+def state_source(steps: Sequence[int]) -> int | None:
+    """The group rank that sends its state to the others, or None when none needs it.
+
+    The rank with the most committed steps (the lowest such rank) is the source; nobody needs
+    state when every rank has committed as many steps and that is more than none (at the first
+    formation every rank sends rank 0's initial weights, so that all start the same).
+    """
+    if not steps:
+        return None
+    most = max(steps)
+    if most > 0 and min(steps) == most:
+        return None
+    return steps.index(most)
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """What `LiveGroup.train_epoch` did: steps committed and discarded, samples trained by
+    this rank, and the group changes it went through."""
+
+    epoch: int
+    committed: int
+    discarded: int
+    samples: int
+    reformed: int
+
+
+# -- the group ------------------------------------------------------------------------------------
+
+
+class LiveGroup:
+    """A data-parallel group over the job's live workers that re-forms itself in place.
+
+    `LiveGroup(worker, model, optimizer)` ties `model` (replicated on every rank) and its
+    optimizer to the job's membership. `train_epoch(registry, dataset, data, loss_fn,
+    batch_size=..., epoch=...)` trains this rank's shards of the epoch: `loss_fn(batch)` returns
+    the loss summed over the batch, and each committed step averages the gradients over every
+    sample the contributing ranks trained in it. The epoch ends on every rank at the same step,
+    once the sharding service has every shard done.
+
+    `wait_for=N`: the first group forms when N workers are registered (later groups, and a
+    joiner's first while the others train, are whoever is live). The worker's state is
+    `training` (with the step) while the group trains and `recovering` while it re-forms.
+    `audit_samples=N` keeps `ledger`, how many times each of N samples went into a
+    committed step, healed along with the weights (a check for small datasets: it adds N
+    numbers to every step's all-reduce). `timeout` bounds each collective and a re-forming.
+    """
+
+    def __init__(
+        self,
+        worker: Worker,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        wait_for: int = 1,
+        timeout: float = 60.0,
+        audit_samples: int = 0,
+    ) -> None:
+        self._worker = worker
+        self._model = model
+        self._optimizer = optimizer
+        self._wait_for = wait_for
+        self._timeout = timeout
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.ledger = torch.zeros(audit_samples, dtype=torch.float32)
+        self.step = 0
+        """Steps committed by the group since the job began (healed from peers)."""
+        self.epoch = 0
+        """The data epoch the group is in (healed from peers: a joiner learns it here)."""
+        self.healed = False
+        """Whether this rank ever received the state from a peer after training had begun."""
+        self.reformed = 0
+        self._floors: dict[int, int] = {}
+        """Shard -> samples trained in committed steps, as every rank's vote said (this epoch):
+        what a rank that died before reporting its last step had trained."""
+        self._pg: Any = None
+        self._group_epoch: int | None = None
+        self._rank = 0
+        self._size = 1
+        self._store: Any = None
+        self._bucket: Any = None
+        self._log = log.bind(worker=worker.id)
+
+    # -- properties -------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The size of the current group."""
+        return self._size
+
+    @property
+    def membership_epoch(self) -> int | None:
+        """The membership epoch the current group was formed at (None before the first)."""
+        return self._group_epoch
+
+    # -- the group --------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Form (or join) the group now, taking the state from a peer that is ahead."""
+        if self._pg is None:
+            self._form()
+
+    def _kv(self) -> Any:
+        if self._store is None:
+            from strata.config import load_settings
+            from strata.torch.store import KVStore, RendezvousBucket, _bucket
+
+            worker = self._worker
+            kv = worker.runner.run(_bucket(worker.bus.nc, load_settings(), worker.job, 30.0))
+            self._bucket = RendezvousBucket(worker.bus.nc, kv, worker.job)
+            self._store = KVStore(
+                self._bucket, worker.runner, worker.job, timeout=timedelta(seconds=self._timeout)
+            )
+        return self._store
+
+    def _form(self) -> int:
+        """Meet the live members at the barrier of the newest epoch, build the group, sync
+        state; how many committed steps this rank was behind the group."""
+        started = time.monotonic()
+        deadline = started + self._timeout
+        worker = self._worker
+        previous = self._group_epoch
+        self._pg = None
+        if self.reformed:
+            worker.set_state("recovering", step=self.step, epoch=self.epoch)
+        while True:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(
+                    f"worker {worker.id!r} could not form a training group within "
+                    f"{self._timeout:g}s (last group at membership epoch {previous}): are the "
+                    "other workers and the registry up? raise LiveGroup(timeout=...) if they "
+                    "are slow to start"
+                )
+            result = worker.members(retry_for=max(1.0, deadline - time.monotonic()))
+            epoch = result.membership_epoch
+            ids = group_members(result.members)
+            if (previous is not None and epoch <= previous) or worker.id not in ids:
+                time.sleep(POLL_S)  # the registry has not recorded the change yet
+                continue
+            going = any(m.status in ("training", "recovering") for m in result.members)
+            if not self.reformed and not going and len(ids) < self._wait_for:
+                time.sleep(POLL_S)
+                continue
+            try:
+                generation = worker.barrier(
+                    f"live-{epoch}",
+                    timeout=min(BARRIER_S, max(0.5, deadline - time.monotonic())),
+                    expected=len(ids),
+                )
+            except (BarrierBroken, BarrierTimeout) as exc:
+                self._log.info("live_barrier_retry", membership_epoch=epoch, error=str(exc))
+                continue
+            rank, size = ids.index(worker.id), len(ids)
+            store = dist.PrefixStore(f"live/{epoch}/{generation}", self._kv())  # type: ignore[attr-defined]
+            try:
+                pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self._timeout))
+                self._pg, self._rank, self._size = pg, rank, size
+                self._group_epoch = epoch
+                behind = self._sync_state()
+            except (RuntimeError, dist.DistError) as exc:
+                # A member died while the group formed: wait for the registry to record it.
+                self._pg = None
+                self._log.warning("live_group_retry", membership_epoch=epoch, error=str(exc))
+                previous = epoch
+                continue
+            break
+        self.reformed += 1
+        worker.set_state("training", step=self.step, epoch=self.epoch)
+        self._log.info(
+            "live_group_formed",
+            membership_epoch=self._group_epoch,
+            rank=self._rank,
+            world_size=self._size,
+            step=self.step,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        return behind
+
+    def _sync_state(self) -> int:
+        """Bring every rank to the state of the one furthest ahead; how many steps this rank
+        was behind it."""
+        mine = torch.zeros(self._size, dtype=torch.int64)
+        mine[self._rank] = self.step
+        self._allreduce(mine, dist.ReduceOp.SUM)
+        steps = [int(s) for s in mine.tolist()]
+        source = state_source(steps)
+        if source is None:
+            return 0
+        behind = steps[source] - self.step
+        payload = self._state_bytes() if self._rank == source else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self._broadcast(length, source)
+        buffer = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if self._rank == source
+            else torch.empty(int(length.item()), dtype=torch.uint8)
+        )
+        self._broadcast(buffer, source)
+        if self._rank != source:
+            self._load_state(buffer.numpy().tobytes())
+            if behind:
+                self.healed = True
+                self._log.info("live_healed", step=self.step, behind=behind, source_rank=source)
+        return behind
+
+    def _state_bytes(self) -> bytes:
+        out = io.BytesIO()
+        torch.save(
+            {
+                "format": STATE_FORMAT,
+                "model": self._model.state_dict(),
+                "optimizer": self._optimizer.state_dict(),
+                "step": self.step,
+                "epoch": self.epoch,
+                "ledger": self.ledger,
+                "floors": self._floors,
+            },
+            out,
+        )
+        return out.getvalue()
+
+    def _load_state(self, data: bytes) -> None:
+        # weights_only: tensors and plain containers, nothing that runs code.
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        if state.get("format") != STATE_FORMAT:
+            raise StrataError(f"a peer sent training state of format {state.get('format')!r}")
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.ledger = state["ledger"]
+        self._floors = {int(k): int(v) for k, v in state["floors"].items()}
+
+    def _allreduce(self, tensor: torch.Tensor, op: Any) -> None:
+        if self._size == 1:
+            return
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._pg.allreduce([tensor], options).wait()
+
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        if self._size == 1:
+            return
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        self._pg.broadcast([tensor], options).wait()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._log.warning(
+            "live_step_discarded",
+            step=self.step,
+            membership_epoch=self._group_epoch,
+            error=f"{type(exc).__name__}: {exc}",
+            consequence="the step is trained again by the group the survivors form",
+        )
+        self._pg = None
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def train_epoch(
+        self,
+        registry: ShardSource,
+        dataset_id: str,
+        data: Sequence[Any],
+        loss_fn: Callable[[Any], torch.Tensor],
+        *,
+        batch_size: int,
+        epoch: int,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        shuffle_within_shard: bool = False,
+        seed: int = 0,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> EpochResult:
+        """Train this rank's shards of `epoch` until the job has trained every sample of it.
+
+        `on_commit(step)` is called after each committed step (to log metrics, for instance).
+
+        Returns at once (with nothing trained) for an epoch the group has already finished,
+        which is how a replacement that healed into a later epoch skips the ones before it.
+        """
+        sampler = ShardSampler(
+            registry,
+            dataset_id,
+            epoch,
+            manual_ack=True,
+            report_every=0,
+            shuffle_within_shard=shuffle_within_shard,
+            seed=seed,
+        )
+        indices: Iterator[int] | None = None
+        pending: list[int] | None = None
+        committed = discarded = samples = 0
+        reformed = self.reformed
+        while True:
+            if self._pg is None:
+                behind = self._form()
+                if behind == 1 and pending is not None:
+                    # This rank's vote failed where the others' passed: the step it was in,
+                    # its batch included, is committed; the state just received holds it.
+                    self._record(sampler, len(pending))
+                    samples += len(pending)
+                    pending = None
+            if self.epoch > epoch:
+                break
+            if pending is None:
+                pending = []
+                for shard, offset in self._floors.items():
+                    sampler.skip_to(shard, offset)
+                if indices is None:
+                    indices = iter(sampler)
+                for index in indices:
+                    pending.append(index)
+                    if len(pending) == batch_size:
+                        break
+                else:
+                    indices = None
+            self._optimizer.zero_grad(set_to_none=False)
+            if pending:
+                loss = loss_fn(collate_fn([data[i] for i in pending]))
+                loss.backward()  # type: ignore[no-untyped-call]
+            vector = self._vector(pending)
+            vote = self._vote(sampler)
+            try:
+                self._allreduce(vector, dist.ReduceOp.SUM)
+                self._allreduce(vote, dist.ReduceOp.MAX)
+            except (RuntimeError, dist.DistError) as exc:
+                self._fail(exc)
+                discarded += 1
+                continue  # `pending` is trained again, in the next group
+            total = int(vector[len(vector) - 1 - self.ledger.numel()].item())
+            if total:
+                self._apply(vector, total)
+                self._note_positions(vote)
+                self.step += 1
+                committed += 1
+                samples += len(pending)
+                self._record(sampler, len(pending))
+                # Rides on the next heartbeat: the dashboard's step, and a joiner's sign that
+                # the group is already training (it need not wait for `wait_for` workers).
+                self._worker.set_state("training", step=self.step, epoch=epoch)
+                if on_commit is not None:
+                    on_commit(self.step)
+            else:
+                sampler.flush()
+                done = torch.tensor([int(self._epoch_done(registry, dataset_id, epoch))])
+                try:
+                    self._allreduce(done, dist.ReduceOp.MIN)
+                except (RuntimeError, dist.DistError) as exc:
+                    self._fail(exc)
+                    pending = None
+                    continue
+                if done.item():
+                    self.epoch = epoch + 1
+                    self._floors = {}
+                    break
+                time.sleep(IDLE_S)
+            pending = None
+            if int(vote[0].item()) > (self._group_epoch or 0):
+                self._pg = None  # someone heard of a newer membership: re-form at this boundary
+        return EpochResult(epoch, committed, discarded, samples, self.reformed - reformed)
+
+    def _record(self, sampler: ShardSampler, count: int) -> None:
+        """Acknowledge a committed step's samples and report them to the sharding service."""
+        try:
+            sampler.ack(count)
+            sampler.flush()
+        except StaleLease as exc:
+            # The registry took this worker for failed meanwhile (a stall): the report is refused
+            # and its shards may move, but the votes recorded where they stand, so whoever
+            # reads them next starts after what this step trained.
+            self._log.warning(
+                "live_progress_refused",
+                step=self.step,
+                error=exc.message,
+                consequence="the shards' positions travel in the group's votes instead",
+            )
+
+    def _vote(self, sampler: ShardSampler) -> torch.Tensor:
+        """[newest membership epoch heard of, then per rank SLOTS (shard id + 1, position)]:
+        reduced with MAX, each rank filling only its own slots."""
+        vote = torch.zeros(1 + self._size * SLOTS * 2, dtype=torch.int64)
+        vote[0] = self._worker.membership_epoch
+        positions = sampler.pending_positions()
+        if len(positions) > SLOTS:
+            raise ConfigError(
+                f"a batch of this rank spans {len(positions)} shards, more than the {SLOTS} a "
+                "step's vote records: use larger shards or smaller batches"
+            )
+        base = 1 + self._rank * SLOTS * 2
+        for i, (shard, offset) in enumerate(positions):
+            vote[base + 2 * i] = shard + 1
+            vote[base + 2 * i + 1] = offset
+        return vote
+
+    def _note_positions(self, vote: torch.Tensor) -> None:
+        pairs = vote[1:].view(-1, 2).tolist()
+        for shard_plus_one, offset in pairs:
+            if shard_plus_one:
+                shard = int(shard_plus_one) - 1
+                self._floors[shard] = max(self._floors.get(shard, 0), int(offset))
+
+    def _vector(self, pending: list[int]) -> torch.Tensor:
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().float()
+            for p in self._params
+        ]
+        parts.append(torch.tensor([float(len(pending))]))
+        if self.ledger.numel():
+            trained = torch.zeros(self.ledger.numel())
+            if pending:
+                trained[torch.tensor(pending)] = 1.0
+            parts.append(trained)
+        return torch.cat(parts)
+
+    def _apply(self, vector: torch.Tensor, total: int) -> None:
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            grad = (vector[offset : offset + n] / total).view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.copy_(grad)
+            offset += n
+        self._optimizer.step()
+        if self.ledger.numel():
+            self.ledger += vector[offset + 1 :]
+
+    @staticmethod
+    def _epoch_done(registry: ShardSource, dataset_id: str, epoch: int) -> bool:
+        summary = registry.plan(dataset_id, epoch)
+        return summary.done_shards >= summary.total_shards
+
+    def close(self) -> None:
+        """Drop the group (the worker is the caller's to stop)."""
+        self._pg = None
