@@ -59,6 +59,11 @@ from strata.services.projection import Projection
 log = structlog.get_logger("strata.barrier")
 
 TIMEOUT_CHECK_S = 0.05
+STALL_S = 0.5
+"""A gap this long between two deadline checks means the process was stopped (SIGSTOP, swap)
+or starved: requests read just after may have waited in its socket since the gap began."""
+CATCH_UP_S = 0.5
+"""How long after a stall the requests read are taken as possibly sent when it began."""
 STOP_FLUSH_S = 5.0
 ACK_WAIT_S = 2.0
 MAX_BATCH = 1024
@@ -90,6 +95,10 @@ class Barrier(Projection[BarrierState]):
         """Why the service decides nothing more (a decision it could not store), if it stopped."""
         self.batches = 0
         self.arrivals = 0
+        self._checked_ns = clock.monotonic_ns()
+        """When the deadline check last ran (monotonic): a long gap since is a stall."""
+        self._stall: tuple[int, int] | None = None
+        """The last stall seen: (when it began, when it ended), monotonic."""
 
     def initial_state(self) -> BarrierState:
         return BarrierState()
@@ -105,6 +114,7 @@ class Barrier(Projection[BarrierState]):
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self._record_after_s = settings.barrier_record_arrivals_s
+        self._checked_ns = clock.monotonic_ns()  # catching up from the stream is no stall
         # Conclusions decided before a crash but never stored are owed before new arrivals.
         async with self.lock:
             owed = domain.recover(self.state, *self.reading())
@@ -255,6 +265,11 @@ class Barrier(Projection[BarrierState]):
                 request.instance is not None
                 and job.instances.get(request.worker_id) != request.instance
             )
+            or (
+                request.lease is not None
+                and job.leases.current.get(request.worker_id)
+                != (request.lease.instance, request.lease.epoch)
+            )
         ):
             # Its registration may be stored and not folded here yet: catch up, then decide.
             await self.sync()
@@ -329,7 +344,10 @@ class Barrier(Projection[BarrierState]):
             raise ServiceUnavailable(self._stopped_message())
         async with self.lock:
             decided = domain.decide_arrivals(
-                self.state, [request for request, _ in batch], *self.reading()
+                self.state,
+                [request for request, _ in batch],
+                *self.reading(),
+                sent_after_ns=self._sent_after_ns(),
             )
             self._last_arrival_at = time.monotonic()
             if decided.record and not self._unrecorded:
@@ -375,9 +393,28 @@ class Barrier(Projection[BarrierState]):
             await self._send(broken)
             self._concluded(broken)
 
+    def _checked(self) -> None:
+        """Note a deadline check; a long gap since the last one was a stall."""
+        now = clock.monotonic_ns()
+        if now - self._checked_ns > STALL_S * 1e9:
+            self._stall = (self._checked_ns, now)
+        self._checked_ns = now
+
+    def _sent_after_ns(self) -> int:
+        """The earliest the requests read now can have been sent (monotonic). Just after a stall
+        (this process stopped or starved), they may have waited in its socket all along: an
+        arrival's remaining wait is then counted from the stall's beginning (domain `_lapses`)."""
+        now = clock.monotonic_ns()
+        if now - self._checked_ns > STALL_S * 1e9:
+            return self._checked_ns  # in a stall the deadline check has not noticed yet
+        if self._stall is not None and now - self._stall[1] < CATCH_UP_S * 1e9:
+            return self._stall[0]
+        return now
+
     async def _time_out(self) -> None:
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
+            self._checked()
             try:
                 async with self.lock:
                     expired = domain.due(self.state, *self.reading())
