@@ -49,6 +49,13 @@ async def async_wait_until(
         await asyncio.sleep(POLL)
 
 
+READY_TIMEOUT_S = 90.0
+"""How long a service may take to become ready: on a 2-core machine shared by several test runs
+(load 30 and more), importing the service alone took 10 s of wall time for 0.8 s of CPU, and a
+30 s bound failed whole fault modules before any fault was injected. A bound on a poll: a
+service that is ready sooner is used sooner."""
+
+
 class ServiceProcess:
     """`python -m strata.services.<name>` in a child process, ready once /readyz says 200."""
 
@@ -88,7 +95,7 @@ class ServiceProcess:
         text = self.log_file.read_text(encoding="utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    def start(self, timeout: float = 30.0) -> ServiceProcess:
+    def start(self, timeout: float = READY_TIMEOUT_S) -> ServiceProcess:
         return self.launch().wait_ready(timeout)
 
     def launch(self) -> ServiceProcess:
@@ -97,7 +104,7 @@ class ServiceProcess:
         self.proc = procutil.spawn_service(self.name, self.env, self.log_file)
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> ServiceProcess:
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServiceProcess:
         assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while not self._ready():

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from strata.clock import TimeBase
-from strata.errors import ConflictError, NotFound, StrataError, WorkerSuperseded
+from strata.errors import BarrierTimeout, ConflictError, NotFound, StrataError, WorkerSuperseded
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -46,9 +46,11 @@ from strata.events.requests import (
     WithdrawStatus,
 )
 from strata.services.domain import Decision
+from strata.services.leases import Leases
 
 SOURCE = "barrier"
 KEEP_GENERATIONS = 4
+NEVER: Final = 2**63
 Status = Literal["waiting", "released", "broken", "timed_out"]
 
 
@@ -72,6 +74,12 @@ class Generation:
     reason: str = ""
     pending: set[str] = field(default_factory=set)
     """Expected workers that have not arrived yet: completion is checked once per arrival."""
+    lapses: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Worker id -> (when its waiter gives up, on the deciding clock; its arrival count), for
+    arrivals decided by this process that said how long their sender waits (`remaining_s`).
+    A release that would count a lapsed arrival withdraws it for its sender instead."""
+    next_lapse_ns: int = NEVER
+    """No arrival lapses before this (a lower bound): checked per decision in O(1)."""
 
     def __post_init__(self) -> None:
         if not self.by_count:
@@ -131,6 +139,8 @@ class JobBarriers:
     since_ns: dict[str, int] = field(default_factory=dict)
     """Worker id -> when that process first registered it: only generations opened since can
     hold its arrivals."""
+    leases: Leases = field(default_factory=Leases)
+    """Each live worker's registration (lease): an arrival under an ended one is refused."""
 
     def registered(self, worker_id: str, instance: str, ts: int) -> None:
         self.live.add(worker_id)
@@ -200,9 +210,13 @@ requests/s)."""
 
 def evolve(state: BarrierState, event: Event) -> BarrierState:
     if isinstance(event, WorkerRegistered):
-        state.job(event.job).registered(event.worker_id, event.instance, event.ts)
+        job = state.job(event.job)
+        job.registered(event.worker_id, event.instance, event.ts)
+        job.leases.fold(event)
     elif isinstance(event, WorkerFailed | WorkerLeft):
-        state.job(event.job).live.discard(event.worker_id)
+        job = state.job(event.job)
+        job.live.discard(event.worker_id)
+        job.leases.fold(event)
     elif isinstance(event, BarrierOpened):
         named = state.job(event.job).named(event.name)
         if event.generation not in named.generations:
@@ -259,6 +273,8 @@ def _count(state: BarrierState, event: BarrierArrived | Arrival) -> None:
     if gen is not None:
         gen.arrived.setdefault(event.worker_id, _at(state, event))
         gen.pending.discard(event.worker_id)
+        if isinstance(event, Arrival) and event.lapses_ns is not None:
+            _lapse_by(gen, event.worker_id, event.arrival, event.lapses_ns)
         if not gen.by_count and event.worker_id not in gen.expected:
             gen.expected.add(event.worker_id)
             gen.expected_count = len(gen.expected)
@@ -286,10 +302,16 @@ class Arrival:
     """Its event's stamp (wall clock)."""
     at_ns: int
     """When it was decided, on the deciding clock (`now_ns`)."""
+    lapses_ns: int | None = None
+    """When its sender gives up waiting, on the deciding clock (None: it did not say)."""
 
     def event(self) -> BarrierArrived:
         return BarrierArrived(
-            id=event_id("arrived", self.job, self.name, self.generation, self.worker_id),
+            # The arrival count is part of it: a worker whose arrival was withdrawn (given up
+            # on, or lapsed) may arrive again in the same generation, and both are the record.
+            id=event_id(
+                "arrived", self.job, self.name, self.generation, self.worker_id, self.arrival
+            ),
             job=self.job,
             source=SOURCE,
             ts=self.ts,
@@ -335,7 +357,8 @@ def arrive(
 
     Apply `conclude` first: a generation that is complete, or past its deadline, takes no more.
     An arrival naming a process (`instance`) other than the one that registered the worker last
-    is refused: that process was superseded by a restart.
+    is refused: that process was superseded by a restart; so is one under a lease (`lease`)
+    that has ended (the worker failed, or registered again since).
     """
     decision, arrival = _admit(state, request, _reading(state, now_ns, wall_ns))
     if arrival is not None:
@@ -344,10 +367,22 @@ def arrive(
 
 
 def _admit(
-    state: BarrierState, request: ArriveRequest, now: TimeBase
+    state: BarrierState, request: ArriveRequest, now: TimeBase, sent_after_ns: int | None = None
 ) -> tuple[Decision[int], Arrival | None]:
-    """`arrive`, with the arrival as a record rather than an event (None for a retry)."""
+    """`arrive`, with the arrival as a record rather than an event (None for a retry).
+    `sent_after_ns` (deciding clock): the earliest the request can have been sent, when the
+    decider knows it was not listening for a while (paused); now by default."""
     job = state.jobs.get(request.job)
+    if job is not None and request.lease is not None:
+        holder = job.instances.get(request.worker_id)
+        fenced = (
+            None  # a superseded process: refused as such just below
+            if request.instance is not None and holder not in (None, request.instance)
+            else job.leases.check(request.job, request.lease, request.worker_id)
+        )
+        if fenced is not None:
+            # A failed worker, or one registered again since: neither open nor join anything.
+            return Decision(error=fenced), None
     if job is None or request.worker_id not in job.live:
         return Decision(
             error=NotFound(
@@ -368,15 +403,23 @@ def _admit(
     named = job.barriers.get(request.name) or NamedBarrier()
     if request.arrival <= named.withdrawn.get(request.worker_id, -1):
         # Its sender gave up waiting and withdrew it before it got here (a paused or
-        # unreachable service): it must not open, join or complete anything now.
+        # unreachable service), or its waiting time ran out here (it lapsed): it must not
+        # open, join or complete anything now.
         return Decision(
-            error=ConflictError(
+            error=BarrierTimeout(
                 f"arrival {request.arrival} of {request.worker_id!r} at {request.name!r} was "
-                "withdrawn by its sender, which gave up waiting; it counts nowhere"
+                "withdrawn: its waiter's timeout passed before the barrier was released; it "
+                "counts nowhere",
+                name=request.name,
             )
         ), None
+    lapses_ns = _lapses(request, now, sent_after_ns)
     previous = named.by_worker.get(request.worker_id)
     if previous is not None and previous[0] == request.arrival:
+        joined = named.generations.get(previous[1])
+        if lapses_ns is not None and joined is not None and joined.status == "waiting":
+            # A re-send says how long its sender still waits: it can only shorten the wait.
+            _lapse_by(joined, request.worker_id, request.arrival, lapses_ns)
         return Decision(result=previous[1]), None  # a retry: same generation, same answer
     if previous is not None and previous[0] > request.arrival:
         return Decision(
@@ -391,7 +434,7 @@ def _admit(
             # A re-sent arrival that a restarted service never stored, for a generation that
             # ended meanwhile: it was part of it (an earlier answer said so), so it gets that
             # generation's outcome, not a seat in the next one.
-            arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now)
+            arrival = _arrived(request, hinted.generation, len(hinted.arrived) + 1, now, None)
             return Decision(result=hinted.generation), arrival
     else:
         bound = _bound(job, named, request, previous)
@@ -400,7 +443,7 @@ def _admit(
             # while it was on its way, or its first send retried late): that generation's
             # outcome, not a seat in the next one, where it would stand for an arrival never
             # made. The same answer whether or not the service restarted in between.
-            arrival = _arrived(request, bound.generation, len(bound.arrived) + 1, now)
+            arrival = _arrived(request, bound.generation, len(bound.arrived) + 1, now, None)
             return Decision(result=bound.generation), arrival
     events: list[Event] = []
     current = named.current
@@ -433,11 +476,13 @@ def _admit(
             ), None
         arrived_before = len(current.arrived)
     return Decision(events, result=generation), _arrived(
-        request, generation, arrived_before + 1, now
+        request, generation, arrived_before + 1, now, lapses_ns
     )
 
 
-def _arrived(request: ArriveRequest, generation: int, arrived: int, now: TimeBase) -> Arrival:
+def _arrived(
+    request: ArriveRequest, generation: int, arrived: int, now: TimeBase, lapses_ns: int | None
+) -> Arrival:
     return Arrival(
         request.job,
         request.name,
@@ -447,7 +492,26 @@ def _arrived(request: ArriveRequest, generation: int, arrived: int, now: TimeBas
         arrived,
         now.wall_ns,
         now.mono_ns,
+        lapses_ns,
     )
+
+
+def _lapses(request: ArriveRequest, now: TimeBase, sent_after_ns: int | None) -> int | None:
+    """When the arrival's sender gives up, on the deciding clock: its remaining wait counted
+    from the earliest it can have been sent. Counted from when it is decided, a request that
+    waited in a paused service's socket would seem to be waited on long after its sender gave
+    up; the sender's grace (`strata._barrier.GRACE_S`) covers an ordinary network's delay."""
+    if request.remaining_s is None:
+        return None
+    since = now.mono_ns if sent_after_ns is None else min(now.mono_ns, sent_after_ns)
+    return since + int(request.remaining_s * 1e9)
+
+
+def _lapse_by(gen: Generation, worker_id: str, arrival: int, lapses_ns: int) -> None:
+    held = gen.lapses.get(worker_id)
+    if held is None or held[1] != arrival or lapses_ns < held[0]:
+        gen.lapses[worker_id] = (lapses_ns, arrival)
+        gen.next_lapse_ns = min(gen.next_lapse_ns, lapses_ns)
 
 
 def withdraw(
@@ -531,6 +595,7 @@ def _withdraw(state: BarrierState, event: BarrierWithdrawn) -> None:
     if gen is None or gen.status != "waiting" or event.worker_id not in gen.arrived:
         return
     del gen.arrived[event.worker_id]
+    gen.lapses.pop(event.worker_id, None)
     if not gen.by_count and event.worker_id in gen.expected:
         gen.pending.add(event.worker_id)
 
@@ -617,10 +682,41 @@ def _timed_out(job: str, gen: Generation, now: TimeBase) -> BarrierTimedOut:
     )
 
 
+def _lapsed(job: str, gen: Generation, now: TimeBase) -> list[Event]:
+    """Withdrawals, for their senders, of the arrivals whose waiters have given up by now."""
+    if gen.next_lapse_ns > now.mono_ns:
+        return []
+    gen.next_lapse_ns = min(
+        (at for worker_id, (at, _) in gen.lapses.items() if worker_id in gen.arrived),
+        default=NEVER,
+    )
+    if gen.next_lapse_ns > now.mono_ns:
+        return []
+    return [
+        BarrierWithdrawn(
+            id=event_id("withdrawn", job, gen.name, worker_id, arrival),
+            job=job,
+            source=SOURCE,
+            ts=now.wall_ns,
+            name=gen.name,
+            worker_id=worker_id,
+            arrival=arrival,
+            generation=gen.generation,
+        )
+        for worker_id, (lapses_ns, arrival) in sorted(gen.lapses.items())
+        if lapses_ns <= now.mono_ns and worker_id in gen.arrived
+    ]
+
+
 def _conclusion(job: str, gen: Generation, now: TimeBase) -> list[Event]:
     if gen.status != "waiting":
         return []
     if gen.completed_in_time():
+        lapsed = _lapsed(job, gen, now)
+        if lapsed:
+            # Released with these, the barrier would count waiters that already raised
+            # BarrierTimeout: withdrawn for them instead, and it waits on (or times out).
+            return lapsed
         return [_release(job, gen, now)]
     if now.mono_ns >= gen.deadline_ns:
         return [_timed_out(job, gen, now)]
@@ -741,13 +837,15 @@ def decide_arrivals(
     requests: Sequence[ArriveRequest | WithdrawRequest],
     now_ns: int,
     wall_ns: int | None = None,
+    sent_after_ns: int | None = None,
 ) -> Batch:
     """Decide `requests` in order (withdrawals first), each against the state the previous ones
     left, folding every decision into `state` at once (`evolve` is idempotent: folding them
     again when the stream returns them changes nothing). For each: the release it proves
     (`passed`), the conclusion already due, the arrival, and the conclusion it completes.
     Answer each caller with `outcome(state, *joined)` once `told` is stored: the whole batch is
-    then decided, so an arrival decided early hears of a release that a later one completed."""
+    then decided, so an arrival decided early hears of a release that a later one completed.
+    `sent_after_ns`: the earliest the requests can have been sent (`_admit`)."""
     batch = Batch()
     now = _reading(state, now_ns, wall_ns)
 
@@ -776,7 +874,7 @@ def decide_arrivals(
         ):
             fold(events)
             batch.told.extend(events)
-        decision, arrival = _admit(state, request, now)
+        decision, arrival = _admit(state, request, now, sent_after_ns)
         if decision.error is not None:
             batch.joined.append(decision.error)
             continue

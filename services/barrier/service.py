@@ -59,6 +59,13 @@ from strata.services.projection import Projection
 log = structlog.get_logger("strata.barrier")
 
 TIMEOUT_CHECK_S = 0.05
+STALL_S = 0.5
+"""A gap this long between two deadline checks means the process was stopped (SIGSTOP, swap)
+or starved, and one this long without hearing its own pulse (a message it sends itself with
+each check) that its connection held everything (a black-holed link): requests read just after
+may have been sent when the gap began."""
+CATCH_UP_S = 0.5
+"""How long after a stall the requests read are taken as possibly sent when it began."""
 STOP_FLUSH_S = 5.0
 ACK_WAIT_S = 2.0
 MAX_BATCH = 1024
@@ -90,6 +97,13 @@ class Barrier(Projection[BarrierState]):
         """Why the service decides nothing more (a decision it could not store), if it stopped."""
         self.batches = 0
         self.arrivals = 0
+        self._checked_ns = clock.monotonic_ns()
+        """When the deadline check last ran (monotonic): a long gap since is a stall."""
+        self._stall: tuple[int, int] | None = None
+        """The last stall seen: (when it began, when it ended), monotonic."""
+        self._heard_ns = self._checked_ns
+        """When this process last heard its own pulse (monotonic)."""
+        self._pulse = ""
 
     def initial_state(self) -> BarrierState:
         return BarrierState()
@@ -105,6 +119,9 @@ class Barrier(Projection[BarrierState]):
 
     async def go_live(self, bus: Bus, settings: Settings) -> None:
         self._record_after_s = settings.barrier_record_arrivals_s
+        self._checked_ns = self._heard_ns = clock.monotonic_ns()  # catching up is no stall
+        self._pulse = bus.nc.new_inbox()
+        await bus.nc.subscribe(self._pulse, cb=self._heard)
         # Conclusions decided before a crash but never stored are owed before new arrivals.
         async with self.lock:
             owed = domain.recover(self.state, *self.reading())
@@ -255,6 +272,11 @@ class Barrier(Projection[BarrierState]):
                 request.instance is not None
                 and job.instances.get(request.worker_id) != request.instance
             )
+            or (
+                request.lease is not None
+                and job.leases.current.get(request.worker_id)
+                != (request.lease.instance, request.lease.epoch)
+            )
         ):
             # Its registration may be stored and not folded here yet: catch up, then decide.
             await self.sync()
@@ -329,7 +351,10 @@ class Barrier(Projection[BarrierState]):
             raise ServiceUnavailable(self._stopped_message())
         async with self.lock:
             decided = domain.decide_arrivals(
-                self.state, [request for request, _ in batch], *self.reading()
+                self.state,
+                [request for request, _ in batch],
+                *self.reading(),
+                sent_after_ns=self._sent_after_ns(),
             )
             self._last_arrival_at = time.monotonic()
             if decided.record and not self._unrecorded:
@@ -375,9 +400,46 @@ class Barrier(Projection[BarrierState]):
             await self._send(broken)
             self._concluded(broken)
 
+    async def _checked(self) -> None:
+        """Note a deadline check (a long gap since the last one was a stall) and send the pulse
+        that proves, when it comes back, that the connection delivers."""
+        now = clock.monotonic_ns()
+        if now - self._checked_ns > STALL_S * 1e9:
+            self._stalled(self._checked_ns, now)
+        self._checked_ns = now
+        if self._pulse:
+            with contextlib.suppress(nats.errors.Error):  # reconnecting: heard of no more
+                await self.bus.nc.publish(self._pulse, b"")
+
+    async def _heard(self, _msg: object) -> None:
+        now = clock.monotonic_ns()
+        if now - self._heard_ns > STALL_S * 1e9:
+            self._stalled(self._heard_ns, now)
+        self._heard_ns = now
+
+    def _stalled(self, began_ns: int, ended_ns: int) -> None:
+        if self._stall is not None and ended_ns - self._stall[1] < CATCH_UP_S * 1e9:
+            began_ns = min(began_ns, self._stall[0])  # one stall, seen by check and pulse
+        self._stall = (began_ns, ended_ns)
+
+    def _sent_after_ns(self) -> int:
+        """The earliest the requests read now can have been sent (monotonic). During or just
+        after a stall (this process stopped or starved, or its connection held everything),
+        they may have waited all along: an arrival's remaining wait is then counted from the
+        stall's beginning (domain `_lapses`)."""
+        now = clock.monotonic_ns()
+        since = now
+        for last in (self._checked_ns, self._heard_ns):
+            if now - last > STALL_S * 1e9:
+                since = min(since, last)  # in a stall not noticed yet
+        if self._stall is not None and now - self._stall[1] < CATCH_UP_S * 1e9:
+            since = min(since, self._stall[0])
+        return since
+
     async def _time_out(self) -> None:
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
+            await self._checked()
             try:
                 async with self.lock:
                     expired = domain.due(self.state, *self.reading())

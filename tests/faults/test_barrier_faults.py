@@ -1,11 +1,14 @@
-"""Barriers under faults beyond crash-stop: a barrier service whose wall clock steps, and one
-paused (SIGSTOP) past a barrier's timeout, then resumed.
+"""Barriers under faults beyond crash-stop: a barrier service whose wall clock steps, one paused
+(SIGSTOP) past a barrier's timeout, then resumed, one whose connection is black-holed (a proxy
+that stops forwarding without closing), and a waiter whose withdrawal is held up.
 
-Real registry and barrier processes on a real nats-server; the barrier service's wall clock is
-stepped through `strata.clock`'s offset file. What must hold: a stepped wall clock neither ends
-nor extends a deadline (they run on the monotonic clock); a waiter gets `BarrierTimeout` or
-`BarrierBroken` within its timeout + 1 s whatever the service does, never `RpcTimeout`; and an
-arrival given up on and delivered after the service resumes opens and releases nothing.
+Real registry and barrier processes on a real nats-server; the barrier service reaches it
+through the fault suite's TCP proxy, and its wall clock is stepped through `strata.clock`'s
+offset file. What must hold: a stepped wall clock neither ends nor extends a deadline (they run
+on the monotonic clock); a waiter gets `BarrierTimeout` or `BarrierBroken` within its timeout +
+1 s whatever the service does, never `RpcTimeout`; an arrival given up on and delivered after
+the service resumes opens and releases nothing; and a release counts exactly its participants,
+never a waiter that already raised `BarrierTimeout`, and never happens twice.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from strata.events import (
     BarrierWithdrawn,
     subjects,
 )
+from strata.events.requests import ArriveRequest, BarrierOutcome, WithdrawRequest, WithdrawResult
 
+from tests.faults.conftest import pause, resume
+from tests.faults.netproxy import Proxy
 from tests.support import (
     ServiceProcess,
     async_wait_until,
@@ -44,8 +50,9 @@ from tests.support import (
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 INTERVAL = 0.25
-TIMEOUT = 3.0
-"""The registry's failure timeout: long enough that a loaded machine fails no worker here."""
+TIMEOUT = 15.0
+"""The registry's failure timeout: long enough that a loaded machine fails no worker here, and
+that a worker whose connection is held for a few seconds is not failed either."""
 LOAD_SLACK_S = 1.0
 """What a loaded 2-core machine may add to a measured wait (event loops late to wake): the
 SDK's own deadline is the barrier's timeout + GRACE_S, and the assertions allow this on top."""
@@ -57,6 +64,8 @@ class Stack:
     registry: ServiceProcess
     barrier: ServiceProcess
     offset_file: Path
+    barrier_link: Proxy
+    """The barrier service's connection to nats-server."""
 
     def step_barrier_clock(self, seconds: float) -> None:
         """Step the barrier service's wall clock (it reads the file within 50 ms)."""
@@ -71,22 +80,28 @@ def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     registry = ServiceProcess(
         "registry", nats_url, log_dir, heartbeat_interval=INTERVAL, heartbeat_timeout=TIMEOUT
     ).start()
-    barrier = ServiceProcess(
-        "barrier",
-        nats_url,
-        log_dir,
-        heartbeat_interval=INTERVAL,
-        heartbeat_timeout=TIMEOUT,
-        env={clock.OFFSET_FILE_ENV: str(offset_file)},
-    ).start()
-    made = Stack(registry, barrier, offset_file)
-    try:
-        yield made
-    finally:
-        if barrier.proc is not None and barrier.proc.poll() is None:
-            barrier.proc.send_signal(signal.SIGCONT)
-        barrier.stop()
-        registry.stop()
+    with Proxy(port_of(nats_url)) as link:
+        barrier = ServiceProcess(
+            "barrier",
+            link.url,
+            log_dir,
+            heartbeat_interval=INTERVAL,
+            heartbeat_timeout=TIMEOUT,
+            env={clock.OFFSET_FILE_ENV: str(offset_file)},
+        ).start()
+        made = Stack(registry, barrier, offset_file, link)
+        try:
+            yield made
+        finally:
+            link.heal()
+            if barrier.proc is not None and barrier.proc.poll() is None:
+                barrier.proc.send_signal(signal.SIGCONT)
+            barrier.stop()
+            registry.stop()
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 @pytest.fixture
@@ -94,6 +109,7 @@ def unstepped(stack: Stack) -> Iterator[Stack]:
     stack.step_barrier_clock(0.0)
     yield stack
     stack.step_barrier_clock(0.0)
+    stack.barrier_link.heal()
 
 
 async def opened(bus: Bus, job: str) -> Subscription:
@@ -232,3 +248,156 @@ async def test_a_waiter_at_a_dead_service_raises_barrier_timeout_in_time(
         unstepped.barrier.start()  # for the module's other tests
     assert isinstance(outcome, strata.BarrierTimeout), repr(outcome)
     assert took < 2.0 + GRACE_S + LOAD_SLACK_S, took
+
+
+async def releases_of(bus: Bus, job: str, name: str) -> list[tuple[int, int]]:
+    """(generation, participants) of every release of `name` stored, in stream order."""
+    return [
+        (e.generation, e.participants)
+        for e in await job_events(bus, job)
+        if isinstance(e, BarrierReleased) and e.name == name
+    ]
+
+
+async def assert_counted(
+    bus: Bus, job: str, name: str, generation: int, expected: set[tuple[str, int]]
+) -> None:
+    """The arrivals (worker, arrival count) that stand in a generation, from the stream: those
+    recorded (`barrier.arrived`, written just after its conclusion) less those withdrawn, given
+    up on by their senders; they must become exactly `expected`."""
+    standing: set[tuple[str, int]] = set()
+
+    async def recorded() -> bool:
+        nonlocal standing
+        events = await job_events(bus, job)
+        withdrawn = {
+            (e.worker_id, e.arrival)
+            for e in events
+            if isinstance(e, BarrierWithdrawn) and e.name == name
+        }
+        standing = {
+            (e.worker_id, e.arrival)
+            for e in events
+            if isinstance(e, BarrierArrived) and e.name == name and e.generation == generation
+        } - withdrawn
+        return standing >= expected
+
+    await async_wait_until(recorded, 15, f"the arrivals of generation {generation}")
+    assert standing == expected
+
+
+async def test_a_release_never_counts_a_waiter_whose_timeout_passed(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str, unstepped: Stack
+) -> None:
+    """w0 arrives for 1 s and gives up; its withdrawal is held by its cut link while w2 comes
+    and completes the generation: released then, it would count a waiter that raised
+    BarrierTimeout a moment before."""
+    job = new_job("lapsed")
+    with Proxy(port_of(nats_url)) as link:
+        [w0] = await start_workers(workers, job, link.url, ["w0"])
+        w1, w2 = await start_workers(workers, job, nats_url, ["w1", "w2"])
+        watch = await opened(bus, job)
+        first = asyncio.create_task(barrier_result(w1, "b", 60.0))
+        await watch.next_msg(timeout=15)
+        await watch.unsubscribe()
+        # w0's arrival as its SDK sends it, by hand so that the test can hold its withdrawal.
+        arrive = ArriveRequest(
+            job=job,
+            name="b",
+            worker_id=w0.id,
+            arrival=0,
+            timeout_s=1.0,
+            remaining_s=1.0,
+            instance=w0.instance,
+            lease=w0.lease,
+        )
+        answer = await w0.bus.rpc.call(
+            "barrier", "arrive", arrive, result=BarrierOutcome, timeout=15
+        )
+        assert (answer.status, answer.generation) == ("waiting", 0)
+        gives_up_at = time.monotonic() + 1.0 + GRACE_S
+        link.cut()
+        withdraw = WithdrawRequest(
+            job=job, name="b", worker_id=w0.id, arrival=0, instance=w0.instance
+        )
+        withdrawal = asyncio.create_task(
+            w0.bus.rpc.call("barrier", "withdraw", withdraw, result=WithdrawResult, timeout=60)
+        )
+        # The scenario's own timing, not a wait for a condition: w0's SDK raises at this moment.
+        await asyncio.sleep(max(0.0, gives_up_at - time.monotonic()))
+        last = asyncio.create_task(barrier_result(w2, "b", 60.0))
+        done, _ = await asyncio.wait({first, last}, timeout=3.0)
+        assert not done, f"released with w0, which gave up: {[t.result() for t in done]}"
+        link.heal()
+        assert (await withdrawal).status == "withdrawn"
+        # w0 at the barrier again (its next arrival): released once, with exactly the three.
+        again = await w0.bus.rpc.call(
+            "barrier",
+            "arrive",
+            arrive.model_copy(update={"arrival": 1, "timeout_s": 60.0, "remaining_s": 60.0}),
+            result=BarrierOutcome,
+            timeout=15,
+        )
+        assert again.generation == 0
+        assert [(await first)[0], (await last)[0]] == [0, 0]
+    assert await releases_of(bus, job, "b") == [(0, 3)]
+    await assert_counted(bus, job, "b", 0, {(w0.id, 1), (w1.id, 0), (w2.id, 0)})
+
+
+async def test_a_waiter_that_gave_up_at_a_paused_service_is_not_released_when_it_resumes(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str, unstepped: Stack
+) -> None:
+    """The service paused across w0's deadline: on resume it reads w2's arrival, which would
+    complete the generation, together with w0's arrival and withdrawal, in whatever batches."""
+    job = new_job("paused-race")
+    w0, w1, w2 = await start_workers(workers, job, nats_url, numbered(3))
+    watch = await opened(bus, job)
+    first = asyncio.create_task(barrier_result(w1, "b", 60.0))
+    await watch.next_msg(timeout=15)
+    await watch.unsubscribe()
+    proc = unstepped.barrier.proc
+    assert proc is not None
+    pause(proc.pid)
+    try:
+        short = asyncio.create_task(barrier_result(w0, "b", 1.0))
+        last = asyncio.create_task(barrier_result(w2, "b", 60.0))
+        outcome, took = await short
+    finally:
+        resume(proc.pid)
+    assert isinstance(outcome, strata.BarrierTimeout), repr(outcome)
+    assert took < 1.0 + GRACE_S + LOAD_SLACK_S, took
+    await events_of(bus, job, BarrierWithdrawn, 1)
+    done, _ = await asyncio.wait({first, last}, timeout=2.0)
+    assert not done, f"released with w0, which gave up: {[t.result() for t in done]}"
+    again, _ = await barrier_result(w0, "b", 60.0)
+    assert [again, (await first)[0], (await last)[0]] == [0, 0, 0]
+    assert await releases_of(bus, job, "b") == [(0, 3)]
+    await assert_counted(bus, job, "b", 0, {(w0.id, 1), (w1.id, 0), (w2.id, 0)})
+
+
+async def test_waiters_behind_a_black_holed_service_give_up_in_time_and_nothing_is_released_twice(
+    bus: Bus, workers: list[strata.aio.Worker], nats_url: str, unstepped: Stack
+) -> None:
+    job = new_job("black-hole")
+    w0, w1 = await start_workers(workers, job, nats_url, numbered(2))
+    assert await asyncio.gather(w0.barrier("b", 30.0), w1.barrier("b", 30.0)) == [0, 0]
+    unstepped.barrier_link.cut()
+    try:
+        given_up = await asyncio.gather(barrier_result(w0, "b", 2.0), barrier_result(w1, "b", 2.0))
+    finally:
+        unstepped.barrier_link.heal()
+    for outcome, took in given_up:
+        assert isinstance(outcome, strata.BarrierTimeout | strata.BarrierBroken), repr(outcome)
+        assert took < 2.0 + GRACE_S + LOAD_SLACK_S, took
+    again = await asyncio.gather(w0.barrier("b", 30.0), w1.barrier("b", 30.0))
+    assert again[0] == again[1] >= 1
+    generation = again[0]
+
+    async def both_stored() -> bool:
+        return len(await releases_of(bus, job, "b")) >= 2
+
+    await async_wait_until(both_stored, 15, "the second release")
+    releases = await releases_of(bus, job, "b")
+    assert releases == [(0, 2), (generation, 2)], releases
+    # Arrival 1 of each was given up on; only arrival 2 may stand in the release.
+    await assert_counted(bus, job, "b", generation, {(w0.id, 2), (w1.id, 2)})

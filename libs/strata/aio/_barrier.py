@@ -172,7 +172,9 @@ class BarrierClient:
     async def _arrive(self, request: ArriveRequest, deadline: float) -> BarrierOutcome | None:
         """The arrival's answer, or None if none came by `deadline` (monotonic). Each attempt
         is bounded by the time left; a service that does not answer (paused, restarting,
-        unreachable) is asked again until then. An error the service answers is raised."""
+        unreachable) is asked again until then. An error the service answers is raised.
+        Each attempt says how much longer this waiter waits (`remaining_s`, its grace left
+        out): the service lets the arrival lapse then rather than count it in a release."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -181,7 +183,7 @@ class BarrierClient:
                 return await self._worker.bus.rpc.call(
                     SERVICE,
                     "arrive",
-                    request,
+                    request.model_copy(update={"remaining_s": max(0.0, remaining - GRACE_S)}),
                     result=BarrierOutcome,
                     timeout=max(MIN_ATTEMPT_S, min(ATTEMPT_S, remaining)),
                     idempotent=True,
@@ -283,6 +285,7 @@ class BarrierClient:
             timeout_s=timeout,
             expected_count=expected_count,
             instance=self._worker.instance,
+            lease=self._worker.lease,
             passed=self._passed.get(name),
             concluded=self._concluded.get(name),
         )

@@ -410,6 +410,18 @@ class ArriveRequest(StrictModel):
         "than counted in a new one; a restarted barrier service that lost its arrivals reaches "
         "the same answer.",
     )
+    remaining_s: Annotated[float, Field(ge=0, le=86_400)] | None = Field(
+        default=None,
+        description="How much longer the sender waits for this arrival's outcome, measured when "
+        "it sent it (its timeout less the time it already waited, not counting its grace): "
+        "once that has passed on the service's monotonic clock the arrival lapses (it is "
+        "withdrawn for its sender, which has given up), so no release counts a waiter that "
+        "already raised BarrierTimeout.",
+    )
+    lease: Lease | None = Field(
+        default=None,
+        description="The arriving worker's lease; checked if given (`stale_lease` once it ended).",
+    )
 
 
 class BarrierOutcome(StrictModel):

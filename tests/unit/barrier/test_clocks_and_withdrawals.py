@@ -3,7 +3,9 @@
 A service passes its monotonic clock as `now_ns` and its wall clock as `wall_ns`: the wall clock
 may step (NTP) without moving a deadline, and a deadline carried across a restart in an event's
 wall time is clamped to the generation's timeout. A waiter that gives up withdraws its arrival:
-it leaves a generation still waiting and, delivered late, opens and completes nothing.
+it leaves a generation still waiting and, delivered late, opens and completes nothing. An
+arrival that says how long its waiter waits lapses then: no release counts it afterwards, even
+when its withdrawal is still on its way. An arrival under an ended lease is refused.
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strata.clock import TimeBase
-from strata.errors import ConflictError, StrataError
+from strata.errors import BarrierTimeout, StaleLease, StrataError
 from strata.events import (
     BarrierReleased,
     BarrierTimedOut,
     BarrierWithdrawn,
     Event,
+    WorkerFailed,
     WorkerRegistered,
 )
-from strata.events.requests import ArriveRequest, BarrierOutcome, WithdrawRequest
+from strata.events.requests import ArriveRequest, BarrierOutcome, Lease, WithdrawRequest
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
 
@@ -74,12 +77,30 @@ class Service:
             )
 
     def arrive(
-        self, worker: str, arrival: int, timeout: float = 60.0, name: str = "step"
+        self,
+        worker: str,
+        arrival: int,
+        timeout: float = 60.0,
+        name: str = "step",
+        *,
+        remaining: float | None = None,
+        lease: Lease | None = None,
+        sent_after_s: float | None = None,
     ) -> BarrierOutcome | StrataError:
+        """`sent_after_s`: how long before now the request may have been sent (a stall)."""
         request = ArriveRequest(
-            job=JOB, name=name, worker_id=worker, arrival=arrival, timeout_s=timeout
+            job=JOB,
+            name=name,
+            worker_id=worker,
+            arrival=arrival,
+            timeout_s=timeout,
+            remaining_s=remaining,
+            lease=lease,
         )
-        batch = domain.decide_arrivals(self.state, [request], *self.reading())
+        sent_after = None if sent_after_s is None else self.mono - int(sent_after_s * SECOND)
+        batch = domain.decide_arrivals(
+            self.state, [request], *self.reading(), sent_after_ns=sent_after
+        )
         self.log.extend(batch.told)
         self.log.extend(arrival.event() for arrival in batch.record)
         [joined] = batch.joined
@@ -190,7 +211,7 @@ def test_an_arrival_delivered_after_its_withdrawal_opens_and_completes_nothing()
     assert isinstance(withdrawn, BarrierWithdrawn)
     assert withdrawn.generation == 0  # the generation it was for: the next to open
     late = svc.arrive("w0", 0)
-    assert isinstance(late, ConflictError)
+    assert isinstance(late, BarrierTimeout)
     assert "withdrawn" in late.message
     assert svc.state.jobs[JOB].barriers["step"].current is None  # nothing opened
     ok(svc.arrive("w1", 0))
@@ -252,7 +273,7 @@ def test_a_withdrawal_decided_with_its_late_arrival_goes_first() -> None:
     )
     assert not [e for e in batch.told if isinstance(e, BarrierReleased)]
     refused, *_, answer = batch.joined
-    assert isinstance(refused, ConflictError)
+    assert isinstance(refused, BarrierTimeout)
     assert getattr(answer, "status", None) == "withdrawn"
     assert sorted(svc.state.jobs[JOB].barriers["step"].generations[0].arrived) == ["w1", "w2"]
 
@@ -287,7 +308,7 @@ def test_no_generation_is_released_with_a_worker_that_gave_up(ops: list[tuple[st
                 given_up[worker].add(sent[worker])
         elif op == "late" and given_up[worker]:
             answer = svc.arrive(worker, max(given_up[worker]), timeout=5.0)
-            assert isinstance(answer, ConflictError)
+            assert isinstance(answer, BarrierTimeout)
         elif op == "tick":
             svc.tick(2.0)
         for release in [e for e in svc.log if isinstance(e, BarrierReleased)]:
@@ -297,3 +318,95 @@ def test_no_generation_is_released_with_a_worker_that_gave_up(ops: list[tuple[st
             for member in gen.arrived:
                 counted = [a for (w, a), g in joined.items() if w == member and g == gen.generation]
                 assert any(a not in given_up[member] for a in counted), (member, gen)
+
+
+def lease_of(worker: str, epoch: int) -> Lease:
+    return Lease(worker_id=worker, instance=f"p-{worker}", epoch=epoch)
+
+
+def test_a_release_never_counts_an_arrival_whose_waiter_gave_up() -> None:
+    """w0 waits 1 s at a generation w1 opened for 60 s; its withdrawal is held up on the way.
+    w2 completes the generation after w0 gave up: w0's arrival is withdrawn for it instead."""
+    svc = service()
+    ok(svc.arrive("w1", 0, remaining=60.0))
+    ok(svc.arrive("w0", 0, timeout=1.0, remaining=1.0))
+    svc.tick(1.5)
+    waiting = ok(svc.arrive("w2", 0, remaining=60.0))
+    assert (waiting.status, waiting.arrived) == ("waiting", 2)
+    [lapsed] = [e for e in svc.log if isinstance(e, BarrierWithdrawn)]
+    assert (lapsed.worker_id, lapsed.arrival, lapsed.generation) == ("w0", 0, 0)
+    assert [e for e in svc.log if isinstance(e, BarrierReleased)] == []
+    # Its re-send, had its waiter not given up yet, hears that it timed out.
+    assert isinstance(svc.arrive("w0", 0, timeout=1.0, remaining=0.0), BarrierTimeout)
+    svc.withdraw("w0", 0)  # the held-up withdrawal lands: already done
+    assert svc.withdrawn_status == "withdrawn"
+    released = ok(svc.arrive("w0", 1, remaining=60.0))  # w0 at the barrier again
+    assert (released.generation, released.status, released.arrived) == (0, "released", 3)
+
+
+def test_an_arrival_released_before_it_lapses_counts() -> None:
+    svc = service()
+    ok(svc.arrive("w0", 0, timeout=1.0, remaining=1.0))
+    ok(svc.arrive("w1", 0, timeout=1.0, remaining=1.0))
+    svc.mono += int(0.9 * SECOND)
+    released = ok(svc.arrive("w2", 0, timeout=1.0, remaining=1.0))
+    assert released.status == "released"
+    assert [e for e in svc.log if isinstance(e, BarrierWithdrawn)] == []
+
+
+def test_a_time_out_is_not_turned_into_withdrawals() -> None:
+    """A generation that times out names everyone who did not come, not those who did."""
+    svc = service()
+    ok(svc.arrive("w0", 0, timeout=2.0, remaining=2.0))
+    ok(svc.arrive("w1", 0, timeout=2.0, remaining=2.0))
+    [timed_out] = svc.tick(2.5)
+    assert isinstance(timed_out, BarrierTimedOut)
+    assert timed_out.missing == ["w2"]
+
+
+def test_a_re_send_shortens_the_wait_and_never_lengthens_it() -> None:
+    svc = service()
+    ok(svc.arrive("w1", 0, remaining=60.0))
+    ok(svc.arrive("w0", 0, timeout=30.0, remaining=30.0))
+    svc.tick(0.5)
+    ok(svc.arrive("w0", 0, timeout=30.0, remaining=0.2))  # its waiter has 0.2 s left
+    ok(svc.arrive("w0", 0, timeout=30.0, remaining=50.0))  # no re-send can lengthen it
+    svc.tick(0.5)
+    waiting = ok(svc.arrive("w2", 0, remaining=60.0))
+    assert waiting.status == "waiting"
+    assert [(e.worker_id, e.arrival) for e in svc.log if isinstance(e, BarrierWithdrawn)] == [
+        ("w0", 0)
+    ]
+
+
+def test_a_request_read_after_a_stall_counts_its_wait_from_the_stall() -> None:
+    """A paused service reads w0's 1 s arrival 3 s after it was sent: it lapsed already, and
+    the arrival that completes the generation releases nothing."""
+    svc = service()
+    ok(svc.arrive("w1", 0, remaining=60.0))
+    svc.tick(3.0)
+    ok(svc.arrive("w0", 0, timeout=1.0, remaining=1.0, sent_after_s=3.0))
+    waiting = ok(svc.arrive("w2", 0, remaining=60.0, sent_after_s=3.0))
+    assert waiting.status == "waiting"
+    assert [e for e in svc.log if isinstance(e, BarrierReleased)] == []
+
+
+def test_an_arrival_under_an_ended_lease_is_refused() -> None:
+    svc = service()
+    assert ok(svc.arrive("w0", 0, lease=lease_of("w0", 1))).status == "waiting"
+    refused = svc.arrive("w1", 0, lease=lease_of("w1", 1))  # w1's lease is epoch 2
+    assert isinstance(refused, StaleLease), refused
+    assert "registered again" in refused.message
+    failed = WorkerFailed(
+        job=JOB,
+        source="registry",
+        worker_id="w2",
+        rank=2,
+        reason="no heartbeat",
+        last_heartbeat_ts=svc.wall - 5 * SECOND,
+        membership_epoch=4,
+    )
+    svc.fold([failed])
+    zombie = svc.arrive("w2", 0, lease=lease_of("w2", 3))
+    assert isinstance(zombie, StaleLease), zombie
+    assert "failed" in zombie.message
