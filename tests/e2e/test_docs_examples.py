@@ -513,7 +513,14 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Iterator[History]:
     http_port, token_port = procutil.free_ports(2)
     with NatsServer(store_dir=directory / "nats") as server:
         env = {Env.DATA_DIR: str(directory / "data")}
-        services = [ServiceProcess(name, server.url, logs, env=env) for name in SERVICES]
+        # Beats every 0.5 s, failed after 5 s of silence: w2 is killed and failed well within
+        # the 30 s waits below, and a live worker's beats late on a loaded machine are no failure.
+        services = [
+            ServiceProcess(
+                name, server.url, logs, heartbeat_interval=0.5, heartbeat_timeout=5.0, env=env
+            )
+            for name in SERVICES
+        ]
         services += [
             ServiceProcess("gateway", server.url, logs, env={Env.HTTP_PORT: str(http_port)}),
             ServiceProcess(
@@ -532,8 +539,8 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Iterator[History]:
             worker_env = environment(
                 **{
                     Env.NATS_URL: server.url,
-                    Env.HEARTBEAT_INTERVAL: "0.2",
-                    Env.HEARTBEAT_TIMEOUT: "1.0",
+                    Env.HEARTBEAT_INTERVAL: "0.5",
+                    Env.HEARTBEAT_TIMEOUT: "5.0",
                 }
             )
             for worker_id in WORKERS:

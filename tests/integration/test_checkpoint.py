@@ -176,8 +176,12 @@ async def test_commit_and_retention_on_a_real_s3_server(
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # Nothing here is about failure detection: a timeout that a loaded machine's late beats
+    # (the first S3 client is made on the workers' own loop) cannot reach.
     started = [
-        ServiceProcess(name, own_nats_server.url, tmp_path / "logs", env=env).start()
+        ServiceProcess(
+            name, own_nats_server.url, tmp_path / "logs", heartbeat_timeout=10.0, env=env
+        ).start()
         for name in ("registry", "checkpoint")
     ]
     job = new_job("s3")
