@@ -38,6 +38,7 @@ from strata.config import Env
 from strata.services.gateway.app import API_TOKEN_ENV
 from strata.services.readmodel.views import Dashboard
 
+from tests.browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, DIST_INDEX, ROOT, VIEWPORT, screenshot
 from tests.support import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ServiceProcess, new_job, wait_until
 
 sync_api = pytest.importorskip(
@@ -46,21 +47,6 @@ sync_api = pytest.importorskip(
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-DIST_INDEX = ROOT / "dashboard" / "dist" / "index.html"
-ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
-VIEWPORT = {"width": 1440, "height": 1100}
 SERVICES = ("registry", "sharding", "barrier", "checkpoint")
 WORKERS = 5
 VICTIM = 2
@@ -235,13 +221,6 @@ def browser() -> Iterator[Any]:
             yield launched
         finally:
             launched.close()
-
-
-def screenshot(page: Any, name: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
-    return path
 
 
 def job_event_seqs(stack: Stack) -> list[tuple[int, str, dict[str, Any]]]:

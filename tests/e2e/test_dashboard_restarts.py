@@ -29,7 +29,7 @@ from strata import procutil
 from strata.bus.server import NatsServer
 from strata.config import Env
 
-from tests.e2e.test_dashboard import CHROMIUM, CHROMIUM_ARGS, DIST_INDEX, ROOT, VIEWPORT, screenshot
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, DIST_INDEX, ROOT, VIEWPORT, screenshot
 from tests.support import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,

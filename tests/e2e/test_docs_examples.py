@@ -44,6 +44,7 @@ from strata.events import AnyEvent, WorkerLeft, WorkerRegistered
 from strata.services.gateway.app import API_TOKEN_ENV
 
 from tests.docs import DOCUMENTS, ROOT, Block, blocks, commands, example, write_example
+from tests.docs_environment import environment
 from tests.support import (
     SERVICES,
     ServiceProcess,
@@ -56,7 +57,6 @@ from tests.torchrun import RESULT
 
 pytestmark = pytest.mark.timeout(600)
 
-BIN = Path(sys.executable).parent  # the `strata` and `torchrun` of this environment
 TIMELINE = re.compile(r"^\S+Z\s+(\d+)\s+([a-z_]+\.[a-z_]+)\s", re.M)
 
 # Blocks no test runs, each with the reason: (document, how the block starts, why).
@@ -105,10 +105,6 @@ CODE_LANGS = ("python", "py", "bash", "sh", "shell", "console")
 
 
 # -- running examples -----------------------------------------------------------------------------
-
-
-def environment(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
 
 
 def run_python(

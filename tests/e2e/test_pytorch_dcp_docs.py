@@ -18,7 +18,7 @@ from strata.bus.server import NatsServer
 from strata.config import Env
 
 from tests.docs import write_example
-from tests.e2e.test_docs_examples import environment
+from tests.docs_environment import environment
 from tests.support import new_job, running_services
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(600)]

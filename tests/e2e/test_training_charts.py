@@ -22,7 +22,7 @@ from strata import procutil
 from strata.bus.server import NatsServer
 from strata.config import Env
 
-from tests.e2e.test_dashboard import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, VIEWPORT
+from tests.browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, VIEWPORT
 from tests.support import ServiceProcess, new_job, running_services, wait_until
 
 sync_api = pytest.importorskip(

@@ -11,12 +11,10 @@ import asyncio
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from strata.events.models import SUPERSEDED_REASON
 from strata.events.requests import MembersResult
 from strata.services.registry.heartbeats import fast_beat
 
+from tests.heartbeats import rejected_heartbeats, scrape
 from tests.support import (
     ServiceProcess,
     async_wait_until,
@@ -93,31 +92,6 @@ def failed_ids(events: list[AnyEvent]) -> list[str]:
 
 def membership(result: MembersResult) -> list[tuple[str, int, str]]:
     return [(m.worker_id, m.rank, m.status) for m in result.members]
-
-
-_SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
-
-
-def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """The process's Prometheus samples, keyed by name and label set."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        found = _SAMPLE.match(line)
-        if found:
-            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', found.group(2)))
-            samples[(found.group(1), labels)] = float(found.group(3))
-    return samples
-
-
-def rejected_heartbeats(port: int) -> dict[str, float]:
-    return {
-        dict(labels)["code"]: value
-        for (name, labels), value in scrape(port).items()
-        if name == "strata_messages_rejected_total"
-        and ("consumer", "registry.heartbeats") in labels
-    }
 
 
 def rpc_outcomes(port: int) -> dict[tuple[str, str], float]:

@@ -31,7 +31,7 @@ from strata.events.codec import pack, unpack
 from strata.services.registry import intake as intake_module
 from strata.services.registry.intake import IntakeClient
 
-from tests.integration.test_registry import rejected_heartbeats
+from tests.heartbeats import rejected_heartbeats
 from tests.support import ServiceProcess, async_wait_until, job_events, new_job, start_workers
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]

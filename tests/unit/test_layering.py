@@ -126,3 +126,31 @@ def test_the_tests_never_import_the_benchmarks() -> None:
         str(found) for path in modules for found in imports(path) if _is(found.module, "bench")
     ]
     assert not wrong, "move what these use into tests/:\n" + "\n".join(wrong)
+
+
+def _is_a_test_module(module: str) -> bool:
+    return module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
+
+
+def test_the_tests_never_import_a_test_module() -> None:
+    """What several test modules share lives in a module of tests/ not named test_*.
+
+    A test module is read by pytest, not imported by its neighbours: sharing its constants and
+    builders ties one file's tests to another's edits and hides where the shared cases live.
+    """
+    modules = list((ROOT / "tests").rglob("*.py"))
+    assert len(modules) > 50
+    assert _is_a_test_module("tests.unit.test_replay")
+    assert not _is_a_test_module("tests.histories")
+    assert not _is_a_test_module("tests.unit.test_replay.JOB")
+    wrong = sorted(
+        {
+            str(found)
+            for path in modules
+            for found in imports(path)
+            if _is_a_test_module(found.module)
+        }
+    )
+    assert not wrong, "move what these use into a module of tests/ not named test_*:\n" + "\n".join(
+        wrong
+    )

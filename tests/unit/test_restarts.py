@@ -10,7 +10,7 @@ from strata.events import WorkerFailed, WorkerLeft
 from strata.services.readmodel import render_dashboard
 from strata.services.readmodel.restarts import GROUP_WINDOW_NS, GoneStatus, Loss, RestartLog
 
-from tests.unit.test_replay import JOB, History
+from tests.replays import JOB, History
 
 
 def failed(h: History, worker: str, rank: int) -> None:

@@ -25,8 +25,8 @@ from strata.services.readmodel import (
 )
 
 from tests.histories import hour_history
+from tests.replays import GOLDEN, JOB, T0, histories
 from tests.tiers import examples
-from tests.unit.test_replay import GOLDEN, JOB, T0, histories
 
 SEED = 20261124
 

@@ -20,7 +20,7 @@ from strata.services.checkpoint.service import Checkpoints
 from strata.services.domain import Decision
 
 from tests.tiers import examples
-from tests.unit.checkpoint.test_domain import JOB, SECOND, failed, fold, registered
+from tests.unit.checkpoint.cases import JOB, SECOND, failed, fold, registered
 
 NOW = 50 * SECOND
 WORKERS = 4

@@ -11,7 +11,7 @@ from strata.errors import StaleLease
 from strata.events.requests import AckShardRequest, Lease
 from strata.services.checkpoint import domain
 
-from tests.unit.checkpoint.test_domain import (
+from tests.unit.checkpoint.cases import (
     JOB,
     SECOND,
     failed,

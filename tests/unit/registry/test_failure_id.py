@@ -12,7 +12,7 @@ from strata.events.requests import RegisterRequest
 from strata.services.registry import domain
 from strata.services.registry.domain import DetectFailures, Register, RegistryState
 
-from tests.unit.registry.test_domain import JOB, POLICY, ns, register, run
+from tests.unit.registry.cases import JOB, POLICY, ns, register, run
 
 
 def _failure_ids(events: list[Event]) -> list[str]:

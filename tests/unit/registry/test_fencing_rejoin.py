@@ -13,7 +13,7 @@ from strata.events.requests import RegisterRequest
 from strata.services.registry import domain
 from strata.services.registry.domain import DetectFailures, Register, RegistryState
 
-from tests.unit.registry.test_domain import JOB, POLICY, register, run
+from tests.unit.registry.cases import JOB, POLICY, register, run
 
 
 def rejoin(worker: str, instance: str, replaces: str) -> Register:

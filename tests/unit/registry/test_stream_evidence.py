@@ -10,7 +10,7 @@ from __future__ import annotations
 from strata.services.registry import domain
 from strata.services.registry.domain import Beat, DetectFailures, RegistryState
 
-from tests.unit.registry.test_domain import JOB, POLICY, ns, register
+from tests.unit.registry.cases import JOB, POLICY, ns, register
 
 
 def _beat(seq: int, instance: str = "p-w0") -> Beat:

@@ -3,78 +3,19 @@
 from __future__ import annotations
 
 from strata.events import (
-    DatasetRegistered,
     Event,
     ShardPlanChanged,
     WorkerFailed,
-    WorkerRegistered,
 )
 from strata.events.requests import (
-    GetShardsRequest,
     ReportProgressRequest,
     RestoreProgressRequest,
 )
-from strata.services.domain import Decision
 from strata.services.sharding import domain
 from strata.services.sharding.domain import ShardingState, restore, snapshot
 from strata.sharding import shard_order
 
-JOB = "job-a"
-DATASET = "ds"
-WORKERS = ("w0", "w1")
-NOW = 1_000_000_000_000
-
-
-def apply(state: ShardingState, decision: Decision) -> list[Event]:
-    assert decision.error is None, decision.error
-    for event in decision.events:
-        domain.evolve(state, event)
-    return decision.events
-
-
-def started_job() -> ShardingState:
-    """Two workers, a dataset of 8 shards, epoch 0 planned."""
-    state = ShardingState()
-    for rank, worker in enumerate(WORKERS):
-        domain.evolve(
-            state,
-            WorkerRegistered(
-                job=JOB,
-                source="registry",
-                worker_id=worker,
-                instance=f"p-{worker}",
-                rank=rank,
-                world_size=rank + 1,
-                membership_epoch=rank + 1,
-                heartbeat_interval=1.0,
-                heartbeat_timeout=5.0,
-            ),
-        )
-    domain.evolve(
-        state,
-        DatasetRegistered(
-            job=JOB,
-            source="sharding",
-            dataset_id=DATASET,
-            total_samples=80,
-            shard_size=10,
-            shuffle=True,
-            seed=1,
-        ),
-    )
-    plan(state, epoch=0)
-    return state
-
-
-def plan(state: ShardingState, epoch: int) -> list[Event]:
-    request = GetShardsRequest(
-        job=JOB,
-        dataset_id=DATASET,
-        worker_id="w0",
-        epoch=epoch,
-        lease=domain.current_lease(state, JOB, "w0"),
-    )
-    return apply(state, domain.get_shards(state, request, NOW))
+from tests.unit.sharding.cases import DATASET, JOB, NOW, WORKERS, apply, plan, started_job
 
 
 def read_all(state: ShardingState, epoch: int) -> None:

@@ -26,7 +26,7 @@ from strata.services.sharding import domain
 from strata.services.sharding.domain import EPOCHS_KEPT, ShardingState, restore, snapshot
 
 from tests.tiers import examples
-from tests.unit.sharding.test_domain import DATASET, JOB, NOW, apply, plan, started_job
+from tests.unit.sharding.cases import DATASET, JOB, NOW, apply, plan, started_job
 
 
 def lease(state: ShardingState) -> Lease | None:

@@ -13,80 +13,35 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strata.errors import ConflictError, LeaseRequired, StaleLease
-from strata.events import Event, WorkerFailed, WorkerLeft, WorkerRegistered
-from strata.events.requests import GetShardsRequest, Lease, ReportProgressRequest, ShardOffset
+from strata.events import Event, WorkerLeft
+from strata.events.requests import GetShardsRequest, Lease
 from strata.services.leases import ENDED_KEPT, Leases
 from strata.services.sharding import domain
 from strata.services.sharding.domain import ShardingState, restore, snapshot
 
 from tests.tiers import examples
-from tests.unit.sharding.test_domain import DATASET, JOB, NOW, apply, started_job
+from tests.unit.sharding.cases import (
+    DATASET,
+    JOB,
+    NOW,
+    apply,
+    failed,
+    lease,
+    registered,
+    report,
+    shards_of,
+    started_job,
+)
 
-EPOCH_OF = {"w0": 1, "w1": 2}
 """The membership epoch `started_job` registered each worker at."""
-
-
-def lease(worker: str, instance: str | None = None, epoch: int | None = None) -> Lease:
-    return Lease(
-        worker_id=worker,
-        instance=instance or f"p-{worker}",
-        epoch=EPOCH_OF[worker] if epoch is None else epoch,
-    )
-
-
-def registered(worker: str, instance: str, epoch: int) -> WorkerRegistered:
-    return WorkerRegistered(
-        job=JOB,
-        source="registry",
-        worker_id=worker,
-        instance=instance,
-        rank=0,
-        world_size=1,
-        membership_epoch=epoch,
-        heartbeat_interval=1.0,
-        heartbeat_timeout=3.0,
-    )
-
-
-def failed(worker: str, epoch: int) -> WorkerFailed:
-    return WorkerFailed(
-        job=JOB,
-        source="registry",
-        worker_id=worker,
-        rank=0,
-        reason="no heartbeat for 3.0s",
-        last_heartbeat_ts=0,
-        membership_epoch=epoch,
-    )
 
 
 def left(worker: str, epoch: int) -> WorkerLeft:
     return WorkerLeft(job=JOB, source="registry", worker_id=worker, rank=0, membership_epoch=epoch)
 
 
-def report(
-    worker: str,
-    held: Lease | None,
-    completed: list[int] | None = None,
-    partial: dict[int, int] | None = None,
-) -> ReportProgressRequest:
-    return ReportProgressRequest(
-        job=JOB,
-        dataset_id=DATASET,
-        epoch=0,
-        worker_id=worker,
-        completed=completed or [],
-        partial=[ShardOffset(shard_id=s, offset=o) for s, o in (partial or {}).items()],
-        lease=held,
-    )
-
-
 def ask(worker: str, held: Lease | None) -> GetShardsRequest:
     return GetShardsRequest(job=JOB, dataset_id=DATASET, worker_id=worker, epoch=0, lease=held)
-
-
-def shards_of(state: ShardingState, worker: str) -> list[int]:
-    return state.jobs[JOB].plans[(DATASET, 0)].plan.shards_of(worker)
 
 
 def fold(state: ShardingState, *events: Event) -> None:

@@ -16,7 +16,7 @@ from strata.errors import LeaseExpired, StaleLease, ValidationError
 from strata.torch import ShardSampler
 
 from tests.tiers import examples
-from tests.unit.sharding.test_sampler import DS, LocalShards, done_by
+from tests.unit.sharding.local_shards import DS, LocalShards, done_by
 
 SHARD = 10
 

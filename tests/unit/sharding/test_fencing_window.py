@@ -19,8 +19,17 @@ from strata.events.requests import GetShardsRequest
 from strata.services.sharding import domain
 from strata.services.sharding.domain import ShardingState
 
-from tests.unit.sharding.test_domain import DATASET, JOB, NOW, started_job
-from tests.unit.sharding.test_fencing import failed, lease, registered, report, shards_of
+from tests.unit.sharding.cases import (
+    DATASET,
+    JOB,
+    NOW,
+    failed,
+    lease,
+    registered,
+    report,
+    shards_of,
+    started_job,
+)
 
 
 def _offset(state: ShardingState, shard: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from strata.torch import Lockstep, Step
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.unit.sharding.test_sampler import DS, LocalShards
+from tests.unit.sharding.local_shards import DS, LocalShards
 
 SAMPLES = 95
 

@@ -13,7 +13,7 @@ from strata.torch import ShardSampler
 from strata.torch.wrapping import WrappedDataError, wrapper_of
 from torch.utils.data import BatchSampler, DataLoader
 
-from tests.unit.sharding.test_sampler import DS, LocalShards
+from tests.unit.sharding.local_shards import DS, LocalShards
 
 lightning_distributed = pytest.importorskip("lightning.fabric.utilities.distributed")
 accelerate_loader = pytest.importorskip("accelerate.data_loader")
