@@ -16,6 +16,7 @@ cache for the dependencies, the torch 2.13.0 CPU wheel pip finds locally, and Ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -262,24 +263,25 @@ class Stack:
             return error.code, error.headers.get("content-type", ""), error.read()
 
 
-@pytest.fixture(scope="module")
-def stack(server_venv: Venv) -> Iterator[Stack]:
+@contextlib.contextmanager
+def strata_up(venv: Venv, name: str) -> Iterator[Stack]:
+    """`strata up` from the venv, outside the repository, with a data directory of its own."""
     http_port, nats_port = procutil.free_ports(2)
-    log = server_venv.outside / "up.log"
+    log = venv.outside / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
-                str(server_venv.strata),
+                str(venv.strata),
                 "up",
                 "--http-port",
                 str(http_port),
                 "--nats-port",
                 str(nats_port),
                 "--data-dir",
-                str(server_venv.outside / "data"),
+                str(venv.outside / f"{name}-data"),
             ],
-            cwd=server_venv.outside,
-            env=server_venv.env(STRATA_LOG_FORMAT="json"),
+            cwd=venv.outside,
+            env=venv.env(STRATA_LOG_FORMAT="json"),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -301,6 +303,20 @@ def stack(server_venv: Venv) -> Iterator[Stack]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(server_venv: Venv) -> Iterator[Stack]:
+    """The stack the dashboard test checks, and stops at its end as people stop it."""
+    with strata_up(server_venv, "up") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def training_stack(server_venv: Venv) -> Iterator[Stack]:
+    """A stack of its own for the training jobs (the dashboard test stops the other)."""
+    with strata_up(server_venv, "training") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -446,7 +462,7 @@ def test_the_wheel_with_server_and_torch_runs_the_stack_the_dashboard_and_a_work
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("example", ["train_lightning.py", "train_accelerate.py"])
 def test_the_framework_jobs_run_exactly_once_from_the_installed_wheel(
-    server_venv: Venv, stack: Stack, tmp_path: Path, example: str
+    server_venv: Venv, training_stack: Stack, tmp_path: Path, example: str
 ) -> None:
     """docs/frameworks.md's jobs as a user runs them: the venv's torchrun and interpreter, the
     wheel's `strata.lightning`/`strata.accelerate`, from outside the repository. A rank SIGKILLed
@@ -456,7 +472,7 @@ def test_the_framework_jobs_run_exactly_once_from_the_installed_wheel(
     job = new_job(example.removeprefix("train_").removesuffix(".py"))
     run = Torchrun(
         script,
-        f"nats://127.0.0.1:{stack.nats_port}",
+        f"nats://127.0.0.1:{training_stack.nats_port}",
         job,
         tmp_path,
         procs=2,
