@@ -177,9 +177,11 @@ class SuspectResult(StrictModel):
     """What the registry decided. `failed`: the probe found no responder (the suspect's
     connection is gone), so its failure is recorded now (or was, by a report just before).
     `alive`: the suspect answered; nothing changes. `unanswered`: no answer within the probe's
-    timeout (a paused process, a slow network): nothing changes, and the heartbeat timeout
-    decides as usual. `not_live`: the suspect holds no live registration (failed or left
-    already, or never registered)."""
+    timeout (a paused process, a slow network), or no responder but the evidence not confirmed
+    (the telemetry stream holds heartbeats of it this registry has not heard, or the stream
+    could not be read or written): nothing changes, and the heartbeat timeout decides as usual.
+    `not_live`: the suspect holds no live registration (failed or left already, or never
+    registered)."""
 
     job: Id
     suspect: Id
