@@ -199,6 +199,7 @@ class LiveGroup:
         self._pg = None
         if self.reformed:
             worker.set_state("recovering", step=self.step, epoch=self.epoch)
+        pg: Any = None
         while True:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
@@ -236,7 +237,10 @@ class LiveGroup:
                 behind = self._sync_state()
             except (RuntimeError, dist.DistError) as exc:
                 # A member died while the group formed: wait for the registry to record it.
-                self._pg = None
+                # The group is dropped here, not when the next one is built: its connections
+                # close, so a peer still waiting in one of its collectives fails now instead of
+                # at the collective's timeout.
+                self._pg = pg = None
                 self._log.warning("live_group_retry", membership_epoch=epoch, error=str(exc))
                 self._report_suspects(ids)
                 previous = epoch
