@@ -6,12 +6,12 @@ job and names one worker of it (`<worker>@<job>`, made by `strata up --secure`),
 of one job (`strata-workers-<job>`, the job's shared user, made by the chart and by `strata up
 --secure`; the worker part of its subjects is `*`): it may publish only its own
 heartbeats, metric samples and requests, each on a subject that ends with its job and worker, and
-subscribe only to its job's world notices, barrier and plan events, its own control notices and
-its own inbox; besides, it may use its job's keys of the torchrun rendezvous bucket. Nothing it
-publishes reaches the event stream: services record every event, and the subject a request
-arrives on says who sent it (see `strata.bus.rpc`). `strata up --secure` and the chart both
-render these rules. The files that hold passwords or the gateway's API token are
-written readable by their owner only.
+subscribe only to its job's world notices, barrier and plan events, its own control notices,
+its own probes (`registry.suspect`) and its own inbox; besides, it may use its job's keys of the
+torchrun rendezvous bucket. Nothing it publishes reaches the event stream: services record every
+event, and the subject a request arrives on says who sent it (see `strata.bus.rpc`). `strata up
+--secure` and the chart both render these rules. The files that hold passwords or the gateway's
+API token are written readable by their owner only.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def worker_permissions(job: str, worker: str) -> Permissions:
             subjects.event_subject(job, "shard.plan_changed"),
             subjects.world_subject(job),
             subjects.control_subject(job, worker),
+            subjects.probe_subject(job, worker, "*"),
             subjects.worker_inboxes(job, worker),
             *rendezvous.subscribe_allow,
         ),

@@ -30,7 +30,7 @@ from strata.bus import Bus
 from strata.config import Settings
 from strata.errors import StrataError, ValidationError
 from strata.events import LiveState
-from strata.events.requests import Lease, MembersResult, Registration
+from strata.events.requests import Lease, MembersResult, Registration, SuspectResult
 
 __all__ = ["Worker", "WorkerArgs", "WorkerOptions", "default_worker"]
 
@@ -225,6 +225,16 @@ class Worker:
     ) -> MembersResult:
         """The job's membership as the registry sees it (live workers; all with include_gone)."""
         return self._runner.run(self._aio.members(include_gone=include_gone, retry_for=retry_for))
+
+    def report_suspect(self, worker_id: str) -> SuspectResult:
+        """Report a peer of this job suspected dead (a collective with it failed); returns what
+        the registry decided. It probes the peer's registration: if NATS answers that nobody
+        listens there (the peer's connection is gone, as after a kill), its failure is recorded
+        at once (`failed`), without waiting for the heartbeat timeout; a peer that answers is
+        `alive`, and one that does not answer in time (paused) is left to the heartbeat timeout
+        (`unanswered`). `not_live`: the peer holds no live registration. Needs this worker's
+        live lease (`StaleLease` otherwise)."""
+        return self._runner.run(self._aio.report_suspect(worker_id))
 
     def barrier(self, name: str, timeout: float = 60.0, *, expected: int | None = None) -> int:
         """Wait until every expected participant has arrived at `name`; returns the generation.

@@ -53,6 +53,7 @@ from strata.services.registry.liveness import (
     observe_heartbeat,
     progress_since,
     stream_contradicts,
+    suspect_failure,
 )
 from strata.services.registry.state import (
     GONE,
@@ -102,6 +103,7 @@ __all__ = [
     "restore",
     "snapshot",
     "stream_contradicts",
+    "suspect_failure",
     "takes_over",
     "worker_id_for",
 ]

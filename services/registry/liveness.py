@@ -37,6 +37,30 @@ def failure_id(job: str, member: Member) -> str:
     return event_id("failed", job, member.worker_id, member.registered_epoch)
 
 
+def suspect_failure(
+    state: RegistryState, job_id: str, worker_id: str, instance: str, reason: str, now_ns: int
+) -> WorkerFailed | None:
+    """The failure of registration `instance` of `worker_id`, proven dead by a probe
+    (`registry.suspect`), or None when that registration is not live any more (it ended, or the
+    id registered again since the probe was sent). Same id as any other end of that
+    registration (`failure_id`), so whichever decision is stored first counts."""
+    job = state.jobs.get(job_id)
+    member = job.members.get(worker_id) if job is not None else None
+    if job is None or member is None or not member.live or member.instance != instance:
+        return None
+    return WorkerFailed(
+        id=failure_id(job_id, member),
+        job=job_id,
+        source=SOURCE,
+        ts=now_ns,
+        worker_id=worker_id,
+        rank=member.rank,
+        reason=reason,
+        last_heartbeat_ts=member.last_heartbeat_ts or 0,
+        membership_epoch=job.membership_epoch + 1,
+    )
+
+
 def detect_failures(
     state: RegistryState,
     now_ns: int,

@@ -4,7 +4,8 @@ Membership changes only through events folded from the stream (see `Projection`)
 the exception: kept in memory (see `domain.observe_heartbeat`), with state changes they reveal
 published in order off the heartbeat path. The parts live by concern, one class each, on the
 shared `base`: `notices` (to workers), `heartbeats` (the intake), `partitions` (what heartbeat
-partitions tell the leader) and `detector` (failure detection), which this module assembles.
+partitions tell the leader), `detector` (failure detection) and `suspects` (peers reported dead,
+judged on a probe), which this module assembles.
 
 Heartbeat intake can be split over several registry processes (`STRATA_REGISTRY_PARTITIONS`): each
 takes in the heartbeat buckets of its partition (`subjects.partition_heartbeats`) and watches those
@@ -32,6 +33,7 @@ from strata.events.requests import (
     LEAVE,
     MEMBERS,
     REGISTER,
+    SUSPECT,
     LeaveRequest,
     LeaveResult,
     MembersRequest,
@@ -43,8 +45,8 @@ from strata.services.commit import GroupCommit
 from strata.services.domain import Decision
 from strata.services.registry import domain
 from strata.services.registry.base import _fields
-from strata.services.registry.detector import FailureDetector
 from strata.services.registry.domain import Leave, Policy, Register, RegistryState
+from strata.services.registry.suspects import SuspectReports
 
 log = structlog.get_logger("strata.registry")
 
@@ -52,7 +54,7 @@ RPC_CONCURRENCY = 4096
 """Requests in hand at once; each waits for its batch (see `strata.services.commit`)."""
 
 
-class Registry(FailureDetector):
+class Registry(SuspectReports):
     name = "registry"
 
     def __init__(
@@ -134,6 +136,7 @@ class Registry(FailureDetector):
         self._rpc.serve(REGISTER, self._register)
         self._rpc.serve(LEAVE, self._leave)
         self._rpc.serve(MEMBERS, self._members)
+        self._rpc.serve(SUSPECT, self._suspect)
         await self._rpc.start()
         self.spawn(self._commits.run(), "commits")
         self.spawn(self._announce_worlds(), "worlds")

@@ -92,6 +92,10 @@ async def test_a_worker_publishes_nothing_but_its_own_telemetry_and_requests(
         # No operator request, no notice, no snapshot, no JetStream.
         subjects.rpc_subject("registry", "register"),
         subjects.control_subject(JOB, "worker-1"),
+        # No probe: only the registry probes a registration (`registry.suspect`).
+        subjects.probe_subject(JOB, "worker-0", "instance"),
+        subjects.probe_subject(JOB, "worker-1", "instance"),
+        subjects.probe_subject("other-job", "worker-0", "instance"),
         "$KV.STRATA_SNAPSHOTS.registry",
         "$JS.API.STREAM.PURGE.STRATA_EVENTS",
     ]
@@ -143,6 +147,10 @@ async def test_a_worker_listens_to_its_own_job_notices_and_replies_only(
         subjects.event_subject(JOB, "worker.registered"),
         subjects.event_subject(JOB, "checkpoint.committed"),
         subjects.heartbeat_subject(JOB, "worker-1"),
+        # Another worker's probes, or another job's: it answers for nobody but itself.
+        subjects.probe_subject(JOB, "worker-1", "*"),
+        subjects.probe_subject("other-job", "worker-0", "*"),
+        subjects.probe_subject("other-job", "*", "*"),
         "_INBOX.>",
         "strata.>",
     ]
@@ -152,6 +160,7 @@ async def test_a_worker_listens_to_its_own_job_notices_and_replies_only(
         subjects.world_subject(JOB),
         subjects.event_subject(JOB, "barrier.released"),
         subjects.event_subject(JOB, "shard.plan_changed"),
+        subjects.probe_subject(JOB, "worker-0", "*"),
     ]
     try:
         assert await natsprobe.refused_subscriptions(worker, refused + allowed) == set(refused)

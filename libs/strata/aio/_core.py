@@ -266,6 +266,7 @@ class _WorkerCore:
 
         self._bus: Bus | None = None
         self._control: Subscription | None = None
+        self._probes: Subscription | None = None
         self._world_sub: Subscription | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._rejoin_task: asyncio.Task[None] | None = None

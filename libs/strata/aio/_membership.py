@@ -19,6 +19,8 @@ from strata.events.requests import (
     MembersRequest,
     MembersResult,
     Registration,
+    SuspectRequest,
+    SuspectResult,
     WorkerNotice,
     WorldNotice,
 )
@@ -33,9 +35,28 @@ class _Membership(_Heartbeats):
         if self._control is not None:
             with contextlib.suppress(Exception):
                 await self._control.unsubscribe()
+        if self._probes is not None:
+            with contextlib.suppress(Exception):
+                await self._probes.unsubscribe()
         self._control = await self.bus.nc.subscribe(
             subjects.control_subject(self._job, self._worker_id), cb=self._on_control
         )
+        # Subscribed before registering (and on this connection, so the server has it before
+        # the registration): a probe of the registration, from its first moment, finds a
+        # responder for as long as this process's connection lives (`registry.suspect`).
+        self._probes = await self.bus.nc.subscribe(
+            subjects.probe_subject(self._job, self._worker_id, "*"), cb=self._on_probe
+        )
+
+    async def _on_probe(self, msg: Msg) -> None:
+        """Answer the registry's probe of one of this process's registrations at once; a probe
+        of another process's instance of this worker id goes unanswered (the registry then
+        changes nothing)."""
+        instance = subjects.untoken(msg.subject.rsplit(".", 1)[-1])
+        if instance not in (self._instance, self._next_instance) or not msg.reply:
+            return
+        with contextlib.suppress(Exception):
+            await msg.respond(b"")
 
     async def _on_control(self, msg: Msg) -> None:
         try:
@@ -163,6 +184,25 @@ class _Membership(_Heartbeats):
         )
         self._observe_membership(result.membership_epoch, result.world_size)
         return result
+
+    async def report_suspect(self, worker_id: str) -> SuspectResult:
+        """Report a peer of this job suspected dead (a collective with it failed); returns what
+        the registry decided. It probes the peer's registration: if NATS answers that nobody
+        listens there (the peer's connection is gone, as after a kill), its failure is recorded
+        at once (`failed`), without waiting for the heartbeat timeout; a peer that answers is
+        `alive`, and one that does not answer in time (paused) is left to the heartbeat timeout
+        (`unanswered`). `not_live`: the peer holds no live registration. Needs this worker's
+        live lease (`StaleLease` otherwise)."""
+        return await self.bus.rpc.call(
+            REGISTRY,
+            "suspect",
+            SuspectRequest(
+                job=self._job, worker_id=self._worker_id, suspect=worker_id, lease=self.lease
+            ),
+            result=SuspectResult,
+            timeout=RPC_TIMEOUT_S,
+            idempotent=True,
+        )
 
     def _observe_membership(self, membership_epoch: int, world_size: int) -> None:
         if membership_epoch >= self._membership_view[0]:

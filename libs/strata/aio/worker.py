@@ -172,7 +172,7 @@ class Worker(_TrainingMetrics):
 
     async def _close_bus(self) -> None:
         bus, self._bus = self._bus, None
-        self._control, self._world_sub = None, None
+        self._control, self._world_sub, self._probes = None, None, None
         if bus is None:
             return
         with contextlib.suppress(Exception):

@@ -156,6 +156,49 @@ MEMBERS = endpoint(
 )
 
 
+class SuspectRequest(StrictModel):
+    """A worker's report that a peer of its job seems dead (a collective with it failed): the
+    registry probes the peer's registration and records its failure only on proof that its
+    connection is gone (`SuspectResult`)."""
+
+    job: Id
+    worker_id: Id = Field(description="The reporting worker (the caller).")
+    suspect: Id = Field(description="The peer of the same job it suspects.")
+    lease: Lease | None = Field(
+        default=None,
+        description="The reporting worker's lease; required (`lease_required` without it).",
+    )
+
+
+SuspectVerdict = Literal["failed", "alive", "unanswered", "not_live"]
+
+
+class SuspectResult(StrictModel):
+    """What the registry decided. `failed`: the probe found no responder (the suspect's
+    connection is gone), so its failure is recorded now (or was, by a report just before).
+    `alive`: the suspect answered; nothing changes. `unanswered`: no answer within the probe's
+    timeout (a paused process, a slow network), or no responder but the evidence not confirmed
+    (the telemetry stream holds heartbeats of it this registry has not heard, or the stream
+    could not be read or written): nothing changes, and the heartbeat timeout decides as usual.
+    `not_live`: the suspect holds no live registration (failed or left already, or never
+    registered)."""
+
+    job: Id
+    suspect: Id
+    verdict: SuspectVerdict
+    membership_epoch: MembershipEpoch
+
+
+SUSPECT = endpoint(
+    "registry",
+    "suspect",
+    SuspectRequest,
+    SuspectResult,
+    "Report a peer suspected dead; its failure is recorded at once if its connection is gone.",
+    scope="worker",
+)
+
+
 class WorkerNotice(StrictModel):
     """Sent by a service to one worker on `strata.ctl.<job>.<worker>` (core NATS, no stream).
 

@@ -41,6 +41,7 @@ CONTROL: Final = f"{ROOT}.ctl"
 WORLD: Final = f"{ROOT}.world"
 STATUS: Final = f"{ROOT}.status"
 WORKER_INBOXES: Final = f"_INBOX_{ROOT}"
+PROBES: Final = f"{ROOT}.probe"
 
 EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
 _EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
@@ -215,6 +216,14 @@ def control_subject(job: str, worker_id: str) -> str:
 def world_subject(job: str) -> str:
     """The registry's compact notices of a job's world (core NATS, not stored)."""
     return f"{WORLD}.{token(job)}"
+
+
+def probe_subject(job: str, worker_id: str, instance: str) -> str:
+    """Where one registration of a worker (its process, `instance`) answers the registry's
+    probes (core NATS request/reply); `worker_id` and `instance` may be `*`. The subscription
+    lives as long as the process's connection: a request finding no subscriber there (NATS's
+    "no responders") means that connection is gone (`registry.suspect`)."""
+    return f"{PROBES}.{token(job)}.{token(worker_id)}.{token(instance)}"
 
 
 def worker_inbox_prefix(job: str, worker_id: str) -> str:

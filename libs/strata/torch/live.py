@@ -19,6 +19,7 @@ The pure parts (who serves the state, which members form the group) are function
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +40,7 @@ from strata.errors import (
     StaleLease,
     StrataError,
 )
-from strata.events.requests import MemberInfo
+from strata.events.requests import MemberInfo, SuspectResult
 from strata.torch.sampler import ShardSampler, ShardSource
 from strata.worker import Worker
 
@@ -142,6 +143,8 @@ class LiveGroup:
         """Shard -> samples trained in committed steps, as every rank's vote said (this epoch):
         what a rank that died before reporting its last step had trained."""
         self._pg: Any = None
+        self._peers: list[str] = []
+        """The worker ids of the current group, in group-rank order."""
         self._group_epoch: int | None = None
         self._rank = 0
         self._size = 1
@@ -196,6 +199,7 @@ class LiveGroup:
         self._pg = None
         if self.reformed:
             worker.set_state("recovering", step=self.step, epoch=self.epoch)
+        pg: Any = None
         while True:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
@@ -228,12 +232,17 @@ class LiveGroup:
             try:
                 pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self._timeout))
                 self._pg, self._rank, self._size = pg, rank, size
+                self._peers = ids
                 self._group_epoch = epoch
                 behind = self._sync_state()
             except (RuntimeError, dist.DistError) as exc:
                 # A member died while the group formed: wait for the registry to record it.
-                self._pg = None
+                # The group is dropped here, not when the next one is built: its connections
+                # close, so a peer still waiting in one of its collectives fails now instead of
+                # at the collective's timeout.
+                self._pg = pg = None
                 self._log.warning("live_group_retry", membership_epoch=epoch, error=str(exc))
+                self._report_suspects(ids)
                 previous = epoch
                 continue
             break
@@ -328,6 +337,32 @@ class LiveGroup:
             consequence="the step is trained again by the group the survivors form",
         )
         self._pg = None
+        self._report_suspects(self._peers)
+
+    def _report_suspects(self, peers: Sequence[str]) -> None:
+        """Report the group's other members to the registry as suspects, all at once: a dead
+        one (its connection gone) is recorded failed now, so the new membership epoch the
+        survivors wait for comes without waiting for the heartbeat timeout. A live or paused
+        peer changes nothing (`Worker.report_suspect`)."""
+        others = [peer for peer in peers if peer != self._worker.id]
+        if not others:
+            return
+        aio = self._worker.aio
+
+        async def report_all() -> list[SuspectResult | BaseException]:
+            return await asyncio.gather(
+                *(aio.report_suspect(peer) for peer in others), return_exceptions=True
+            )
+
+        for peer, outcome in zip(others, self._worker.runner.run(report_all()), strict=True):
+            if isinstance(outcome, SuspectResult):
+                if outcome.verdict == "failed":
+                    self._log.warning("live_peer_failed", suspect=peer)
+            elif isinstance(outcome, Exception):
+                # Not reported (the registry busy or away): the heartbeat timeout still applies.
+                self._log.info("live_suspect_not_reported", suspect=peer, error=str(outcome))
+            else:
+                raise outcome
 
     # -- training ---------------------------------------------------------------------------------
 

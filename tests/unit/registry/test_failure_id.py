@@ -56,3 +56,23 @@ def test_a_new_registration_of_the_same_id_ends_under_another_id() -> None:
         membership_epoch=1,
     )
     assert domain.confirm_failures(state, [stale]) == []
+
+
+def test_a_probed_suspect_ends_its_registration_under_the_same_id_and_only_that_one() -> None:
+    state = RegistryState()
+    register(state, "w0", 0.0)
+    register(state, "w1", 0.0)
+    member = state.jobs[JOB].members["w0"]
+    failure = domain.suspect_failure(state, JOB, "w0", member.instance, "reported", ns(0.5))
+    assert failure is not None
+    assert failure.id == domain.failure_id(JOB, member)
+    assert failure.membership_epoch == state.jobs[JOB].membership_epoch + 1
+    assert (failure.rank, failure.reason) == (member.rank, "reported")
+    # Another instance of the id (the probe was of an older registration), or no such worker:
+    # nothing is failed.
+    assert domain.suspect_failure(state, JOB, "w0", "another", "reported", ns(0.5)) is None
+    assert domain.suspect_failure(state, JOB, "w9", member.instance, "reported", ns(0.5)) is None
+    assert domain.suspect_failure(state, "other", "w0", member.instance, "r", ns(0.5)) is None
+    # Once that registration ended, a second report fails nothing.
+    state = domain.evolve(state, failure)
+    assert domain.suspect_failure(state, JOB, "w0", member.instance, "reported", ns(0.6)) is None

@@ -64,6 +64,7 @@ authorization {
           {{ printf "strata.evt.%s.shard.plan_changed" $job | quote }},
           {{ printf "strata.world.%s" $job | quote }},
           {{ printf "strata.ctl.%s.%s" $job $worker | quote }},
+          {{ printf "strata.probe.%s.%s.*" $job $worker | quote }},
           {{ printf "_INBOX_strata.%s.%s.>" $job $worker | quote }},
           {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }}
         ]
