@@ -45,15 +45,18 @@ dashboard-test: $(DASHBOARD_MODULES)
 wheel: install dashboard
 	$(BIN)/python -m build --outdir dist .
 
+# Two test processes (pytest-xdist): each has its own servers on free ports, so they share nothing.
+TEST_PROCESSES ?= 2
+
 test: install dashboard dashboard-test lint typecheck schemas-check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 # The fast tier for every change (tests/tiers.py): lint, types, schemas, the dashboard's own checks,
 # the unit tests and the integration tests not marked slow, on two processes, property tests with a
 # fifth of their examples.
 check: install dashboard-test lint typecheck schemas-check
 	STRATA_TEST_TIER=check $(BIN)/python -m pytest tests/unit tests/integration -m "not slow" \
-		-n 2 -p no:cacheprovider $(PYTEST_ARGS)
+		-n $(TEST_PROCESSES) -p no:cacheprovider $(PYTEST_ARGS)
 
 chaos: install
 	$(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
