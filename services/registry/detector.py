@@ -245,9 +245,9 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
         async def last_stored(event: WorkerFailed) -> tuple[domain.Beat | None, int]:
             subject = subjects.heartbeat_subject(event.job, event.worker_id)
             try:
-                msg = await self.bus.js.get_last_msg(
-                    subjects.TELEMETRY_STREAM, subject, direct=True
-                )
+                # From the stream's leader, not a direct get: any replica answers those, and a
+                # replica on this registry's side of a cut may not have the latest heartbeats yet.
+                msg = await self.bus.js.get_last_msg(subjects.TELEMETRY_STREAM, subject)
             except nats.js.errors.NotFoundError:
                 return None, 0
             return stored_beat(msg.data or b""), msg.seq or 0
