@@ -78,13 +78,17 @@ const WorldChart = memo(function WorldChart(props: { live: LiveView; endNs: numb
   );
 });
 
+function counted(count: number, noun: string): string {
+  return `${count} ${noun}${count === 1 ? "" : "s"}`;
+}
+
 export function LiveGroup(props: { live: LiveView; endNs: number }) {
   const { live } = props;
   if (live.quorums === 0) return null;
   const listed = live.markers.slice(-LISTED).reverse();
   const subtitle =
-    `world ${formatNumber(live.world_size)} · ${live.quorums} groups formed · ` +
-    `${live.heals} heals · ${live.discarded_steps} steps discarded`;
+    `world ${formatNumber(live.world_size)} · ${counted(live.quorums, "group")} formed · ` +
+    `${counted(live.heals, "heal")} · ${counted(live.discarded_steps, "step")} discarded`;
   return (
     <Panel title="Live group" subtitle={subtitle} className="span-3 charts" testId="live-group">
       <div className="chart-row">
