@@ -23,7 +23,9 @@ from strata.events import (
     CheckpointAborted,
     CheckpointCommitted,
     CheckpointStarted,
+    LiveHealed,
     LiveQuorumFormed,
+    LiveStepDiscarded,
 )
 from strata.events.requests import PlanRequest, PlanSummary
 
@@ -156,6 +158,7 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
         ranks.append(replacement)
         survivors = [ranks[0], ranks[2], replacement]
         results = finish(survivors, 300)
+        events = plans.runner.run(job_events(plans.bus, job))
     finally:
         for rank in ranks:
             rank.kill()
@@ -174,6 +177,21 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     # The replacement took the state from a live peer (there is no checkpoint to read).
     assert by_worker["w3"][6] == "True", text
     assert "joined at step 0," not in replacement.output(), text
+    # The barrier service recorded each change: the shrink, the discarded step (reported by the
+    # survivors), the replacement's arrival and its heal from a live peer.
+    quorums = [e for e in events if isinstance(e, LiveQuorumFormed)]
+    shrink = next(q for q in quorums if q.left == ["w1"])
+    assert sorted(shrink.members) == ["w0", "w2"], quorums
+    grown = next(q for q in quorums if q.joined == ["w3"])
+    assert sorted(grown.members) == ["w0", "w2", "w3"], quorums
+    discards = [e for e in events if isinstance(e, LiveStepDiscarded)]
+    assert discards, text
+    assert {d.worker_id for d in discards} <= {"w0", "w2"}
+    heal = next(e for e in events if isinstance(e, LiveHealed) and e.worker_id == "w3")
+    assert heal.source_worker in ("w0", "w2")
+    assert heal.membership_epoch >= grown.membership_epoch
+    assert heal.from_step == 0
+    assert heal.to_step > 0
 
 
 def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replacement(
