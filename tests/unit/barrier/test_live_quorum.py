@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strata.errors import Forbidden, NotFound, StrataError
 from strata.events import (
     Event,
@@ -27,6 +29,8 @@ from strata.events.requests import (
 )
 from strata.services.barrier import domain
 from strata.services.barrier.domain import BarrierState
+
+from tests.tiers import examples
 
 JOB = "job-live"
 NOW = 1_700_000_000 * 10**9
@@ -208,3 +212,40 @@ def test_a_report_on_a_quorum_the_worker_is_not_part_of_is_refused(
     assert isinstance(refused, error), refused
     assert refused.message
     assert len(driver.log) == before  # nothing recorded
+
+
+@settings(max_examples=examples(60))
+@given(
+    st.lists(
+        st.sets(st.sampled_from(["w0", "w1", "w2", "w3", "w4"]), min_size=1), min_size=1, max_size=6
+    ),
+    st.sampled_from(["w0", "w1", "w2", "w3", "w4"]),
+)
+def test_each_quorum_compares_with_the_one_before_and_only_its_members_report(
+    groups: list[set[str]], reporter: str
+) -> None:
+    """Whatever groups meet one after another, each quorum is exactly who arrived, in registry
+    rank order, `left` and `joined` are the differences with the quorum before, and a report on
+    it is recorded exactly when its reporter is a member."""
+    driver = Driver()
+    for worker in ("w0", "w1", "w2", "w3", "w4"):
+        driver.register(worker)
+    previous: list[str] | None = None
+    for arrival, group in enumerate(groups):
+        driver.epoch += 1  # each meeting at a newer membership epoch, as LiveGroup does
+        meet(driver, sorted(group), driver.epoch, arrival)
+        formed = quorums(driver)[-1]
+        assert formed.membership_epoch == driver.epoch
+        assert formed.members == sorted(group, key=lambda w: driver.ranks[w])
+        assert formed.world_size == len(group)
+        assert formed.left == [w for w in previous or [] if w not in group]
+        assert formed.joined == (
+            [] if previous is None else [w for w in formed.members if w not in previous]
+        )
+        outcome = report(driver, reporter, driver.epoch, 0, action="discarded", step=arrival + 1)
+        if reporter in group:
+            assert isinstance(outcome, list)
+            assert isinstance(outcome[0], LiveStepDiscarded)
+        else:
+            assert isinstance(outcome, Forbidden)
+        previous = formed.members
