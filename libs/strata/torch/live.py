@@ -343,7 +343,9 @@ class LiveGroup:
         options.rootTensor = 0
         self._pg.broadcast([tensor], options).wait()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, *, training: bool = True) -> None:
+        """The group's collective failed: drop the group, report its other members as suspects
+        and (for a step that was training a batch, `training`) the step as discarded."""
         self._log.warning(
             "live_step_discarded",
             step=self.step,
@@ -353,7 +355,8 @@ class LiveGroup:
         )
         self._pg = None
         self._report_suspects(self._peers)
-        self._report("discarded", self.step + 1, reason=f"{type(exc).__name__}: {exc}"[:1000])
+        if training:
+            self._report("discarded", self.step + 1, reason=f"{type(exc).__name__}: {exc}"[:1000])
 
     def _report(self, action: LiveAction, step: int, **details: Any) -> None:
         """Have the barrier service record what this rank did in its group (a heal, a discarded
@@ -502,7 +505,7 @@ class LiveGroup:
                 try:
                     self._allreduce(done, dist.ReduceOp.MIN)
                 except (RuntimeError, dist.DistError) as exc:
-                    self._fail(exc)
+                    self._fail(exc, training=False)
                     pending = None
                     continue
                 if done.item():
