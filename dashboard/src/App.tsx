@@ -4,6 +4,7 @@ import type { JobSummary } from "./api/types";
 import { Charts } from "./components/Charts";
 import { Barriers, Checkpoints } from "./components/Checkpoints";
 import { EventLog } from "./components/EventLog";
+import { LiveGroup } from "./components/LiveGroup";
 import { ModeBanner } from "./components/ModeBanner";
 import { Overview } from "./components/Overview";
 import { ShardDistribution } from "./components/ShardDistribution";
@@ -210,7 +211,13 @@ export function App() {
             checkpoints={shown.checkpoints}
             replayMs={replaying ? nsToMs(shown.ts) : null}
           />
-          <TrainingCharts metrics={training} restarts={shown.restarts} replaying={replaying} />
+          <LiveGroup live={shown.live} endNs={shown.ts} />
+          <TrainingCharts
+            metrics={training}
+            restarts={shown.restarts}
+            live={shown.live.markers}
+            replaying={replaying}
+          />
           <WorkerGrid workers={shown.workers} nowNs={nowNs} />
           <ShardDistribution
             datasets={shown.datasets}

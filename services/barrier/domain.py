@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from strata.clock import TimeBase
-from strata.errors import BarrierTimeout, ConflictError, NotFound, StrataError, WorkerSuperseded
+from strata.errors import (
+    BarrierTimeout,
+    ConflictError,
+    Forbidden,
+    NotFound,
+    StrataError,
+    WorkerSuperseded,
+)
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -33,6 +40,9 @@ from strata.events import (
     BarrierTimedOut,
     BarrierWithdrawn,
     Event,
+    LiveHealed,
+    LiveQuorumFormed,
+    LiveStepDiscarded,
     WorkerFailed,
     WorkerLeft,
     WorkerRegistered,
@@ -41,12 +51,16 @@ from strata.events.ids import event_id
 from strata.events.requests import (
     ArriveRequest,
     BarrierOutcome,
+    LiveReportRequest,
+    LiveReportResult,
     WithdrawRequest,
     WithdrawResult,
     WithdrawStatus,
+    live_barrier_epoch,
 )
 from strata.services.barrier.state import (
     KEEP_GENERATIONS,
+    KEEP_QUORUMS,
     NEVER,
     SOURCE,
     BarrierState,
@@ -79,6 +93,7 @@ __all__ = [
     "outcome",
     "recover",
     "release_proven",
+    "report_live",
     "withdraw",
 ]
 
@@ -96,6 +111,7 @@ FOLDS: Final[tuple[type[Event], ...]] = (
     BarrierBrokenEvent,
     BarrierTimedOut,
     BarrierWithdrawn,
+    LiveQuorumFormed,
 )
 """The event types `evolve` folds; it ignores every other. The read model routes by this."""
 REQUESTED: Final[tuple[type[Event], ...]] = (BarrierArrived,)
@@ -108,6 +124,7 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
         job = state.job(event.job)
         job.registered(event.worker_id, event.instance, event.ts)
         job.leases.fold(event)
+        job.ranks[event.worker_id] = event.rank
     elif isinstance(event, WorkerFailed | WorkerLeft):
         job = state.job(event.job)
         job.live.discard(event.worker_id)
@@ -127,6 +144,14 @@ def evolve(state: BarrierState, event: Event) -> BarrierState:
             )
             for old in sorted(named.generations)[:-KEEP_GENERATIONS]:
                 del named.generations[old]
+    elif isinstance(event, LiveQuorumFormed):
+        job = state.job(event.job)
+        key = (event.membership_epoch, event.generation)
+        job.quorums[key] = list(event.members)
+        if job.last_quorum is None or key > job.last_quorum:
+            job.last_quorum = key
+        for stale in sorted(job.quorums)[:-KEEP_QUORUMS]:
+            del job.quorums[stale]
     elif isinstance(event, BarrierArrived):
         _count(state, event)
     elif isinstance(event, BarrierWithdrawn):
@@ -243,6 +268,127 @@ def _release(job: str, gen: Generation, now: TimeBase) -> BarrierReleased:
         first_arrival_to_release_ms=max(0.0, (now_ns - first) / 1e6),
         last_arrival_to_release_ms=max(0.0, (now_ns - last) / 1e6),
     )
+
+
+def _released(state: BarrierState, job: str, gen: Generation, now: TimeBase) -> list[Event]:
+    """A generation's release, and for a live group's meeting barrier the quorum it formed."""
+    return [_release(job, gen, now), *_quorum(state, job, gen, now)]
+
+
+def _quorum(state: BarrierState, job_id: str, gen: Generation, now: TimeBase) -> list[Event]:
+    """`live.quorum_formed` for the release of `live-<epoch>`: its members are the arrivals this
+    service counted (none when the release was proven by a re-send after a restart: then there
+    is nothing to record them from), compared with the job's previous quorum."""
+    epoch = live_barrier_epoch(gen.name)
+    job = state.jobs.get(job_id)
+    if epoch is None or job is None or not gen.arrived:
+        return []
+    key = (epoch, gen.generation)
+    if key in job.quorums:
+        return []  # recorded already (a release decided again)
+    members = sorted(gen.arrived, key=lambda worker: (job.ranks.get(worker, NEVER), worker))
+    previous = job.quorums.get(job.last_quorum) if job.last_quorum is not None else None
+    return [
+        LiveQuorumFormed(
+            id=event_id("live-quorum", job_id, epoch, gen.generation),
+            job=job_id,
+            source=SOURCE,
+            ts=now.wall_ns,
+            membership_epoch=epoch,
+            generation=gen.generation,
+            members=members,
+            world_size=len(members),
+            previous_epoch=None if job.last_quorum is None else job.last_quorum[0],
+            left=[] if previous is None else [w for w in previous if w not in gen.arrived],
+            joined=[] if previous is None else [w for w in members if w not in previous],
+        )
+    ]
+
+
+def report_live(
+    state: BarrierState, request: LiveReportRequest, now_ns: int, wall_ns: int | None = None
+) -> Decision[LiveReportResult]:
+    """Record what a member of a live quorum did in it (`live.healed`, `live.step_discarded`).
+
+    Refused: a worker with no live registration in the job (NotFound), a superseded process or
+    an ended lease, a quorum this service has no record of (NotFound: it was never formed, or is
+    older than the last KEEP_QUORUMS), a reporter that is not a member of the quorum it names,
+    and a heal from a worker that is not (Forbidden): a worker speaks only for what it took part
+    in. The event id is a function of the report, so a retried report is recorded once.
+    """
+    now = _reading(state, now_ns, wall_ns)
+    job = state.jobs.get(request.job)
+    if job is None or request.worker_id not in job.live:
+        return Decision(
+            error=NotFound(
+                f"worker {request.worker_id!r} is not a live member of job {request.job!r}: "
+                "only a registered worker reports what it did in a live group"
+            )
+        )
+    holder = job.instances.get(request.worker_id)
+    if request.instance is not None and holder not in (None, request.instance):
+        return Decision(
+            error=WorkerSuperseded(
+                f"worker {request.worker_id!r} of job {request.job!r} was registered by another "
+                "process after this one: its reports no longer count"
+            )
+        )
+    if request.lease is not None:
+        fenced = job.leases.check(request.job, request.lease, request.worker_id)
+        if fenced is not None:
+            return Decision(error=fenced)
+    key = (request.membership_epoch, request.generation)
+    members = job.quorums.get(key)
+    named = f"quorum {request.membership_epoch}/{request.generation} of job {request.job!r}"
+    if members is None:
+        return Decision(
+            error=NotFound(
+                f"no live {named} is recorded (it never formed, or it is older than the last "
+                f"{KEEP_QUORUMS}): report against the group this worker is in"
+            )
+        )
+    if request.worker_id not in members:
+        return Decision(
+            error=Forbidden(
+                f"worker {request.worker_id!r} is not a member of the live {named} "
+                f"({len(members)} members): a worker reports only on a group it is part of"
+            )
+        )
+    event: Event
+    if request.action == "healed":
+        source = request.source_worker
+        if source is None or source not in members or source == request.worker_id:
+            return Decision(
+                error=Forbidden(
+                    f"a heal of {request.worker_id!r} in the live {named} must name another "
+                    f"member as its source, not {source!r}"
+                )
+            )
+        event = LiveHealed(
+            id=event_id("live-healed", request.job, *key, request.worker_id),
+            job=request.job,
+            source=SOURCE,
+            ts=now.wall_ns,
+            membership_epoch=request.membership_epoch,
+            generation=request.generation,
+            worker_id=request.worker_id,
+            source_worker=source,
+            from_step=request.from_step or 0,
+            to_step=request.step,
+        )
+    else:
+        event = LiveStepDiscarded(
+            id=event_id("live-discarded", request.job, *key, request.worker_id, request.step),
+            job=request.job,
+            source=SOURCE,
+            ts=now.wall_ns,
+            membership_epoch=request.membership_epoch,
+            generation=request.generation,
+            worker_id=request.worker_id,
+            step=request.step,
+            reason=request.reason[:1000],
+        )
+    return Decision([event], result=LiveReportResult(event_id=event.id))
 
 
 def arrive(
@@ -560,7 +706,7 @@ def release_proven(
 
 def _release_proven(state: BarrierState, request: ArriveRequest, now: TimeBase) -> list[Event]:
     gen = _proven(state, request)
-    return [] if gen is None else [_release(request.job, gen, now)]
+    return [] if gen is None else _released(state, request.job, gen, now)
 
 
 def _timed_out(job: str, gen: Generation, now: TimeBase) -> BarrierTimedOut:
@@ -603,7 +749,7 @@ def _lapsed(job: str, gen: Generation, now: TimeBase) -> list[Event]:
     ]
 
 
-def _conclusion(job: str, gen: Generation, now: TimeBase) -> list[Event]:
+def _conclusion(state: BarrierState, job: str, gen: Generation, now: TimeBase) -> list[Event]:
     if gen.status != "waiting":
         return []
     if gen.completed_in_time():
@@ -612,7 +758,7 @@ def _conclusion(job: str, gen: Generation, now: TimeBase) -> list[Event]:
             # Released with these, the barrier would count waiters that already raised
             # BarrierTimeout: withdrawn for them instead, and it waits on (or times out).
             return lapsed
-        return [_release(job, gen, now)]
+        return _released(state, job, gen, now)
     if now.mono_ns >= gen.deadline_ns:
         return [_timed_out(job, gen, now)]
     return []
@@ -630,13 +776,13 @@ def _conclude(state: BarrierState, job: str, name: str, now: TimeBase) -> list[E
     found = state.jobs.get(job)
     named = found.barriers.get(name) if found is not None else None
     gen = named.current if named is not None else None
-    return [] if gen is None else _conclusion(job, gen, now)
+    return [] if gen is None else _conclusion(state, job, gen, now)
 
 
 def due(state: BarrierState, now_ns: int, wall_ns: int | None = None) -> list[Event]:
     """Every conclusion due now: time-outs, and releases decided but never stored (a restart)."""
     now = _reading(state, now_ns, wall_ns)
-    return [event for job, gen in state.waiting() for event in _conclusion(job, gen, now)]
+    return [event for job, gen in state.waiting() for event in _conclusion(state, job, gen, now)]
 
 
 def recover(state: BarrierState, now_ns: int, wall_ns: int | None = None) -> list[Event]:
@@ -653,7 +799,7 @@ def recover(state: BarrierState, now_ns: int, wall_ns: int | None = None) -> lis
         live = state.jobs[job_id].live
         gone = sorted((set(gen.arrived) if gen.by_count else gen.expected) - live)
         if gen.completed_in_time():
-            events.append(_release(job_id, gen, now))
+            events.extend(_released(state, job_id, gen, now))
         elif gone:
             reason = f"participants {', '.join(map(repr, gone))} failed or left"
             events.append(_broken(job_id, gen, gone, reason, now))

@@ -46,8 +46,10 @@ from strata.events import (
 from strata.events.models import Event
 from strata.events.requests import (
     ARRIVE,
+    LIVE_REPORT,
     WITHDRAW,
     ArriveRequest,
+    LiveReportRequest,
     WithdrawRequest,
     WithdrawResult,
 )
@@ -132,6 +134,7 @@ class Barrier(Projection[BarrierState]):
         self._rpc = await self.rpc_server(bus, settings, concurrency=MAX_BATCH)
         self._rpc.serve(ARRIVE, self._arrive)
         self._rpc.serve(WITHDRAW, self._withdraw)
+        self._rpc.serve(LIVE_REPORT, self._live_report)
         await self._rpc.start()
         self.spawn(self._time_out(), "timeouts")
 
@@ -292,6 +295,25 @@ class Barrier(Projection[BarrierState]):
         self._queue.append((request, future))
         self._wakeup.set()
         return await future
+
+    async def _live_report(self, request: LiveReportRequest) -> dict[str, Any]:
+        """Record a live group member's heal or discarded step, once checked against the quorum
+        it names; answered after the event is written."""
+        job = self.state.jobs.get(request.job)
+        if (
+            job is None
+            or request.worker_id not in job.live
+            or (request.membership_epoch, request.generation) not in job.quorums
+        ):
+            await self.sync()  # its registration, or the quorum, may be stored and not folded yet
+        async with self.lock:
+            decision = domain.report_live(self.state, request, *self.reading())
+            if decision.error is not None:
+                raise decision.error
+            self.apply_before_storage(decision.events)
+            await self._send(decision.events)
+        assert decision.result is not None
+        return decision.result.model_dump(mode="python")
 
     async def _decide_batches(self) -> None:
         """One batch after another: decide every arrival waiting now, write the openings and

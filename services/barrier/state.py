@@ -14,6 +14,9 @@ from strata.services.leases import Leases
 
 SOURCE: Final = "barrier"
 KEEP_GENERATIONS = 4
+KEEP_QUORUMS: Final = 16
+"""Live quorums a job keeps (the newest): a report names the quorum it happened in, which is one
+of the last few unless the reporter lagged that far behind."""
 NEVER: Final = 2**63
 Status = Literal["waiting", "released", "broken", "timed_out"]
 
@@ -105,6 +108,12 @@ class JobBarriers:
     hold its arrivals."""
     leases: Leases = field(default_factory=Leases)
     """Each live worker's registration (lease): an arrival under an ended one is refused."""
+    ranks: dict[str, int] = field(default_factory=dict)
+    """Worker id -> its registry rank: a live quorum's members are listed in group-rank order."""
+    quorums: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    """(membership epoch, generation) -> the members of a live quorum, the newest KEEP_QUORUMS."""
+    last_quorum: tuple[int, int] | None = None
+    """The newest live quorum recorded: the one the next is compared with."""
 
     def registered(self, worker_id: str, instance: str, ts: int) -> None:
         self.live.add(worker_id)

@@ -15,6 +15,7 @@ from strata.events import (
     CheckpointShardStarted,
     CheckpointStarted,
     Event,
+    LiveQuorumFormed,
     WorkerFailed,
     WorkerLeft,
     WorkerRegistered,
@@ -41,6 +42,7 @@ FOLDS: Final[tuple[type[Event], ...]] = (
     CheckpointCommitted,
     CheckpointAborted,
     CheckpointPruned,
+    LiveQuorumFormed,
 )
 """The event types `evolve` folds; it ignores every other. The read model routes by this."""
 REQUESTED: Final[tuple[type[Event], ...]] = (CheckpointShardSaved,)
@@ -61,6 +63,10 @@ def evolve(state: CheckpointState, event: Event) -> CheckpointState:
         job.instances.pop(event.worker_id, None)
         job.leases.fold(event)
         job.membership_epoch = max(job.membership_epoch, event.membership_epoch)
+    elif isinstance(event, LiveQuorumFormed):
+        job = state.job(event.job)
+        if job.quorum is None or event.membership_epoch >= job.quorum[0]:
+            job.quorum = (event.membership_epoch, tuple(event.members))
     elif isinstance(event, CheckpointStarted):
         job = state.job(event.job)
         if job.root_uri is None:

@@ -107,6 +107,9 @@ class JobCheckpoints:
     """Where the job's checkpoints are stored: fixed by its first `checkpoint.started`."""
     keep_count: int | None = None
     """How many committed checkpoints retention keeps: fixed with the root."""
+    quorum: tuple[int, tuple[str, ...]] | None = None
+    """The newest live quorum (`live.quorum_formed`): membership epoch, members in group-rank
+    order. A step saved by one of its members has that quorum as its world."""
 
     def fork(self) -> JobCheckpoints:
         """A copy that `evolve` may change without changing this one. Committed and aborted

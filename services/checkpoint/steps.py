@@ -31,6 +31,17 @@ from strata.storage.base import shard_key
 # -- decisions ------------------------------------------------------------------------------------
 
 
+def live_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> dict[str, int] | None:
+    """Worker id -> rank in the job's newest live quorum, when the saving worker is a member of
+    it (`strata.torch.live.LiveGroup`), else None. A live group's step belongs to the group that
+    trained it: after a shrink its world is the survivors, ranked as in the group, not the
+    registry's ranks (which keep the dead rank's hole) nor a replacement registered since that has
+    not joined the group yet."""
+    if job.quorum is None or request.worker_id not in job.quorum[1]:
+        return None
+    return {worker: rank for rank, worker in enumerate(job.quorum[1])}
+
+
 def declared_world(job: JobCheckpoints, request: BeginCheckpointRequest) -> tuple[int, int]:
     """The world (size, membership epoch) a step opens for, from the first begin's view.
 
@@ -107,8 +118,13 @@ def begin(state: CheckpointState, request: BeginCheckpointRequest, now_ns: int) 
 def _open(
     job: JobCheckpoints, request: BeginCheckpointRequest, now_ns: int, attempt: int
 ) -> Decision[None]:
-    world_size, membership_epoch = declared_world(job, request)
-    holders = {rank: worker for worker, rank in job.live.items()}
+    group = live_world(job, request)
+    if group is not None and job.quorum is not None:
+        world_size, membership_epoch = len(group), job.quorum[0]
+        holders = {rank: worker for worker, rank in group.items() if worker in job.live}
+    else:
+        world_size, membership_epoch = declared_world(job, request)
+        holders = {rank: worker for worker, rank in job.live.items()}
     participants = {holders[r]: r for r in range(world_size) if r in holders}
     unheld = [rank for rank in range(world_size) if rank not in holders]
     doomed: str | None = None
@@ -174,7 +190,7 @@ def _declare(
     """A begin for a step that is open already: this rank's intent, a retry, or a refusal."""
     step = request.step
     rank = opened.participants.get(request.worker_id)
-    disagreement = _disagreement(opened, request)
+    disagreement = _disagreement(opened, request, live_world(job, request) is not None)
     if disagreement is not None:
         # A participant refused here will not save into the step, which can then never
         # complete: end it now rather than at its deadline.
@@ -204,10 +220,14 @@ def _declare(
     return Decision([_shard_started(request, rank, opened.attempt, now_ns)])
 
 
-def _disagreement(opened: OpenCheckpoint, request: BeginCheckpointRequest) -> str | None:
-    """Why this begin cannot join the open step (world, epoch, storage root), or None."""
+def _disagreement(
+    opened: OpenCheckpoint, request: BeginCheckpointRequest, in_group: bool = False
+) -> str | None:
+    """Why this begin cannot join the open step (world, epoch, storage root), or None. A member
+    of the job's live group saves into its group's world, whatever size of the registry's
+    membership it declares (`in_group`)."""
     declared, world = request.world_size, opened.world_size
-    if declared is not None and world is not None and declared != world:
+    if not in_group and declared is not None and world is not None and declared != world:
         # A view older than the step's that misses joins counts the same world, only late.
         older_view = request.membership_epoch < (opened.membership_epoch or 0)
         if not (older_view and declared < world):

@@ -70,6 +70,7 @@ def render_dashboard(state: JobState, rates: LiveRates | None = None) -> Dashboa
         "workers": workers,
         "losses": [loss.view() for loss in state.restart_log.losses],
         "restarts": [restart.view() for restart in state.restart_log.restarts],
+        "live": state.live_log.view(),
         "datasets": datasets,
         "checkpoints": state.checkpoint_rows(),
         "barriers": state.barrier_rows(),

@@ -39,6 +39,7 @@ from strata.events import (
 from strata.history import Record, ReplayBudget, ReplayLimits, summarize
 from strata.services.barrier import domain as barrier_domain
 from strata.services.checkpoint import domain as checkpoint_domain
+from strata.services.readmodel.live import LiveLog
 from strata.services.readmodel.restarts import GoneStatus, Loss, RestartLog
 from strata.services.readmodel.views import (
     BarrierView,
@@ -174,6 +175,7 @@ class JobState:
         self._last_commit: tuple[int, float] | None = None
         """(total bytes, duration in ms) of the checkpoint committed last."""
         self.restart_log = RestartLog()
+        self.live_log = LiveLog()
 
     def _connect_domains(self) -> None:
         """Each domain's `evolve` with the state it folds into (again after a restore)."""
@@ -201,6 +203,8 @@ class JobState:
         if provenance.source_refusal(event) is not None:
             self.rejected += 1
             return
+        if event.type.startswith("live."):
+            self.live_log.fold(event)
         routes = self._routes.get(event.type)
         if routes is None:
             routes = self._routes[event.type] = [

@@ -137,6 +137,57 @@ class RestartView(TypedDict):
     ]
 
 
+LiveMarkerKind = Literal["shrink", "grow", "heal", "discard"]
+
+
+@with_config(_STRICT)
+class LiveMarkerView(TypedDict):
+    kind: Annotated[
+        LiveMarkerKind,
+        Field(
+            description="shrink: members left the live group; grow: members joined it; heal: "
+            "a member took the state of a peer; discard: a step was dropped (a peer was lost)"
+        ),
+    ]
+    at: Annotated[int, Field(description="ns; when the barrier service recorded it")]
+    membership_epoch: Annotated[int, Field(description="Of the group it happened in")]
+    step: Annotated[
+        int | None,
+        Field(
+            description="The training step it is marked at: the step the group resumed from "
+            "(shrink, grow), the step healed to, the step discarded; null while unknown"
+        ),
+    ]
+    workers: Annotated[list[str], Field(description="Who left, joined, healed or discarded")]
+    label: Annotated[str, Field(description="What happened, in a line")]
+
+
+@with_config(_STRICT)
+class WorldPointView(TypedDict):
+    at: Annotated[int, Field(description="ns; when the group formed")]
+    membership_epoch: int
+    generation: int
+    world_size: int
+    step: Annotated[int | None, Field(description="The step it resumed from; null while unknown")]
+
+
+@with_config(_STRICT)
+class LiveView(TypedDict):
+    """Live recovery (`strata.torch.live.LiveGroup`): the group's world size over time and its
+    changes, from the barrier service's `live.*` events."""
+
+    quorums: Annotated[int, Field(description="Groups formed since the job began")]
+    heals: int
+    discarded_steps: int
+    world_size: Annotated[int | None, Field(description="The current group's size")]
+    world: Annotated[
+        list[WorldPointView], Field(description="Each group formed, the last 500, oldest first")
+    ]
+    markers: Annotated[
+        list[LiveMarkerView], Field(description="The last 500 changes, oldest first")
+    ]
+
+
 @with_config(_STRICT)
 class JobFigures(TypedDict):
     """The job at a glance, computed once here rather than by each reader."""
@@ -181,6 +232,7 @@ class Dashboard(TypedDict):
     workers: list[WorkerView]
     losses: Annotated[list[LossView], Field(description="The last 100 failures, oldest first")]
     restarts: Annotated[list[RestartView], Field(description="The last 100, oldest first")]
+    live: LiveView
     datasets: list[DatasetView]
     checkpoints: list[CheckpointView]
     barriers: list[BarrierView]

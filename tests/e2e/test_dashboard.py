@@ -413,6 +413,14 @@ def bench_state(version: int) -> dict[str, Any]:
         "workers": workers,
         "losses": [],
         "restarts": [],
+        "live": {
+            "quorums": 0,
+            "heals": 0,
+            "discarded_steps": 0,
+            "world_size": None,
+            "world": [],
+            "markers": [],
+        },
         "datasets": [
             {
                 "id": "bench-data",

@@ -19,10 +19,18 @@ from strata._loop import LoopRunner
 from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
+from strata.events import (
+    CheckpointAborted,
+    CheckpointCommitted,
+    CheckpointStarted,
+    LiveHealed,
+    LiveQuorumFormed,
+    LiveStepDiscarded,
+)
 from strata.events.requests import PlanRequest, PlanSummary
 
 from tests.docs import write_example
-from tests.support import new_job, running_services, wait_until
+from tests.support import job_events, new_job, running_services, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -150,6 +158,7 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
         ranks.append(replacement)
         survivors = [ranks[0], ranks[2], replacement]
         results = finish(survivors, 300)
+        events = plans.runner.run(job_events(plans.bus, job))
     finally:
         for rank in ranks:
             rank.kill()
@@ -168,6 +177,21 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     # The replacement took the state from a live peer (there is no checkpoint to read).
     assert by_worker["w3"][6] == "True", text
     assert "joined at step 0," not in replacement.output(), text
+    # The barrier service recorded each change: the shrink, the discarded step (reported by the
+    # survivors), the replacement's arrival and its heal from a live peer.
+    quorums = [e for e in events if isinstance(e, LiveQuorumFormed)]
+    shrink = next(q for q in quorums if q.left == ["w1"])
+    assert sorted(shrink.members) == ["w0", "w2"], quorums
+    grown = next(q for q in quorums if q.joined == ["w3"])
+    assert sorted(grown.members) == ["w0", "w2", "w3"], quorums
+    discards = [e for e in events if isinstance(e, LiveStepDiscarded)]
+    assert discards, text
+    assert {d.worker_id for d in discards} <= {"w0", "w2"}
+    heal = next(e for e in events if isinstance(e, LiveHealed) and e.worker_id == "w3")
+    assert heal.source_worker in ("w0", "w2")
+    assert heal.membership_epoch >= grown.membership_epoch
+    assert heal.from_step == 0
+    assert heal.to_step > 0
 
 
 def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replacement(
@@ -293,3 +317,82 @@ def test_a_survivor_killed_while_the_group_heals_a_replacement_leaves_the_others
     assert by_worker["w0"][7] == by_worker["w3"][7], f"other weights:\n{text}"
     assert int(by_worker["w0"][2]) == ranks[0].proc.pid
     assert by_worker["w3"][6] == "True", text
+
+
+SAVING = """
+CHECKPOINTS = strata.CheckpointManager(worker, path=CHECKPOINT_DIR, keep_count=1000)
+
+
+def save_every_10(step: int) -> None:
+    if step % 10 == 0:
+        try:
+            CHECKPOINTS.save(f"{worker.id} {step}".encode(), step=step, epoch=live.epoch)
+        except strata.StrataError as exc:  # a save refused (its step aborted): reported
+            print(f"{worker.id}: save of step {step} refused: {exc}", flush=True)
+
+
+"""
+WAITING = """
+try:
+    CHECKPOINTS.wait()
+except strata.StrataError as exc:
+    print(f"{worker.id}: a save did not commit: {exc}", flush=True)
+worker.stop()
+"""
+
+
+def saving_example(directory: Path) -> Path:
+    """The example, each member of the group saving a checkpoint every 10 committed steps."""
+    script = example(directory)
+    text = script.read_text(encoding="utf-8")
+    call = "live.train_epoch(registry, DATASET, data, loss_fn, batch_size=8, epoch=epoch)"
+    assert text.count(call) == 1, "the example's training call changed: update this test"
+    assert text.count("\nworker.stop()\n") == 1, "the example's end changed: update this test"
+    saving = f"CHECKPOINT_DIR = {str(directory / 'checkpoints')!r}" + SAVING
+    text = text.replace("\nlive.join()\n", "\n" + saving + "live.join()\n")
+    text = text.replace(call, call[:-1] + ", on_commit=save_every_10)")
+    text = text.replace("\nworker.stop()\n", WAITING)
+    script.write_text(text, encoding="utf-8")
+    return script
+
+
+def test_a_checkpoint_saved_after_a_shrink_is_the_survivors_world_and_commits(
+    stack: str, tmp_path: Path
+) -> None:
+    job = new_job("live")
+    script = saving_example(tmp_path)
+    plans = Plans(stack, job)
+    ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
+    try:
+        wait_until(lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
+        ranks[1].kill()  # whatever registry rank it held, the survivors' ranks have a hole
+        results = finish([ranks[0], ranks[2]], 400)
+        events = plans.runner.run(job_events(plans.bus, job))
+    finally:
+        for rank in ranks:
+            rank.kill()
+        plans.close()
+    text = outputs(ranks)
+    assert all(m[4] == "True" for m in results), text
+    shrink = next(
+        e for e in events if isinstance(e, LiveQuorumFormed) and e.left == [ranks[1].worker_id]
+    )
+    assert sorted(shrink.members) == ["w0", "w2"], shrink
+    survivors = {(worker, rank) for rank, worker in enumerate(shrink.members)}
+    after = [
+        e
+        for e in events
+        if isinstance(e, CheckpointStarted) and e.membership_epoch >= shrink.membership_epoch
+    ]
+    assert after, f"no checkpoint opened after the shrink:\n{text}"
+    for started in after:
+        # The step's world is the quorum that trained it, ranked as in the group.
+        assert started.world_size == 2, started
+        assert {(p.worker_id, p.rank) for p in started.participants} == survivors, started
+    committed = {e.step for e in events if isinstance(e, CheckpointCommitted)}
+    saved = {e.step for e in after} & committed
+    assert len(saved) >= len(after) - 1, f"{sorted(e.step for e in after)} {committed}:\n{text}"
+    holes = [
+        e for e in events if isinstance(e, CheckpointAborted) and "has no live worker" in e.reason
+    ]
+    assert not holes, holes

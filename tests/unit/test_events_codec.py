@@ -50,7 +50,7 @@ def test_every_event_type_round_trips_through_msgpack_and_json(model: type[Event
 
 
 def test_catalogue_has_one_model_per_type() -> None:
-    assert len(EVENT_TYPES) == len(EVENT_MODELS) == 23
+    assert len(EVENT_TYPES) == len(EVENT_MODELS) == 26
     for event_type, model in EVENT_TYPES.items():
         assert model.model_fields["type"].default == event_type
 

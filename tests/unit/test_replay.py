@@ -39,6 +39,9 @@ from strata.events import (
     CheckpointStarted,
     DatasetRegistered,
     Event,
+    LiveHealed,
+    LiveQuorumFormed,
+    LiveStepDiscarded,
     MetricSampled,
     Participant,
     RequestRejected,
@@ -497,6 +500,41 @@ def every_event_type() -> History:
     )
     h.add(MetricSampled(job=JOB, source="w0", name="loss", value=0.25))
     h.add(
+        LiveQuorumFormed(
+            job=JOB,
+            source="barrier",
+            membership_epoch=9,
+            generation=0,
+            members=["w0", "w2"],
+            world_size=2,
+            previous_epoch=8,
+            left=["w1"],
+        )
+    )
+    h.add(
+        LiveHealed(
+            job=JOB,
+            source="barrier",
+            membership_epoch=9,
+            generation=0,
+            worker_id="w2",
+            source_worker="w0",
+            from_step=40,
+            to_step=41,
+        )
+    )
+    h.add(
+        LiveStepDiscarded(
+            job=JOB,
+            source="barrier",
+            membership_epoch=9,
+            generation=0,
+            worker_id="w0",
+            step=42,
+            reason="Connection closed by peer",
+        )
+    )
+    h.add(
         ShardProgressRestored(
             job=JOB,
             source="sharding",
@@ -527,6 +565,16 @@ def test_summaries_name_who_and_what_for_every_event_type() -> None:
     )
     assert seen["checkpoint.shard_started"] == "rank 0 (w0) began its shard of step 500"
     assert seen["metric.sampled"] == "loss = 0.25"
+    assert seen["live.quorum_formed"] == (
+        "live group of membership 9 formed: 2 (w0, w2), was 3 at membership 8: w1 left"
+    )
+    assert seen["live.healed"] == (
+        "w2 healed from w0 in the live group of membership 9: step 40 -> 41"
+    )
+    assert seen["live.step_discarded"] == (
+        "w0 discarded step 42 in the live group of membership 9 (Connection closed by peer): the "
+        "next group resumes after step 41 and trains it again"
+    )
     assert seen["shard.progress_restored"] == (
         "ds epoch 0: progress restored from the checkpoint of step 300 "
         "(2 shards done, 0 in progress)"
@@ -547,6 +595,7 @@ def test_the_dashboard_has_exactly_the_contract_shape() -> None:
         "workers",
         "losses",
         "restarts",
+        "live",
         "datasets",
         "checkpoints",
         "barriers",

@@ -45,6 +45,7 @@ export interface Dashboard {
   readonly losses: ReadonlyArray<LossView>;
   /** The last 100, oldest first */
   readonly restarts: ReadonlyArray<RestartView>;
+  readonly live: LiveView;
   readonly datasets: ReadonlyArray<DatasetView>;
   readonly checkpoints: ReadonlyArray<CheckpointView>;
   readonly barriers: ReadonlyArray<BarrierView>;
@@ -133,6 +134,39 @@ export interface JobSummary {
   readonly restarts: number;
   readonly last_event_ts: number;
   readonly events: number;
+}
+
+/** The values of `LiveMarkerView.kind`. */
+export const LIVE_MARKER_VIEW_KIND = ["shrink", "grow", "heal", "discard"] as const;
+export type LiveMarkerViewKind = (typeof LIVE_MARKER_VIEW_KIND)[number];
+
+export interface LiveMarkerView {
+  /** shrink: members left the live group; grow: members joined it; heal: a member took the state of a peer; discard: a step was dropped (a peer was lost) */
+  readonly kind: LiveMarkerViewKind;
+  /** ns; when the barrier service recorded it */
+  readonly at: number;
+  /** Of the group it happened in */
+  readonly membership_epoch: number;
+  /** The training step it is marked at: the step the group resumed from (shrink, grow), the step healed to, the step discarded; null while unknown */
+  readonly step: number | null;
+  /** Who left, joined, healed or discarded */
+  readonly workers: ReadonlyArray<string>;
+  /** What happened, in a line */
+  readonly label: string;
+}
+
+/** Live recovery (`strata.torch.live.LiveGroup`): the group's world size over time and its changes, from the barrier service's `live.*` events. */
+export interface LiveView {
+  /** Groups formed since the job began */
+  readonly quorums: number;
+  readonly heals: number;
+  readonly discarded_steps: number;
+  /** The current group's size */
+  readonly world_size: number | null;
+  /** Each group formed, the last 500, oldest first */
+  readonly world: ReadonlyArray<WorldPointView>;
+  /** The last 500 changes, oldest first */
+  readonly markers: ReadonlyArray<LiveMarkerView>;
 }
 
 /** The values of `LossView.status`. */
@@ -238,4 +272,14 @@ export interface WorkerView {
   /** Shards it holds in the latest epoch plan of every dataset */
   readonly shards: number;
   readonly hostname: string;
+}
+
+export interface WorldPointView {
+  /** ns; when the group formed */
+  readonly at: number;
+  readonly membership_epoch: number;
+  readonly generation: number;
+  readonly world_size: number;
+  /** The step it resumed from; null while unknown */
+  readonly step: number | null;
 }

@@ -1,12 +1,29 @@
 import { describe, expect, it } from "vitest";
-import type { MetricView, RestartView } from "../api/types";
-import { linesOf, ordered, restartSpans } from "./TrainingCharts";
+import type { LiveMarkerView, MetricView, RestartView } from "../api/types";
+import { linesOf, ordered, restartSpans, stepMarkers } from "./TrainingCharts";
+
+function marker(kind: LiveMarkerView["kind"], step: number | null): LiveMarkerView {
+  return { kind, at: 1, membership_epoch: 4, step, workers: ["w1"], label: `${kind} ${step}` };
+}
 
 function restart(resumed: number | null, reached: number, ranks = [1]): RestartView {
   return { at: 1, ranks, replaced: [], step_reached: reached, resumed_step: resumed };
 }
 
 describe("training charts", () => {
+  it("mark a live group's shrinks, growths and heals placed at a step, not its discards", () => {
+    const shown = stepMarkers([
+      marker("discard", 41),
+      marker("shrink", 40),
+      marker("grow", null),
+      marker("heal", 77),
+    ]);
+    expect(shown.map((m) => [m.kind, m.step])).toEqual([
+      ["shrink", 40],
+      ["heal", 77],
+    ]);
+  });
+
   it("put the losses first, then the rest by name", () => {
     expect(ordered(["epoch", "train_loss", "lr", "val_loss", "accuracy"])).toEqual([
       "train_loss",

@@ -2,12 +2,14 @@
 // training step, a line per rank and the job's line on top: the mean over ranks (a loss), or
 // their total for a rate (names ending in `_per_s`, which add up across ranks). A restart is a
 // dashed marker at the step its replacements resumed from, with the steps trained twice shaded
-// up to the step the lost processes had reached.
+// up to the step the lost processes had reached. A live group's shrinks, growths and heals are
+// dotted markers at the steps the read model placed them (`live.markers`).
 
 import { memo, useMemo } from "react";
-import type { MetricView, MetricsHistoryView, RestartView } from "../api/types";
+import type { LiveMarkerView, MetricView, MetricsHistoryView, RestartView } from "../api/types";
 import { formatNumber } from "../format";
 import { CHART_PAD, CHART_WIDTH, ValueGrid } from "./ChartFrame";
+import { LIVE_MARKER_COLOURS } from "./LiveGroup";
 import { Empty, Panel } from "./Panel";
 
 const HEIGHT = 150;
@@ -96,12 +98,19 @@ export function restartSpans(restarts: readonly RestartView[]): RestartSpan[] {
   });
 }
 
+/** The live group's changes a step chart marks: those placed at a step, discards left out (the
+ * shrink that follows one marks the same place). */
+export function stepMarkers(markers: readonly LiveMarkerView[]): LiveMarkerView[] {
+  return markers.filter((marker) => marker.step !== null && marker.kind !== "discard");
+}
+
 const StepChart = memo(function StepChart(props: {
   name: string;
   history: MetricView;
   restarts: readonly RestartSpan[];
+  live: readonly LiveMarkerView[];
 }) {
-  const { name, history, restarts } = props;
+  const { name, history, restarts, live } = props;
   const lines = useMemo(() => linesOf(name, history), [name, history]);
   let first = Infinity;
   let last = -Infinity;
@@ -181,6 +190,25 @@ const StepChart = memo(function StepChart(props: {
             </g>
           );
         })}
+        {live.map((marker, index) => {
+          const step = Math.min(last, Math.max(first, marker.step ?? first));
+          return (
+            <line
+              key={`live-${index}`}
+              className="live-marker"
+              data-testid="live-marker"
+              data-kind={marker.kind}
+              data-step={marker.step ?? ""}
+              stroke={LIVE_MARKER_COLOURS[marker.kind]}
+              x1={x(step)}
+              x2={x(step)}
+              y1={CHART_PAD.top}
+              y2={CHART_PAD.top + plotH}
+            >
+              <title>{marker.label}</title>
+            </line>
+          );
+        })}
         {lines.map((line) => (
           <path
             key={line.label}
@@ -225,10 +253,12 @@ export function ordered(names: readonly string[]): string[] {
 export function TrainingCharts(props: {
   metrics: MetricsHistoryView | null;
   restarts: readonly RestartView[];
+  live: readonly LiveMarkerView[];
   replaying: boolean;
 }) {
   const { metrics, replaying } = props;
   const spans = useMemo(() => restartSpans(props.restarts), [props.restarts]);
+  const marked = useMemo(() => stepMarkers(props.live), [props.live]);
   const names = metrics ? ordered(Object.keys(metrics.metrics)) : [];
   const shown = names.slice(0, MAX_CHARTS);
   const subtitle = replaying
@@ -255,7 +285,7 @@ export function TrainingCharts(props: {
           {shown.map((name) => {
             const history = metrics.metrics[name];
             return history ? (
-              <StepChart key={name} name={name} history={history} restarts={spans} />
+              <StepChart key={name} name={name} history={history} restarts={spans} live={marked} />
             ) : null;
           })}
         </div>

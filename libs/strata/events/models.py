@@ -428,6 +428,61 @@ class BarrierTimedOut(Event):
     arrived: Annotated[int, Field(ge=0, le=MAX_WORKERS)]
 
 
+# -- live recovery --------------------------------------------------------------------------------
+
+
+class LiveQuorumFormed(Event):
+    """A live training group (`strata.torch.LiveGroup`) formed: its meeting barrier (`live-<epoch>`)
+    was released. Recorded by the barrier service from the arrivals it counted, not from any
+    worker's say; `left` and `joined` compare it with the job's previous quorum."""
+
+    type: Literal["live.quorum_formed"] = "live.quorum_formed"
+    v: Literal[1] = 1
+    membership_epoch: MembershipEpoch
+    generation: Count = Field(description="The generation of the meeting barrier that formed it.")
+    members: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
+        description="Worker ids in group-rank order (their registry rank, then id)."
+    )
+    world_size: WorldSize
+    previous_epoch: MembershipEpoch | None = Field(
+        default=None, description="The membership epoch of the job's previous quorum, if any."
+    )
+    left: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
+        default_factory=list, description="Members of the previous quorum not in this one."
+    )
+    joined: Annotated[list[Id], Field(max_length=MAX_WORKERS, fail_fast=True)] = Field(
+        default_factory=list, description="Members of this quorum not in the previous one."
+    )
+
+
+class LiveHealed(Event):
+    """A member of a quorum received the training state from a peer of it (a joiner, or a
+    survivor that missed a step), as it reported and the barrier service checked."""
+
+    type: Literal["live.healed"] = "live.healed"
+    v: Literal[1] = 1
+    membership_epoch: MembershipEpoch
+    generation: Count
+    worker_id: Id
+    source_worker: Id = Field(description="The peer the state came from.")
+    from_step: Step = Field(description="The committed steps the worker had before.")
+    to_step: Step = Field(description="The committed steps of the state it received.")
+
+
+class LiveStepDiscarded(Event):
+    """A member of a quorum discarded the step it was training (a collective failed: a peer was
+    lost); its samples are trained again by the next quorum. Reported by the worker, checked and
+    recorded by the barrier service."""
+
+    type: Literal["live.step_discarded"] = "live.step_discarded"
+    v: Literal[1] = 1
+    membership_epoch: MembershipEpoch
+    generation: Count
+    worker_id: Id
+    step: Step = Field(description="The step discarded (committed steps so far, plus one).")
+    reason: Text = ""
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
@@ -589,6 +644,9 @@ AnyEvent: TypeAlias = Annotated[
     | BarrierBrokenEvent
     | BarrierTimedOut
     | BarrierWithdrawn
+    | LiveQuorumFormed
+    | LiveHealed
+    | LiveStepDiscarded
     | CheckpointStarted
     | CheckpointShardStarted
     | CheckpointShardSaved
@@ -616,6 +674,9 @@ EVENT_MODELS: Final[tuple[type[Event], ...]] = (
     BarrierBrokenEvent,
     BarrierTimedOut,
     BarrierWithdrawn,
+    LiveQuorumFormed,
+    LiveHealed,
+    LiveStepDiscarded,
     CheckpointStarted,
     CheckpointShardStarted,
     CheckpointShardSaved,

@@ -4,11 +4,11 @@ JetStream stores whatever a credential was allowed to publish and keeps no recor
 it; an event's `source` is only what its publisher claims. So an event counts only when the subject
 it was stored on is its own (`subject_for`: its job, area and type), which NATS permissions grant
 per credential, and when it claims the one publisher that may emit its type: the service that owns
-its area (registry: `worker.*`, sharding: `dataset.*` and `shard.*`, barrier: `barrier.*`,
-checkpoint: `checkpoint.*`; `request.rejected`: any service), or, for telemetry, the worker its
-subject names. Workers publish nothing on the event stream, so with NATS permissions in force a
-worker cannot make a service fold anything it did not decide; without them (an unsecured NATS)
-the rule still keeps a confused or foreign publisher's events out of every state.
+its area (registry: `worker.*`, sharding: `dataset.*` and `shard.*`, barrier: `barrier.*` and
+`live.*`, checkpoint: `checkpoint.*`; `request.rejected`: any service), or, for telemetry, the
+worker its subject names. Workers publish nothing on the event stream, so with NATS permissions
+in force a worker cannot make a service fold anything it did not decide; without them (an
+unsecured NATS) the rule still keeps a confused or foreign publisher's events out of every state.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ AREA_OWNERS: Final[dict[str, tuple[str, ...]]] = {
     "dataset": ("sharding",),
     "shard": ("sharding",),
     "barrier": ("barrier",),
+    "live": ("barrier",),
     "checkpoint": ("checkpoint",),
     "request": RPC_SERVICES,
 }

@@ -531,6 +531,68 @@ WITHDRAW = endpoint(
 )
 
 
+# -- live recovery --------------------------------------------------------------------------------
+
+LIVE_BARRIER_PREFIX: Final = "live-"
+"""A live training group's members meet at the barrier `live-<membership epoch>`; the barrier
+service records each release of one as the job's quorum (`live.quorum_formed`)."""
+
+
+def live_barrier(membership_epoch: int) -> str:
+    """The name of the barrier a live group meets at to form at `membership_epoch`."""
+    return f"{LIVE_BARRIER_PREFIX}{membership_epoch}"
+
+
+def live_barrier_epoch(name: str) -> int | None:
+    """The membership epoch a live group's meeting barrier is named after, or None for another
+    barrier."""
+    rest = name.removeprefix(LIVE_BARRIER_PREFIX)
+    if rest == name or not rest.isdigit() or len(rest) > 19:
+        return None
+    return int(rest)
+
+
+LiveAction = Literal["healed", "discarded"]
+
+
+class LiveReportRequest(StrictModel):
+    """What a member of a live group did in its quorum (`membership_epoch`, `generation`):
+    `healed` (it received the state of `source_worker`, going from `from_step` to `step`) or
+    `discarded` (it dropped the step `step`, a collective having failed). Accepted only from a
+    member of that quorum (and, for a heal, from a peer of it), recorded as `live.healed` or
+    `live.step_discarded`. Idempotent."""
+
+    job: Id
+    worker_id: Id
+    membership_epoch: MembershipEpoch
+    generation: Annotated[int, Field(ge=0, le=2**62)]
+    action: LiveAction
+    step: Step
+    from_step: Step | None = Field(default=None, description="healed: the steps it had before.")
+    source_worker: Id | None = Field(default=None, description="healed: the peer it healed from.")
+    reason: Text = ""
+    instance: Id | None = Field(default=None, description="The reporting process.")
+    lease: Lease | None = Field(
+        default=None,
+        description="The reporting worker's lease; checked if given (`stale_lease` once it ended).",
+    )
+
+
+class LiveReportResult(StrictModel):
+    event_id: Id = Field(description="The id of the event that records the report.")
+
+
+LIVE_REPORT = endpoint(
+    "barrier",
+    "live",
+    LiveReportRequest,
+    LiveReportResult,
+    "Report a heal or a discarded step of a live training group (idempotent); recorded as an "
+    "event once checked against the quorum it names.",
+    scope="worker",
+)
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 CheckpointStatus = Literal["open", "committed", "aborted"]

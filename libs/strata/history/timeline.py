@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from strata.events import (
     BarrierArrived,
     BarrierBrokenEvent,
@@ -17,6 +19,9 @@ from strata.events import (
     CheckpointStarted,
     DatasetRegistered,
     Event,
+    LiveHealed,
+    LiveQuorumFormed,
+    LiveStepDiscarded,
     MetricSampled,
     RequestRejected,
     ShardPlanChanged,
@@ -28,6 +33,40 @@ from strata.events import (
     WorkerRegistered,
     WorkerStateChanged,
 )
+
+NAMED: Final = 8
+"""Workers a line names before it counts the rest."""
+
+
+def _names(workers: list[str]) -> str:
+    shown = ", ".join(workers[:NAMED])
+    return shown if len(workers) <= NAMED else f"{shown} and {len(workers) - NAMED} more"
+
+
+def _live_line(event: LiveQuorumFormed | LiveHealed | LiveStepDiscarded) -> str:
+    """A live group's change: who left or joined a quorum, who healed whom from which step, which
+    step was dropped."""
+    group = f"group of membership {event.membership_epoch}"
+    if isinstance(event, LiveQuorumFormed):
+        line = f"live {group} formed: {event.world_size} ({_names(event.members)})"
+        if event.previous_epoch is None:
+            return line
+        before = event.world_size - len(event.joined) + len(event.left)
+        changes = [f"{_names(event.left)} left"] if event.left else []
+        if event.joined:
+            changes.append(f"{_names(event.joined)} joined")
+        changed = "; ".join(changes) or "the same members"
+        return f"{line}, was {before} at membership {event.previous_epoch}: {changed}"
+    if isinstance(event, LiveHealed):
+        return (
+            f"{event.worker_id} healed from {event.source_worker} in the live {group}: "
+            f"step {event.from_step} -> {event.to_step}"
+        )
+    why = f" ({event.reason[:160]})" if event.reason else ""
+    return (
+        f"{event.worker_id} discarded step {event.step} in the live {group}{why}: the next "
+        f"group resumes after step {event.step - 1} and trains it again"
+    )
 
 
 def _mb(count: int) -> str:
@@ -80,6 +119,8 @@ def summarize(event: Event) -> str:
         )
     if isinstance(event, BarrierArrived):
         return f"{event.worker_id} arrived at {event.name}#{event.generation} ({event.arrived})"
+    if isinstance(event, LiveQuorumFormed | LiveHealed | LiveStepDiscarded):
+        return _live_line(event)
     if isinstance(event, BarrierWithdrawn):
         return (
             f"{event.worker_id} gave up waiting at {event.name}#{event.generation} and withdrew "

@@ -40,7 +40,14 @@ from strata.errors import (
     StaleLease,
     StrataError,
 )
-from strata.events.requests import MemberInfo, SuspectResult
+from strata.events.requests import (
+    LiveAction,
+    LiveReportRequest,
+    LiveReportResult,
+    MemberInfo,
+    SuspectResult,
+    live_barrier,
+)
 from strata.torch.sampler import ShardSampler, ShardSource
 from strata.worker import Worker
 
@@ -50,6 +57,8 @@ POLL_S: Final = 0.05
 IDLE_S: Final = 0.1
 """How long a rank waits between empty steps while a failed worker's shards have not moved yet."""
 BARRIER_S: Final = 10.0
+REPORT_S: Final = 5.0
+"""How long a rank waits for the barrier service to record a heal or a discarded step."""
 STATE_FORMAT: Final = 1
 SLOTS: Final = 4
 """Shards one rank's batch may touch in a step: each step's vote carries, for every rank, where
@@ -146,6 +155,8 @@ class LiveGroup:
         self._peers: list[str] = []
         """The worker ids of the current group, in group-rank order."""
         self._group_epoch: int | None = None
+        self._generation = 0
+        """The generation of the meeting barrier that formed the current group."""
         self._rank = 0
         self._size = 1
         self._store: Any = None
@@ -220,7 +231,7 @@ class LiveGroup:
                 continue
             try:
                 generation = worker.barrier(
-                    f"live-{epoch}",
+                    live_barrier(epoch),
                     timeout=min(BARRIER_S, max(0.5, deadline - time.monotonic())),
                     expected=len(ids),
                 )
@@ -233,7 +244,7 @@ class LiveGroup:
                 pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self._timeout))
                 self._pg, self._rank, self._size = pg, rank, size
                 self._peers = ids
-                self._group_epoch = epoch
+                self._group_epoch, self._generation = epoch, generation
                 behind = self._sync_state()
             except (RuntimeError, dist.DistError) as exc:
                 # A member died while the group formed: wait for the registry to record it.
@@ -279,10 +290,14 @@ class LiveGroup:
         )
         self._broadcast(buffer, source)
         if self._rank != source:
+            before = self.step
             self._load_state(buffer.numpy().tobytes())
             if behind:
                 self.healed = True
                 self._log.info("live_healed", step=self.step, behind=behind, source_rank=source)
+                self._report(
+                    "healed", self.step, from_step=before, source_worker=self._peers[source]
+                )
         return behind
 
     def _state_bytes(self) -> bytes:
@@ -328,7 +343,9 @@ class LiveGroup:
         options.rootTensor = 0
         self._pg.broadcast([tensor], options).wait()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, *, training: bool = True) -> None:
+        """The group's collective failed: drop the group, report its other members as suspects
+        and (for a step that was training a batch, `training`) the step as discarded."""
         self._log.warning(
             "live_step_discarded",
             step=self.step,
@@ -338,6 +355,39 @@ class LiveGroup:
         )
         self._pg = None
         self._report_suspects(self._peers)
+        if training:
+            self._report("discarded", self.step + 1, reason=f"{type(exc).__name__}: {exc}"[:1000])
+
+    def _report(self, action: LiveAction, step: int, **details: Any) -> None:
+        """Have the barrier service record what this rank did in its group (a heal, a discarded
+        step) as an event, checked against the quorum it recorded. Training does not depend on
+        it: a report that cannot be delivered is logged and the group goes on."""
+        worker = self._worker
+        if self._group_epoch is None:
+            return
+        request = LiveReportRequest(
+            job=worker.job,
+            worker_id=worker.id,
+            membership_epoch=self._group_epoch,
+            generation=self._generation,
+            action=action,
+            step=step,
+            lease=worker.lease,
+            **details,
+        )
+        try:
+            worker.runner.run(
+                worker.bus.rpc.call(
+                    "barrier",
+                    "live",
+                    request,
+                    result=LiveReportResult,
+                    timeout=REPORT_S,
+                    idempotent=True,
+                )
+            )
+        except StrataError as exc:
+            self._log.info("live_report_not_recorded", action=action, step=step, error=str(exc))
 
     def _report_suspects(self, peers: Sequence[str]) -> None:
         """Report the group's other members to the registry as suspects, all at once: a dead
@@ -455,7 +505,7 @@ class LiveGroup:
                 try:
                     self._allreduce(done, dist.ReduceOp.MIN)
                 except (RuntimeError, dist.DistError) as exc:
-                    self._fail(exc)
+                    self._fail(exc, training=False)
                     pending = None
                     continue
                 if done.item():
