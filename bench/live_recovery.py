@@ -439,6 +439,7 @@ def main() -> None:
     steady_ways = ["live", "ddp", "torchft"]
     lighthouse = None
     if "torchft" in ways or args.steps:
+        os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum otherwise
         try:
             from torchft.coordination import LighthouseServer
         except ImportError:

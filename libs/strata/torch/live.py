@@ -1,10 +1,12 @@
 """`LiveGroup`: data-parallel training that survives a failed rank without restarting the others.
 
-Each step every rank trains its batch, then one gloo all-reduce sums the gradients with the
-number of samples each rank trained, and a second, tiny one carries the newest membership epoch
-each rank has heard of (the registry's world notices): that is the commit vote. A step whose
-collectives all complete is committed (the optimizer steps, the samples are acknowledged to the
-sharding service); a step whose collective fails (a peer died) is discarded, and its samples are
+Each step every rank starts a small gloo all-reduce before its forward pass, the commit vote:
+the number of samples each rank trains, the newest membership epoch each rank has heard of (the
+registry's world notices) and where its shards stand once the step commits. Its gradients are
+all-reduced in buckets, each started as soon as the backward pass has made it
+(`GradientBuckets`). A step whose collectives all complete is committed (the optimizer steps,
+the samples are acknowledged, and reported to the sharding service while the next step trains);
+a step whose collective fails (a peer died) is discarded, and its samples are
 trained again. After a failure the survivors wait for the registry to record it (a new membership
 epoch), meet at a Strata barrier named after that epoch, and build a new gloo group over a store
 prefix of their own in the job's rendezvous bucket, in the same processes. A newer epoch heard of
@@ -23,6 +25,7 @@ import asyncio
 import io
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -336,6 +339,10 @@ class LiveGroup:
         self._timeout = timeout
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buckets: GradientBuckets | None = None
+        self._reporter: ThreadPoolExecutor | None = None
+        self._report: Future[None] | None = None
+        """The progress report of the last committed step, sent while the next step trains."""
+        self._unreported = False
         self.ledger = torch.zeros(audit_samples, dtype=torch.float32)
         self.step = 0
         """Steps committed by the group since the job began (healed from peers)."""
@@ -613,6 +620,7 @@ class LiveGroup:
         reformed = self.reformed
         while True:
             if self._pg is None:
+                self._report_now(sampler)
                 behind = self._form()
                 if behind == 1 and pending is not None:
                     # This rank's vote failed where the others' passed: the step it was in,
@@ -643,6 +651,7 @@ class LiveGroup:
             # backward pass has made it.
             buckets.start(self._start_allreduce)
             buckets.send(vote)
+            self._report_meanwhile(sampler)
             try:
                 if pending:
                     loss = loss_fn(collate_fn([data[i] for i in pending]))
@@ -650,13 +659,16 @@ class LiveGroup:
             except BaseException:
                 buckets.abandon()
                 self._pg = None  # this rank's collectives are out of step with its peers'
+                self._reported()
                 raise
             try:
                 buckets.finish()
             except (RuntimeError, dist.DistError) as exc:
+                self._reported()
                 self._fail(exc)
                 discarded += 1
                 continue  # `pending` is trained again, in the next group
+            self._reported()
             total = int(vote[0].item())
             if total:
                 buckets.divide(total)
@@ -667,7 +679,7 @@ class LiveGroup:
                 self.step += 1
                 committed += 1
                 samples += len(pending)
-                self._record(sampler, len(pending))
+                self._acknowledge(sampler, len(pending))
                 # Rides on the next heartbeat: the dashboard's step, and a joiner's sign that
                 # the group is already training (it need not wait for `wait_for` workers).
                 self._worker.set_state("training", step=self.step, epoch=epoch)
@@ -692,21 +704,61 @@ class LiveGroup:
                 self._pg = None  # someone heard of a newer membership: re-form at this boundary
         return EpochResult(epoch, committed, discarded, samples, self.reformed - reformed)
 
-    def _record(self, sampler: ShardSampler, count: int) -> None:
-        """Acknowledge a committed step's samples and report them to the sharding service."""
+    def _acknowledge(self, sampler: ShardSampler, count: int) -> None:
+        """Acknowledge a committed step's samples; they are reported to the sharding service
+        while the next step trains (`_report_meanwhile`), or before the group re-forms."""
         try:
             sampler.ack(count)
+        except StaleLease as exc:
+            self._progress_refused(exc)
+        self._unreported = True
+
+    def _report_meanwhile(self, sampler: ShardSampler) -> None:
+        """Send the last committed step's progress report on a thread of its own while this
+        step trains (the sampler is not touched again until `_reported`): a round trip to the
+        sharding service no longer adds to each step. A rank that dies before the report
+        lands loses nothing: the step's vote recorded where its shards stand."""
+        if not self._unreported:
+            return
+        self._unreported = False
+        if self._reporter is None:
+            self._reporter = ThreadPoolExecutor(1, thread_name_prefix="strata-live-report")
+        self._report = self._reporter.submit(self._flush, sampler)
+
+    def _reported(self) -> None:
+        """Wait for the report `_report_meanwhile` sent; raise what it raised."""
+        report, self._report = self._report, None
+        if report is not None:
+            report.result()
+
+    def _report_now(self, sampler: ShardSampler) -> None:
+        """Report what is acknowledged and not reported yet (before the group re-forms)."""
+        self._reported()
+        if self._unreported:
+            self._unreported = False
+            self._flush(sampler)
+
+    def _flush(self, sampler: ShardSampler) -> None:
+        try:
             sampler.flush()
         except StaleLease as exc:
-            # The registry took this worker for failed meanwhile (a stall): the report is refused
-            # and its shards may move, but the votes recorded where they stand, so whoever
-            # reads them next starts after what this step trained.
-            self._log.warning(
-                "live_progress_refused",
-                step=self.step,
-                error=exc.message,
-                consequence="the shards' positions travel in the group's votes instead",
-            )
+            self._progress_refused(exc)
+
+    def _progress_refused(self, exc: StaleLease) -> None:
+        # The registry took this worker for failed meanwhile (a stall): the report is refused
+        # and its shards may move, but the votes recorded where they stand, so whoever reads
+        # them next starts after what the step trained.
+        self._log.warning(
+            "live_progress_refused",
+            step=self.step,
+            error=exc.message,
+            consequence="the shards' positions travel in the group's votes instead",
+        )
+
+    def _record(self, sampler: ShardSampler, count: int) -> None:
+        """Acknowledge a committed step's samples and report them to the sharding service."""
+        self._acknowledge(sampler, count)
+        self._report_now(sampler)
 
     def _vote(self, sampler: ShardSampler, pending: list[int], layout: VoteLayout) -> torch.Tensor:
         """This rank's part of the step's vote (`VoteLayout`)."""
@@ -742,3 +794,7 @@ class LiveGroup:
     def close(self) -> None:
         """Drop the group (the worker is the caller's to stop)."""
         self._pg = None
+        self._report = None
+        if self._reporter is not None:
+            self._reporter.shutdown(wait=True)
+            self._reporter = None
