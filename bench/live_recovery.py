@@ -429,6 +429,12 @@ def main() -> None:
         "default 60)",
     )
     parser.add_argument(
+        "--steady-ways",
+        default="live,ddp,torchft",
+        help="steady state: which ways to time, comma separated, ddp among them (default "
+        "live,ddp,torchft; torchft only when installed)",
+    )
+    parser.add_argument(
         "--warmup", type=int, default=10, help="steady state: steps not timed first (default 10)"
     )
     parser.add_argument(
@@ -436,9 +442,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     ways = [way for way in args.ways.split(",") if way]
-    steady_ways = ["live", "ddp", "torchft"]
+    steady_ways = [way for way in args.steady_ways.split(",") if way]
+    if "live" not in steady_ways or "ddp" not in steady_ways:
+        parser.error("--steady-ways needs live and ddp")
     lighthouse = None
-    if "torchft" in ways or args.steps:
+    if "torchft" in ways or (args.steps and "torchft" in steady_ways):
         os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum otherwise
         try:
             from torchft.coordination import LighthouseServer
@@ -446,7 +454,8 @@ def main() -> None:
             print("torchft is not installed (pip install torchft==0.2.0): skipping it")
             if "torchft" in ways:
                 ways.remove("torchft")
-            steady_ways.remove("torchft")
+            if "torchft" in steady_ways:
+                steady_ways.remove("torchft")
         else:
             server = LighthouseServer(
                 bind=f"[::]:{free_port()}",
