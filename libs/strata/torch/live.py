@@ -183,11 +183,12 @@ the group is this rank alone)."""
 
 
 class GradientBuckets:
-    """A model's gradients as flat buffers, one per bucket (`assign_buckets`), each parameter's
-    `.grad` a view into its bucket, so autograd accumulates into them in place. Between `start`
-    and `finish`, a bucket's all-reduce starts as soon as the backward pass has produced all of
-    its gradients, while the rest of the pass runs; buckets start in their order, which is the
-    same on every rank whatever order the gradients come in."""
+    """A model's gradients as flat buffers, one per bucket (`assign_buckets`; one dtype and
+    device to a bucket), each parameter's `.grad` a view into its bucket, so autograd accumulates
+    into them in place. Between `start` and `finish`, a bucket's all-reduce starts as soon as the
+    backward pass has produced all of its gradients, while the rest of the pass runs; buckets
+    start in their order, which is the same on every rank whatever order the gradients come
+    in. The hooks stay on the parameters and do nothing outside a step."""
 
     def __init__(
         self,
@@ -197,11 +198,13 @@ class GradientBuckets:
         cap: int = BUCKET_BYTES,
     ) -> None:
         self._params = list(params)
-        sizes = [(p.numel() * p.element_size(), str(p.dtype)) for p in params]
+        sizes = [(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in params]
         order = assign_buckets(sizes, first=first, cap=cap)
         self._members = [[params[i] for i in bucket] for bucket in order]
         self._buffers = [
-            torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype)
+            torch.zeros(
+                sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device
+            )
             for members in self._members
         ]
         self._where: dict[int, tuple[int, torch.Tensor]] = {}
