@@ -343,7 +343,7 @@ class LiveGroup:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buckets: GradientBuckets | None = None
         self._reporter: ThreadPoolExecutor | None = None
-        self._report: Future[None] | None = None
+        self._report_in_flight: Future[None] | None = None
         """The progress report of the last committed step, sent while the next step trains."""
         self._unreported = False
         self.ledger = torch.zeros(audit_samples, dtype=torch.float32)
@@ -726,11 +726,11 @@ class LiveGroup:
         self._unreported = False
         if self._reporter is None:
             self._reporter = ThreadPoolExecutor(1, thread_name_prefix="strata-live-report")
-        self._report = self._reporter.submit(self._flush, sampler)
+        self._report_in_flight = self._reporter.submit(self._flush, sampler)
 
     def _reported(self) -> None:
         """Wait for the report `_report_meanwhile` sent; raise what it raised."""
-        report, self._report = self._report, None
+        report, self._report_in_flight = self._report_in_flight, None
         if report is not None:
             report.result()
 
@@ -797,7 +797,7 @@ class LiveGroup:
     def close(self) -> None:
         """Drop the group (the worker is the caller's to stop)."""
         self._pg = None
-        self._report = None
+        self._report_in_flight = None
         if self._reporter is not None:
             self._reporter.shutdown(wait=True)
             self._reporter = None
