@@ -20,9 +20,11 @@ second figure is the time from the kill to the first step of 3 ranks again, and 
 from the replacement's start.
 
 First, the steady state: the same job without a kill, on a wider MLP (32-2048-2048-2, tens of ms
-of compute per step), `LiveGroup` against plain `DistributedDataParallel` over gloo with a
-`DistributedSampler` on the same data, alternating rounds; the figure is the median time between
-rank 0's steps over `--steps` steps after `--warmup`, and `LiveGroup`'s median over DDP's.
+of compute per step), `LiveGroup` (and torchft's Manager, when installed) against plain
+`DistributedDataParallel` over gloo with a `DistributedSampler` on the same data, in an order
+that rotates each round; the figure is the median time between rank 0's steps over `--steps`
+steps after `--warmup`, each way's median over DDP's, and the ratio to DDP of each round (DDP
+run beside it), median and min-max. The load average is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -395,6 +397,10 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
 
 
+def load() -> str:
+    return ", ".join(f"{value:.1f}" for value in os.getloadavg())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -423,20 +429,33 @@ def main() -> None:
         "default 60)",
     )
     parser.add_argument(
+        "--steady-ways",
+        default="live,ddp,torchft",
+        help="steady state: which ways to time, comma separated, ddp among them (default "
+        "live,ddp,torchft; torchft only when installed)",
+    )
+    parser.add_argument(
         "--warmup", type=int, default=10, help="steady state: steps not timed first (default 10)"
     )
     parser.add_argument(
         "--wide", type=int, default=2048, help="steady state: the MLP's width (default 2048)"
     )
     args = parser.parse_args()
-    ways = args.ways.split(",")
+    ways = [way for way in args.ways.split(",") if way]
+    steady_ways = [way for way in args.steady_ways.split(",") if way]
+    if "live" not in steady_ways or "ddp" not in steady_ways:
+        parser.error("--steady-ways needs live and ddp")
     lighthouse = None
-    if "torchft" in ways:
+    if "torchft" in ways or (args.steps and "torchft" in steady_ways):
+        os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum otherwise
         try:
             from torchft.coordination import LighthouseServer
         except ImportError:
             print("torchft is not installed (pip install torchft==0.2.0): skipping it")
-            ways.remove("torchft")
+            if "torchft" in ways:
+                ways.remove("torchft")
+            if "torchft" in steady_ways:
+                steady_ways.remove("torchft")
         else:
             server = LighthouseServer(
                 bind=f"[::]:{free_port()}",
@@ -446,17 +465,19 @@ def main() -> None:
             )
             lighthouse = server.address()
     results: dict[str, list[Recovery]] = {way: [] for way in ways}
-    overhead: dict[str, list[float]] = {"live": [], "ddp": []}
+    overhead: dict[str, list[float]] = {way: [] for way in steady_ways}
+    print(f"load average at the start: {load()}", flush=True)
     with (
         tempfile.TemporaryDirectory(dir=args.work) as tmp,
         NatsServer(store_dir=Path(tmp) / "nats") as nats,
         running_services(nats.url, Path(tmp) / "logs"),
     ):
         for round_ in range(args.rounds if args.steps else 0):
-            for way in ("live", "ddp") if round_ % 2 == 0 else ("ddp", "live"):
+            turn = round_ % len(steady_ways)
+            for way in steady_ways[turn:] + steady_ways[:turn]:
                 work = Path(tmp) / f"steady-{way}-{round_}"
                 work.mkdir()
-                run = Run(way, work, nats.url, None, wide=args.wide)
+                run = Run(way, work, nats.url, lighthouse, wide=args.wide)
                 try:
                     seconds = step_time(run, args.warmup, args.steps)
                 finally:
@@ -479,8 +500,9 @@ def main() -> None:
                     f"{found.lost} steps lost, {found.full:.2f} s to a world of 3{joined}",
                     flush=True,
                 )
+    print(f"load average at the end: {load()}", flush=True)
     if overhead["live"]:
-        live, ddp = overhead["live"], overhead["ddp"]
+        ddp = overhead["ddp"]
         print(
             f"\nsteady state, 3 ranks, MLP 32-{args.wide}-{args.wide}-2, batch 32 per rank, "
             f"median step of {args.steps} after {args.warmup}, median (min-max) of "
@@ -491,8 +513,15 @@ def main() -> None:
                 f"  {way:8s} {statistics.median(times) * 1000:.1f} ms/step "
                 f"({min(times) * 1000:.1f}-{max(times) * 1000:.1f})"
             )
-        ratio = statistics.median(live) / statistics.median(ddp)
-        print(f"  LiveGroup / DDP: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+        for way, times in overhead.items():
+            if way == "ddp":
+                continue
+            ratio = statistics.median(times) / statistics.median(ddp)
+            rounds = [t / d for t, d in zip(times, ddp, strict=True)]
+            print(
+                f"  {way} / DDP: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%); per round "
+                f"{statistics.median(rounds):.3f} ({min(rounds):.3f}-{max(rounds):.3f})"
+            )
     if not args.rounds or not ways:
         return
     print(

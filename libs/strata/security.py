@@ -4,14 +4,15 @@ Three roles. `services` may do anything. The `gateway` reads: it may use the Jet
 create and read consumers but publish nothing on `strata.>`. A `worker` credential belongs to one
 job and names one worker of it (`<worker>@<job>`, made by `strata up --secure`), or every worker
 of one job (`strata-workers-<job>`, the job's shared user, made by the chart and by `strata up
---secure`; the worker part of its subjects is `*`): it may publish only its own
-heartbeats, metric samples and requests, each on a subject that ends with its job and worker, and
-subscribe only to its job's world notices, barrier and plan events, its own control notices,
-its own probes (`registry.suspect`) and its own inbox; besides, it may use its job's keys of the
-torchrun rendezvous bucket. Nothing it publishes reaches the event stream: services record every
-event, and the subject a request arrives on says who sent it (see `strata.bus.rpc`). `strata up
---secure` and the chart both render these rules. The files that hold passwords or the gateway's
-API token are written readable by their owner only.
+--secure`; the worker part of its subjects is `*`): it may publish only its own heartbeats,
+metric samples and requests, each on a subject that ends with its job and worker, and its answers
+to its own probes (`subjects.probe_answer_subject`), and subscribe only to its job's world
+notices, barrier and plan events, its own control notices, its own probes (`registry.suspect`)
+and its own inbox; besides, it may use its job's keys of the torchrun rendezvous bucket. Nothing
+it publishes reaches the event stream: services record every event, and the subject a request
+arrives on says who sent it (see `strata.bus.rpc`). `strata up --secure` and the chart both
+render these rules. The files that hold passwords or the gateway's API token are written
+readable by their owner only.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def worker_permissions(job: str, worker: str) -> Permissions:
             subjects.heartbeat_subject(job, worker),
             subjects.worker_metrics(job, worker),
             subjects.caller_rpcs(job, worker),
+            subjects.probe_answer_subject(job, worker, "*"),
             *rendezvous.publish_allow,
         ),
         publish_deny=WORKER_DENY,

@@ -3,7 +3,8 @@
 A collective failing with a peer is a hint, not evidence: a slow or paused peer fails it as well.
 The registry probes the suspect's current registration (one request to its probe subject,
 `subjects.probe_subject`, where the SDK listens from before it registers for as long as its
-connection lives) and acts on one answer only: NATS's immediate "no responders", which says that
+connection lives, answered on the worker's own probe answer subject, which a worker credential
+may publish on) and acts on one answer only: NATS's immediate "no responders", which says that
 no connection holds that subscription any more (the process was killed, or its connection is
 gone). Then the failure is recorded at once, with the same event, id (`failure_id`) and
 conditional write as the heartbeat timeout's, so whichever decision is stored first counts and a
@@ -14,9 +15,13 @@ paused process, a slow network) changes nothing, and the heartbeat timeout decid
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
+from typing import Literal
 
 import nats.errors
 import structlog
+from nats.aio.client import Client as NATS
 from strata.errors import ConflictError
 from strata.events import WorkerFailed, subjects
 from strata.events.requests import SuspectRequest, SuspectResult, SuspectVerdict
@@ -30,6 +35,34 @@ PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for the suspect's answer (at most a quarter of the heartbeat timeout).
 Only "no responders" is acted on, and it comes at once; the timeout bounds how long a paused
 suspect holds the reporter's request."""
+
+NO_RESPONDERS = "503"
+"""The status NATS gives, in a message's headers, to the reply subject of a request that found
+no subscriber."""
+
+ProbeOutcome = Literal["answered", "no_responders", "unanswered"]
+
+
+async def probe(nc: NATS, job: str, worker_id: str, instance: str, timeout: float) -> ProbeOutcome:
+    """Probe one registration of a worker. The reply subject is the worker's own probe answer
+    subject (`subjects.probe_answer_subject`), with a fresh nonce, rather than this connection's
+    inbox: a worker credential may publish there and nowhere else that a reply could go, so a
+    live worker answers under `strata up --secure` too, and only for itself."""
+    answers = subjects.probe_answer_subject(job, worker_id, secrets.token_hex(8))
+    sub = await nc.subscribe(answers, max_msgs=1)
+    try:
+        await nc.publish(subjects.probe_subject(job, worker_id, instance), b"", reply=answers)
+        try:
+            msg = await sub.next_msg(timeout=timeout)
+        except nats.errors.TimeoutError:
+            return "unanswered"
+    finally:
+        with contextlib.suppress(nats.errors.BadSubscriptionError):
+            await sub.unsubscribe()  # unless already gone with its one message
+    if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+        return "no_responders"
+    return "answered"
+
 
 RECORD_ATTEMPTS = 3
 """Conditional writes of a proven failure refused (another worker event stored meanwhile) before
@@ -53,17 +86,14 @@ class SuspectReports(FailureDetector):
         if job is None or suspect is None or not suspect.live:
             return self._answer(request, "not_live")
         instance = suspect.instance
-        probe = subjects.probe_subject(request.job, request.suspect, instance)
         timeout = min(PROBE_TIMEOUT_S, self.policy.heartbeat_timeout / 4)
-        try:
-            await self.bus.nc.request(probe, b"", timeout=timeout)
-        except nats.errors.NoRespondersError:
-            pass  # the evidence: nobody listens on the registration's probe subject
-        except nats.errors.TimeoutError:
+        outcome = await probe(self.bus.nc, request.job, request.suspect, instance, timeout)
+        if outcome == "unanswered":
             log.info("suspect_unanswered", job=request.job, worker_id=request.suspect)
             return self._answer(request, "unanswered")
-        else:
+        if outcome == "answered":
             return self._answer(request, "alive")
+        # The evidence: nobody listens on the registration's probe subject.
         reason = (
             f"reported by {request.worker_id}: its probe found no responder (the process's "
             "NATS connection is gone)"

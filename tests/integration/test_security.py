@@ -7,7 +7,9 @@ from pathlib import Path
 
 import nats
 import pytest
+import strata
 from strata.bus.server import NatsServer
+from strata.config import Settings
 from strata.events import subjects
 from strata.security import (
     Credential,
@@ -16,10 +18,12 @@ from strata.security import (
     generate_credentials,
     load_credentials,
     save_credentials,
+    worker_credentials,
     worker_identity,
 )
 
 from tests import natsprobe
+from tests.support import running_services
 
 pytestmark = pytest.mark.nats
 
@@ -96,12 +100,16 @@ async def test_a_worker_publishes_nothing_but_its_own_telemetry_and_requests(
         subjects.probe_subject(JOB, "worker-0", "instance"),
         subjects.probe_subject(JOB, "worker-1", "instance"),
         subjects.probe_subject("other-job", "worker-0", "instance"),
+        # It answers its own probes only.
+        subjects.probe_answer_subject(JOB, "worker-1", "n0"),
+        subjects.probe_answer_subject("other-job", "worker-0", "n0"),
         "$KV.STRATA_SNAPSHOTS.registry",
         "$JS.API.STREAM.PURGE.STRATA_EVENTS",
     ]
     allowed = [
         subjects.heartbeat_subject(JOB, "worker-0"),
         subjects.rpc_subject("registry", "register", JOB, "worker-0"),
+        subjects.probe_answer_subject(JOB, "worker-0", "n0"),
     ]
     marker = subjects.metric_subject(JOB, "worker-0", "marker")
     try:
@@ -194,3 +202,51 @@ def test_credentials_file_is_private_and_round_trips(
 def test_the_configuration_holding_the_passwords_is_private(secured: NatsServer) -> None:
     assert secured.config_file.stat().st_mode & 0o777 == 0o600
     assert "password" in secured.config_file.read_text()
+
+
+async def sdk_worker(server: NatsServer, credential: Credential) -> strata.aio.Worker:
+    """An SDK worker started on a one-worker credential (the job and worker it names)."""
+    job, worker = credential.identity or ("", "")
+    settings = Settings(nats_user=credential.user, nats_password=credential.password)
+    return await strata.aio.Worker(job, server.url, worker_id=worker, settings=settings).start()
+
+
+async def test_a_live_workers_probe_is_answered_and_only_by_its_own_job(
+    tmp_path: Path, credentials: list[Credential]
+) -> None:
+    """`registry.suspect` under `strata up --secure`'s rules: the registry's probe of a live
+    worker is answered (the worker may publish its answer), and a credential of another job may
+    neither listen to that worker's probes nor answer them."""
+    other = worker_credentials("other-job", ["worker-0"])[0]
+    services = by_role(credentials, "services")[0]
+    with (
+        NatsServer(
+            store_dir=tmp_path / "nats", extra_config=authorization_config([*credentials, other])
+        ) as server,
+        running_services(server.url, tmp_path / "logs", ("registry",), env=services.env()),
+    ):
+        peer = await sdk_worker(server, worker_0(credentials))
+        reporter = await sdk_worker(
+            server, next(c for c in credentials if c.identity == (JOB, "worker-1"))
+        )
+        outsider = await as_worker(server, other)
+        watcher = await nats.connect(server.url, user=services.user, password=services.password)
+        try:
+            result = await reporter.report_suspect("worker-0")
+            assert result.verdict == "alive", result
+            # The other job's credential: no subscription to the peer's probes, no answer.
+            probes = subjects.probe_subject(JOB, "worker-0", "*")
+            answer = subjects.probe_answer_subject(JOB, "worker-0", "n1")
+            assert await natsprobe.refused_subscriptions(outsider, [probes]) == {probes}
+            marker = subjects.metric_subject("other-job", "worker-0", "marker")
+            assert await natsprobe.reached(watcher, outsider, [answer], marker) == set()
+            await natsprobe.settled(outsider)
+            assert answer.lower() in outsider.refused["publish"], outsider.errors
+            # Still answered, still alive: nothing the outsider tried changed the verdict.
+            again = await reporter.report_suspect("worker-0")
+            assert again.verdict == "alive", again
+        finally:
+            await watcher.close()
+            await outsider.close()
+            await reporter.stop()
+            await peer.stop()

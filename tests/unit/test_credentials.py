@@ -35,6 +35,8 @@ def test_a_worker_may_publish_and_hear_only_as_itself_in_its_job() -> None:
         subjects.heartbeat_subject("job", "w-1"),
         subjects.worker_metrics("job", "w-1"),
         subjects.caller_rpcs("job", "w-1"),
+        # Its answers to its own probes (`registry.suspect`), nobody else's.
+        subjects.probe_answer_subject("job", "w-1", "*"),
         # The job's torchrun rendezvous keys, written and read by subject.
         subjects.rendezvous_subjects("job"),
         subjects.rendezvous_reads("job"),

@@ -3,10 +3,19 @@ which members form it, in which order."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strata.events.requests import MemberInfo
-from strata.torch.live import group_members, state_source
+from strata.torch.live import (
+    GradientBuckets,
+    VoteLayout,
+    assign_buckets,
+    group_members,
+    state_source,
+)
 
 steps = st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=64)
 
@@ -87,3 +96,103 @@ def test_a_floor_moves_a_shards_start_past_what_a_dead_rank_trained() -> None:
     assert [(q.shard_id, q.offset, q.left) for q in queue] == [(4, 30, 20), (9, 50, 0)]
     # A floor below the recorded offset changes nothing.
     assert reading_queue(assignment, set(), None, {4: 5})[0].offset == 10
+
+
+# -- gradient buckets and the vote ----------------------------------------------------------------
+
+param_specs = st.lists(
+    st.tuples(st.integers(min_value=1, max_value=5_000), st.sampled_from(["f32", "bf16"])),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(param_specs, st.integers(min_value=1, max_value=4_000), st.integers(1, 20_000))
+def test_buckets_hold_every_parameter_once_in_backward_order(
+    params: list[tuple[int, str]], first: int, cap: int
+) -> None:
+    buckets = assign_buckets(params, first=first, cap=cap)
+    assert [i for bucket in buckets for i in bucket] == list(reversed(range(len(params))))
+    for number, bucket in enumerate(buckets):
+        assert bucket, "an empty bucket"
+        assert len({params[i][1] for i in bucket}) == 1, "a bucket mixes dtypes"
+        limit = first if number == 0 else cap
+        # Closed as soon as it held its limit: without its last parameter it held less.
+        assert sum(params[i][0] for i in bucket[:-1]) < limit
+        if number + 1 < len(buckets):
+            next_dtype = params[buckets[number + 1][0]][1]
+            held = sum(params[i][0] for i in bucket)
+            assert held >= limit or next_dtype != params[bucket[0]][1]
+
+
+def test_a_small_first_bucket_starts_the_all_reduce_early() -> None:
+    # An MLP's (weight, bias) pairs: the last layer's few bytes, then the big middle layer.
+    sizes = [(32 * 2048 * 4, "f32"), (2048 * 4, "f32"), (2048 * 2048 * 4, "f32")]
+    sizes += [(2048 * 4, "f32"), (2 * 2048 * 4, "f32"), (2 * 4, "f32")]
+    assert assign_buckets(sizes) == [[5, 4, 3, 2], [1, 0]]
+
+
+@given(st.integers(min_value=1, max_value=16), st.integers(min_value=0, max_value=100))
+def test_the_votes_parts_tile_it(size: int, audit: int) -> None:
+    layout = VoteLayout(size, audit)
+    spans = [slice(0, 1), layout.epochs, layout.positions, layout.ledger]
+    assert [s.start for s in spans[1:]] == [s.stop for s in spans[:-1]]
+    assert layout.ledger.stop == layout.length
+    assert layout.positions_of(0).start == layout.positions.start
+    assert layout.positions_of(size - 1).stop == layout.positions.stop
+
+
+def _rank(
+    pg: Any, model: torch.nn.Module, x: torch.Tensor, buckets: GradientBuckets
+) -> list[torch.Tensor]:
+    def launch(tensor: torch.Tensor) -> Any:
+        return pg.allreduce([tensor])
+
+    for _ in range(2):  # twice: the second step starts from zeroed gradients
+        buckets.start(launch)
+        model(x).sum().backward()
+        buckets.finish()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_bucketed_all_reduce_sums_the_gradients_of_every_rank() -> None:
+    """Two ranks (threads of this process, a real gloo group over a real store), each with its
+    own batch: every parameter's gradient after `finish` is the sum of both ranks' gradients."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(6, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
+        for _ in range(2)
+    ]
+    models[1].load_state_dict(models[0].state_dict())
+    batches = [torch.randn(5, 6), torch.randn(7, 6)]
+    expected = []
+    for p0, p1 in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        expected.append(
+            torch.autograd.grad(models[0](batches[0]).sum(), p0)[0]
+            + torch.autograd.grad(models[1](batches[1]).sum(), p1)[0]
+        )
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def run(rank: int) -> None:
+        pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+        # A small first bucket, so that there are several.
+        params = list(models[rank].parameters())
+        buckets = GradientBuckets(params, first=1_000, cap=4_000)
+        results[rank] = _rank(pg, models[rank], batches[rank], buckets)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == [0, 1], "a rank did not finish"
+    for rank in (0, 1):
+        assert len(results[rank]) == len(expected)
+        for got, want in zip(results[rank], expected, strict=True):
+            torch.testing.assert_close(got, want)

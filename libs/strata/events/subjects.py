@@ -42,6 +42,7 @@ WORLD: Final = f"{ROOT}.world"
 STATUS: Final = f"{ROOT}.status"
 WORKER_INBOXES: Final = f"_INBOX_{ROOT}"
 PROBES: Final = f"{ROOT}.probe"
+PROBE_ANSWERS: Final = f"{ROOT}.probed"
 
 EVENT_TYPE_PATTERN: Final = r"^[a-z][a-z_]*\.[a-z][a-z_]*$"
 _EVENT_TYPE = re.compile(EVENT_TYPE_PATTERN)
@@ -224,6 +225,14 @@ def probe_subject(job: str, worker_id: str, instance: str) -> str:
     lives as long as the process's connection: a request finding no subscriber there (NATS's
     "no responders") means that connection is gone (`registry.suspect`)."""
     return f"{PROBES}.{token(job)}.{token(worker_id)}.{token(instance)}"
+
+
+def probe_answer_subject(job: str, worker_id: str, nonce: str) -> str:
+    """The reply subject of one probe of a worker (`probe_subject`), where the registry takes its
+    answer; `nonce` is fresh for each probe, and `worker_id` and `nonce` may be `*`. A worker
+    credential may publish on its own worker's only (`strata.security`): it answers its own
+    probes, and no one else's."""
+    return f"{PROBE_ANSWERS}.{token(job)}.{token(worker_id)}.{nonce}"
 
 
 def worker_inbox_prefix(job: str, worker_id: str) -> str:

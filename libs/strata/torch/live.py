@@ -1,10 +1,12 @@
 """`LiveGroup`: data-parallel training that survives a failed rank without restarting the others.
 
-Each step every rank trains its batch, then one gloo all-reduce sums the gradients with the
-number of samples each rank trained, and a second, tiny one carries the newest membership epoch
-each rank has heard of (the registry's world notices): that is the commit vote. A step whose
-collectives all complete is committed (the optimizer steps, the samples are acknowledged to the
-sharding service); a step whose collective fails (a peer died) is discarded, and its samples are
+Each step every rank starts a small gloo all-reduce before its forward pass, the commit vote:
+the number of samples each rank trains, the newest membership epoch each rank has heard of (the
+registry's world notices) and where its shards stand once the step commits. Its gradients are
+all-reduced in buckets, each started as soon as the backward pass has made it
+(`GradientBuckets`). A step whose collectives all complete is committed (the optimizer steps,
+the samples are acknowledged, and reported to the sharding service while the next step trains);
+a step whose collective fails (a peer died) is discarded, and its samples are
 trained again. After a failure the survivors wait for the registry to record it (a new membership
 epoch), meet at a Strata barrier named after that epoch, and build a new gloo group over a store
 prefix of their own in the job's rendezvous bucket, in the same processes. A newer epoch heard of
@@ -23,6 +25,7 @@ import asyncio
 import io
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -51,7 +54,15 @@ from strata.events.requests import (
 from strata.torch.sampler import ShardSampler, ShardSource
 from strata.worker import Worker
 
-__all__ = ["EpochResult", "LiveGroup", "group_members", "state_source"]
+__all__ = [
+    "EpochResult",
+    "GradientBuckets",
+    "LiveGroup",
+    "VoteLayout",
+    "assign_buckets",
+    "group_members",
+    "state_source",
+]
 
 POLL_S: Final = 0.05
 IDLE_S: Final = 0.1
@@ -63,6 +74,10 @@ STATE_FORMAT: Final = 1
 SLOTS: Final = 4
 """Shards one rank's batch may touch in a step: each step's vote carries, for every rank, where
 each of them stands once the step commits."""
+FIRST_BUCKET_BYTES: Final = 1 << 20
+BUCKET_BYTES: Final = 25 << 20
+"""Gradient bucket sizes, as `DistributedDataParallel`'s: a small first bucket (the last layers,
+whose gradients are ready first) starts the all-reduce early, larger ones amortise its cost."""
 
 log = structlog.get_logger("strata.live")
 
@@ -91,6 +106,72 @@ def state_source(steps: Sequence[int]) -> int | None:
     return steps.index(most)
 
 
+def assign_buckets(
+    params: Sequence[tuple[int, str]],
+    *,
+    first: int = FIRST_BUCKET_BYTES,
+    cap: int = BUCKET_BYTES,
+) -> list[list[int]]:
+    """Gradient buckets: the indices of `params` ((bytes, dtype) of each, in the model's order)
+    in the order a backward pass makes their gradients (the model's last parameters first),
+    one dtype to a bucket, a bucket closed once it holds `first` bytes (the first bucket) or
+    `cap` bytes (the others)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    dtype: str | None = None
+    for index in reversed(range(len(params))):
+        size, kind = params[index]
+        if current and kind != dtype:
+            buckets.append(current)
+            current, held = [], 0
+        current.append(index)
+        held += size
+        dtype = kind
+        if held >= (cap if buckets else first):
+            buckets.append(current)
+            current, held = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass(frozen=True)
+class VoteLayout:
+    """Where things are in a step's vote, one int64 vector all-reduced with SUM: the samples
+    every rank trained in the step, then one slot per rank for the newest membership epoch it
+    heard of, then `SLOTS` (shard id + 1, position once the step commits) pairs per rank, then
+    how many times the step trained each audited sample. Each rank fills only its own slots,
+    so the sum is every rank's values side by side."""
+
+    size: int
+    audit: int
+
+    @property
+    def epochs(self) -> slice:
+        return slice(1, 1 + self.size)
+
+    @property
+    def _positions_start(self) -> int:
+        return 1 + self.size
+
+    @property
+    def positions(self) -> slice:
+        return slice(self._positions_start, self._positions_start + self.size * SLOTS * 2)
+
+    @property
+    def ledger(self) -> slice:
+        return slice(self.length - self.audit, self.length)
+
+    @property
+    def length(self) -> int:
+        return self._positions_start + self.size * SLOTS * 2 + self.audit
+
+    def positions_of(self, rank: int) -> slice:
+        start = self._positions_start + rank * SLOTS * 2
+        return slice(start, start + SLOTS * 2)
+
+
 @dataclass(frozen=True)
 class EpochResult:
     """What `LiveGroup.train_epoch` did: steps committed and discarded, samples trained by
@@ -101,6 +182,135 @@ class EpochResult:
     discarded: int
     samples: int
     reformed: int
+
+
+# -- gradients ------------------------------------------------------------------------------------
+
+Launch = Callable[[torch.Tensor], Any]
+"""Starts an all-reduce (SUM) of a tensor in the current group; returns its work (None when
+the group is this rank alone)."""
+
+
+class GradientBuckets:
+    """A model's gradients as flat buffers, one per bucket (`assign_buckets`; one dtype and
+    device to a bucket), each parameter's `.grad` a view into its bucket, so autograd accumulates
+    into them in place. Between `start` and `finish`, a bucket's all-reduce starts as soon as the
+    backward pass has produced all of its gradients, while the rest of the pass runs; buckets
+    start in their order, which is the same on every rank whatever order the gradients come
+    in. The hooks stay on the parameters and do nothing outside a step."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        first: int = FIRST_BUCKET_BYTES,
+        cap: int = BUCKET_BYTES,
+    ) -> None:
+        self._params = list(params)
+        sizes = [(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in params]
+        order = assign_buckets(sizes, first=first, cap=cap)
+        self._members = [[params[i] for i in bucket] for bucket in order]
+        self._buffers = [
+            torch.zeros(
+                sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device
+            )
+            for members in self._members
+        ]
+        self._where: dict[int, tuple[int, torch.Tensor]] = {}
+        """id of a parameter -> its bucket and its view there."""
+        for number, members in enumerate(self._members):
+            offset = 0
+            for p in members:
+                view = self._buffers[number][offset : offset + p.numel()].view_as(p)
+                self._where[id(p)] = (number, view)
+                offset += p.numel()
+        self._launch: Launch | None = None
+        self._left: list[int] = []
+        self._next = 0
+        self._works: list[Any] = []
+        self._error: BaseException | None = None
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def start(self, launch: Launch) -> None:
+        """Zero the gradients (each parameter's `.grad` its view again, should something have
+        replaced it) and arm the hooks that start the buckets' all-reduces with `launch`."""
+        for buffer in self._buffers:
+            buffer.zero_()
+        for p in self._params:
+            view = self._where[id(p)][1]
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+        self._left = [len(members) for members in self._members]
+        self._next = 0
+        self._works = []
+        self._error = None
+        self._launch = launch
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if self._launch is None:
+            return  # a backward pass outside a step
+        number, view = self._where[id(p)]
+        grad = p.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)  # the gradient was replaced rather than accumulated into
+            p.grad = view
+        self._left[number] -= 1
+        while self._next < len(self._buffers) and self._left[self._next] <= 0:
+            self._start_next()
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """Start an all-reduce of `tensor` too (the step's vote), waited for by `finish`."""
+        self._start(tensor)
+
+    def _start_next(self) -> None:
+        buffer = self._buffers[self._next]
+        self._next += 1
+        self._start(buffer)
+
+    def _start(self, tensor: torch.Tensor) -> None:
+        if self._launch is None or self._error is not None:
+            return
+        try:
+            work = self._launch(tensor)
+        except (RuntimeError, dist.DistError) as exc:
+            self._error = exc  # raised by `finish`: a hook cannot stop the backward pass cleanly
+            return
+        if work is not None:
+            self._works.append(work)
+
+    def finish(self) -> None:
+        """Start the buckets not started yet (gradients the pass did not reach, or no pass at
+        all), wait for every all-reduce, and raise the first that failed."""
+        while self._next < len(self._buffers):
+            self._start_next()
+        self._launch = None
+        error, self._error = self._error, None
+        works, self._works = self._works, []
+        while works:
+            # Each work holds the group's connections open: none may outlive this call (not
+            # even in a traceback), or a peer waiting on this rank in a collective of a group
+            # that failed would wait for its timeout instead of failing when the group drops.
+            work = works.pop(0)
+            try:
+                work.wait()
+            except (RuntimeError, dist.DistError) as exc:
+                error = error or exc
+            del work
+        if error is not None:
+            raise error
+
+    def abandon(self) -> None:
+        """Disarm the hooks (the step ended before `finish`); the group is dropped after this."""
+        self._launch = None
+        self._works = []
+
+    def divide(self, total: int) -> None:
+        for buffer in self._buffers:
+            buffer.div_(total)
 
 
 # -- the group ------------------------------------------------------------------------------------
@@ -140,6 +350,11 @@ class LiveGroup:
         self._wait_for = wait_for
         self._timeout = timeout
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._buckets: GradientBuckets | None = None
+        self._reporter: ThreadPoolExecutor | None = None
+        self._report_in_flight: Future[None] | None = None
+        """The progress report of the last committed step, sent while the next step trains."""
+        self._unreported = False
         self.ledger = torch.zeros(audit_samples, dtype=torch.float32)
         self.step = 0
         """Steps committed by the group since the job began (healed from peers)."""
@@ -329,11 +544,17 @@ class LiveGroup:
         self._floors = {int(k): int(v) for k, v in state["floors"].items()}
 
     def _allreduce(self, tensor: torch.Tensor, op: Any) -> None:
+        work = self._start_allreduce(tensor, op)
+        if work is not None:
+            work.wait()
+
+    def _start_allreduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> Any:
+        """Start an all-reduce of `tensor` in the group; its work (None alone)."""
         if self._size == 1:
-            return
+            return None
         options = dist.AllreduceOptions()
         options.reduceOp = op
-        self._pg.allreduce([tensor], options).wait()
+        return self._pg.allreduce([tensor], options)
 
     def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
         if self._size == 1:
@@ -452,6 +673,7 @@ class LiveGroup:
         reformed = self.reformed
         while True:
             if self._pg is None:
+                self._report_now(sampler)
                 behind = self._form()
                 if behind == 1 and pending is not None:
                     # This rank's vote failed where the others' passed: the step it was in,
@@ -473,27 +695,44 @@ class LiveGroup:
                         break
                 else:
                     indices = None
-            self._optimizer.zero_grad(set_to_none=False)
-            if pending:
-                loss = loss_fn(collate_fn([data[i] for i in pending]))
-                loss.backward()  # type: ignore[no-untyped-call]
-            vector = self._vector(pending)
-            vote = self._vote(sampler)
+            if self._buckets is None:
+                self._buckets = GradientBuckets(self._params)
+            buckets = self._buckets
+            layout = VoteLayout(self._size, self.ledger.numel())
+            vote = self._vote(sampler, pending, layout)
+            # The vote travels while the batch trains; each bucket of gradients as soon as the
+            # backward pass has made it.
+            buckets.start(self._start_allreduce)
+            buckets.send(vote)
+            self._report_meanwhile(sampler)
             try:
-                self._allreduce(vector, dist.ReduceOp.SUM)
-                self._allreduce(vote, dist.ReduceOp.MAX)
+                if pending:
+                    loss = loss_fn(collate_fn([data[i] for i in pending]))
+                    loss.backward()  # type: ignore[no-untyped-call]
+            except BaseException:
+                buckets.abandon()
+                self._pg = None  # this rank's collectives are out of step with its peers'
+                self._reported()
+                raise
+            try:
+                buckets.finish()
             except (RuntimeError, dist.DistError) as exc:
+                self._reported()
                 self._fail(exc)
                 discarded += 1
                 continue  # `pending` is trained again, in the next group
-            total = int(vector[len(vector) - 1 - self.ledger.numel()].item())
+            self._reported()
+            total = int(vote[0].item())
             if total:
-                self._apply(vector, total)
-                self._note_positions(vote)
+                buckets.divide(total)
+                self._optimizer.step()
+                if self.ledger.numel():
+                    self.ledger += vote[layout.ledger].to(self.ledger.dtype)
+                self._note_positions(vote[layout.positions])
                 self.step += 1
                 committed += 1
                 samples += len(pending)
-                self._record(sampler, len(pending))
+                self._acknowledge(sampler, len(pending))
                 # Rides on the next heartbeat: the dashboard's step, and a joiner's sign that
                 # the group is already training (it need not wait for `wait_for` workers).
                 self._worker.set_state("training", step=self.step, epoch=epoch)
@@ -514,76 +753,91 @@ class LiveGroup:
                     break
                 time.sleep(IDLE_S)
             pending = None
-            if int(vote[0].item()) > (self._group_epoch or 0):
+            if int(vote[layout.epochs].max().item()) > (self._group_epoch or 0):
                 self._pg = None  # someone heard of a newer membership: re-form at this boundary
         return EpochResult(epoch, committed, discarded, samples, self.reformed - reformed)
 
-    def _record(self, sampler: ShardSampler, count: int) -> None:
-        """Acknowledge a committed step's samples and report them to the sharding service."""
+    def _acknowledge(self, sampler: ShardSampler, count: int) -> None:
+        """Acknowledge a committed step's samples; they are reported to the sharding service
+        while the next step trains (`_report_meanwhile`), or before the group re-forms."""
         try:
             sampler.ack(count)
+        except StaleLease as exc:
+            self._progress_refused(exc)
+        self._unreported = True
+
+    def _report_meanwhile(self, sampler: ShardSampler) -> None:
+        """Send the last committed step's progress report on a thread of its own while this
+        step trains (the sampler is not touched again until `_reported`): a round trip to the
+        sharding service no longer adds to each step. A rank that dies before the report
+        lands loses nothing: the step's vote recorded where its shards stand."""
+        if not self._unreported:
+            return
+        self._unreported = False
+        if self._reporter is None:
+            self._reporter = ThreadPoolExecutor(1, thread_name_prefix="strata-live-report")
+        self._report_in_flight = self._reporter.submit(self._flush, sampler)
+
+    def _reported(self) -> None:
+        """Wait for the report `_report_meanwhile` sent; raise what it raised."""
+        report, self._report_in_flight = self._report_in_flight, None
+        if report is not None:
+            report.result()
+
+    def _report_now(self, sampler: ShardSampler) -> None:
+        """Report what is acknowledged and not reported yet (before the group re-forms)."""
+        self._reported()
+        if self._unreported:
+            self._unreported = False
+            self._flush(sampler)
+
+    def _flush(self, sampler: ShardSampler) -> None:
+        try:
             sampler.flush()
         except StaleLease as exc:
-            # The registry took this worker for failed meanwhile (a stall): the report is refused
-            # and its shards may move, but the votes recorded where they stand, so whoever
-            # reads them next starts after what this step trained.
-            self._log.warning(
-                "live_progress_refused",
-                step=self.step,
-                error=exc.message,
-                consequence="the shards' positions travel in the group's votes instead",
-            )
+            self._progress_refused(exc)
 
-    def _vote(self, sampler: ShardSampler) -> torch.Tensor:
-        """[newest membership epoch heard of, then per rank SLOTS (shard id + 1, position)]:
-        reduced with MAX, each rank filling only its own slots."""
-        vote = torch.zeros(1 + self._size * SLOTS * 2, dtype=torch.int64)
-        vote[0] = self._worker.membership_epoch
+    def _progress_refused(self, exc: StaleLease) -> None:
+        # The registry took this worker for failed meanwhile (a stall): the report is refused
+        # and its shards may move, but the votes recorded where they stand, so whoever reads
+        # them next starts after what the step trained.
+        self._log.warning(
+            "live_progress_refused",
+            step=self.step,
+            error=exc.message,
+            consequence="the shards' positions travel in the group's votes instead",
+        )
+
+    def _record(self, sampler: ShardSampler, count: int) -> None:
+        """Acknowledge a committed step's samples and report them to the sharding service."""
+        self._acknowledge(sampler, count)
+        self._report_now(sampler)
+
+    def _vote(self, sampler: ShardSampler, pending: list[int], layout: VoteLayout) -> torch.Tensor:
+        """This rank's part of the step's vote (`VoteLayout`)."""
+        vote = torch.zeros(layout.length, dtype=torch.int64)
+        vote[0] = len(pending)
+        vote[layout.epochs.start + self._rank] = self._worker.membership_epoch
         positions = sampler.pending_positions()
         if len(positions) > SLOTS:
             raise ConfigError(
                 f"a batch of this rank spans {len(positions)} shards, more than the {SLOTS} a "
                 "step's vote records: use larger shards or smaller batches"
             )
-        base = 1 + self._rank * SLOTS * 2
+        base = layout.positions_of(self._rank).start
         for i, (shard, offset) in enumerate(positions):
             vote[base + 2 * i] = shard + 1
             vote[base + 2 * i + 1] = offset
+        if layout.audit and pending:
+            vote[layout.ledger.start + torch.tensor(pending)] = 1
         return vote
 
-    def _note_positions(self, vote: torch.Tensor) -> None:
-        pairs = vote[1:].view(-1, 2).tolist()
+    def _note_positions(self, positions: torch.Tensor) -> None:
+        pairs = positions.view(-1, 2).tolist()
         for shard_plus_one, offset in pairs:
             if shard_plus_one:
                 shard = int(shard_plus_one) - 1
                 self._floors[shard] = max(self._floors.get(shard, 0), int(offset))
-
-    def _vector(self, pending: list[int]) -> torch.Tensor:
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().float()
-            for p in self._params
-        ]
-        parts.append(torch.tensor([float(len(pending))]))
-        if self.ledger.numel():
-            trained = torch.zeros(self.ledger.numel())
-            if pending:
-                trained[torch.tensor(pending)] = 1.0
-            parts.append(trained)
-        return torch.cat(parts)
-
-    def _apply(self, vector: torch.Tensor, total: int) -> None:
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            grad = (vector[offset : offset + n] / total).view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.copy_(grad)
-            offset += n
-        self._optimizer.step()
-        if self.ledger.numel():
-            self.ledger += vector[offset + 1 :]
 
     @staticmethod
     def _epoch_done(registry: ShardSource, dataset_id: str, epoch: int) -> bool:
@@ -593,3 +847,7 @@ class LiveGroup:
     def close(self) -> None:
         """Drop the group (the worker is the caller's to stop)."""
         self._pg = None
+        self._report_in_flight = None
+        if self._reporter is not None:
+            self._reporter.shutdown(wait=True)
+            self._reporter = None

@@ -49,6 +49,8 @@ authorization {
           {{ printf "strata.hb.%s.%s.%s" (ternary "*" (sha256sum $worker | trunc 2) (eq $worker "*")) $job $worker | quote }},
           {{ printf "strata.metric.%s.%s.*" $job $worker | quote }},
           {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }},
+          {{- /* Answers to its own probes (strata.events.subjects.probe_answer_subject). */}}
+          {{ printf "strata.probed.%s.%s.*" $job $worker | quote }},
           {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }},
           {{- /* Each job's keys are in a stream of its own (strata.events.subjects.rendezvous_stream_name). */}}
           {{ printf "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS_%s.$KV.STRATA_RENDEZVOUS.%s.>" $job $job | quote }}
