@@ -87,14 +87,20 @@ def job_of_shared_user(user: str | None) -> str | None:
     return job if _ID.match(job) and WORKER_USER_SEPARATOR not in job else None
 
 
-def worker_permissions(job: str, worker: str) -> Permissions:
-    """What a credential of `worker` (`*`: every worker) of `job` may do."""
+def worker_permissions(
+    job: str, worker: str, rpc_partitions: int = subjects.DEFAULT_RPC_PARTITIONS
+) -> Permissions:
+    """What a credential of `worker` (`*`: every worker) of `job` may do. Its requests are
+    allowed on their own subjects and on their job's partition (`rpc_partitions` of them), where
+    the NATS server's subject mapping moves them before it checks the permission; no other
+    partition, so a job's requests never reach the connections that serve another partition."""
     rendezvous = rendezvous_permissions(job)
     return Permissions(
         publish_allow=(
             subjects.heartbeat_subject(job, worker),
             subjects.worker_metrics(job, worker),
             subjects.caller_rpcs(job, worker),
+            subjects.caller_partition_rpcs(job, worker, rpc_partitions),
             *rendezvous.publish_allow,
         ),
         publish_deny=WORKER_DENY,
@@ -137,8 +143,11 @@ def rendezvous_permissions(job: str) -> Permissions:
     )
 
 
-def permissions(role: Role, user: str) -> Permissions:
-    """The permissions of `user` in `role` (a worker's user name is `<worker>@<job>`)."""
+def permissions(
+    role: Role, user: str, rpc_partitions: int = subjects.DEFAULT_RPC_PARTITIONS
+) -> Permissions:
+    """The permissions of `user` in `role` (a worker's user name is `<worker>@<job>`), with
+    workers' requests sorted into `rpc_partitions` (`STRATA_RPC_PARTITIONS`)."""
     if role == "services":
         return Permissions((">",), (), (">",))
     if role == "gateway":
@@ -151,14 +160,14 @@ def permissions(role: Role, user: str) -> Permissions:
     if identity is None:
         shared = job_of_shared_user(user)
         if shared is not None:
-            return worker_permissions(shared, "*")
+            return worker_permissions(shared, "*", rpc_partitions)
         raise ConfigError(
             f"worker credential {user!r} names no job and worker: worker user names are "
             f"<worker>{WORKER_USER_SEPARATOR}<job>, or {JOB_USER_PREFIX}<job> for one every "
             "worker of the job shares (strata up --secure makes both)"
         )
     job, worker = identity
-    return worker_permissions(job, worker)
+    return worker_permissions(job, worker, rpc_partitions)
 
 
 @dataclass(frozen=True)
@@ -190,11 +199,14 @@ def _quoted(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(json.dumps(item) for item in items) + "]"
 
 
-def authorization_config(credentials: list[Credential]) -> str:
-    """The `authorization { users = [...] }` block of a nats-server configuration."""
+def authorization_config(
+    credentials: list[Credential], rpc_partitions: int = subjects.DEFAULT_RPC_PARTITIONS
+) -> str:
+    """The `authorization { users = [...] }` block of a nats-server configuration whose subject
+    mapping sorts requests into `rpc_partitions`."""
     lines = ["authorization {", "  users = ["]
     for cred in credentials:
-        perms = permissions(cred.role, cred.user)
+        perms = permissions(cred.role, cred.user, rpc_partitions)
         publish = f"allow: {_quoted(perms.publish_allow)}"
         if perms.publish_deny:
             publish += f", deny: {_quoted(perms.publish_deny)}"

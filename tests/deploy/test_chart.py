@@ -1340,6 +1340,7 @@ async def test_the_rendered_roles_on_a_real_nats_server(
                 await msg.respond(b"pong")
 
             await services.nc.subscribe(subjects.service_rpcs("registry"), cb=pong)
+            await services.nc.subscribe(subjects.partition_rpcs("registry", "*"), cb=pong)
             await services.nc.request(subjects.rpc_subject("registry", "ping"), b"", 5)
             for client in (shared, own):
                 ping = subjects.rpc_subject("registry", "ping", job, "w-1")
