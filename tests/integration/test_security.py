@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 from strata.bus.server import NatsServer
 from strata.events import subjects
 from strata.security import (
@@ -20,6 +21,7 @@ from strata.security import (
 )
 
 from tests import natsprobe
+from tests.support import async_wait_until
 
 pytestmark = pytest.mark.nats
 
@@ -194,3 +196,40 @@ def test_credentials_file_is_private_and_round_trips(
 def test_the_configuration_holding_the_passwords_is_private(secured: NatsServer) -> None:
     assert secured.config_file.stat().st_mode & 0o777 == 0o600
     assert "password" in secured.config_file.read_text()
+
+
+async def test_a_worker_reaches_its_jobs_request_partition_only(
+    secured: NatsServer, credentials: list[Credential], watcher: nats.NATS
+) -> None:
+    """nats-server checks a publish permission on the subject its mapping moved the request to:
+    a worker may send into its own job's partition (as the mapping does for it) and into no
+    other, so a flood of its never reaches the connections that serve another partition."""
+    own = subjects.rpc_partition_of(JOB, subjects.DEFAULT_RPC_PARTITIONS)
+    other = (own + 1) % subjects.DEFAULT_RPC_PARTITIONS
+    into_own = f"{subjects.RPC_PARTITIONED}.{own}.registry.register.{JOB}.worker-0"
+    into_other = f"{subjects.RPC_PARTITIONED}.{other}.registry.register.{JOB}.worker-0"
+    seen: list[str] = []
+
+    async def note(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    await watcher.subscribe(f"{subjects.RPC_PARTITIONED}.>", cb=note)
+    await watcher.flush()
+    worker = await as_worker(secured, worker_0(credentials))
+    try:
+        for subject in (
+            into_other,
+            into_own,
+            subjects.rpc_subject("barrier", "arrive", JOB, "worker-0"),
+        ):
+            await worker.nc.publish(subject, b"x")
+        await natsprobe.settled(worker)
+
+        async def both_in() -> bool:
+            return len(seen) >= 2
+
+        await async_wait_until(both_in, 10, "the allowed requests to arrive")
+    finally:
+        await worker.close()
+    assert seen == [into_own, f"{subjects.RPC_PARTITIONED}.{own}.barrier.arrive.{JOB}.worker-0"]
+    assert any(into_other.lower() in error for error in worker.errors), worker.errors
