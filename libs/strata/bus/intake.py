@@ -37,7 +37,29 @@ RequestHandler = Callable[[bytes, bytes, bytes], None]
 raises is counted and logged, and the next message is read as usual."""
 
 
-class RequestIntakeClient(NATS):
+class ReadingClient(NATS):
+    """A nats-py client whose read loop survives a late PONG, and that says whether it reads."""
+
+    @property
+    def reader_alive(self) -> bool:
+        """Whether the connection's read loop still runs. nats-py keeps a client whose read loop
+        died "connected" (and then answers `flush()` at once): such a client hears nothing."""
+        task = self._reading_task
+        return task is not None and not task.done()
+
+    async def _process_pong(self) -> None:
+        # nats-py 2.16's `flush(timeout)` cancels its future when the PONG is late and leaves it
+        # queued; the late PONG then sets the result of a cancelled future, and the
+        # InvalidStateError ends the read loop. A PONG for a wait given up is dropped here.
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
+
+class RequestIntakeClient(ReadingClient):
     """A nats-py client whose direct subscriptions skip the parser's regular expressions, `Msg`,
     headers and queues, and that can queue an answer without an await."""
 
