@@ -5,7 +5,8 @@ create and read consumers but publish nothing on `strata.>`. A `worker` credenti
 job and names one worker of it (`<worker>@<job>`, made by `strata up --secure`), or every worker
 of one job (`strata-workers-<job>`, the job's shared user, made by the chart and by `strata up
 --secure`; the worker part of its subjects is `*`): it may publish only its own
-heartbeats, metric samples and requests, each on a subject that ends with its job and worker, and
+heartbeats, metric samples and requests, each on a subject that ends with its job and worker
+(requests also where the server's subject mapping moves them: its job's partition only), and
 subscribe only to its job's world notices, barrier and plan events, its own control notices,
 its own probes (`registry.suspect`) and its own inbox; besides, it may use its job's keys of the
 torchrun rendezvous bucket. Nothing it publishes reaches the event stream: services record every

@@ -7,7 +7,10 @@ can be split over registry processes by subject) and samples on
 `strata.rpc.<service>.<verb>.<job>.<worker>`: the last two tokens are the caller, and NATS
 permissions tie a worker's credential to its own, so the subject a request arrives on says who
 sent it. (`strata.rpc.<service>.<verb>` without them is an operator's request, which only the
-services' credential, or anyone on an unsecured NATS, may send.) A worker's replies come to its
+services' credential, or anyone on an unsecured NATS, may send.) The NATS server's subject mapping
+moves a worker's request to `strata.rpcp.<partition>.<service>.<verb>.<job>.<worker>`, the partition
+decided by the job (`rpc_partition_mapping`), so each service can take each partition on a
+connection of its own. A worker's replies come to its
 own inbox prefix, `_INBOX_strata.<job>.<worker>`, so no other worker may read them.
 Ids may contain `.`, which separates subject tokens, so ids are encoded into tokens with `.` -> `~`
 (ids never contain `~`, so the mapping is reversible). Where a function says a part may be `*`, it
