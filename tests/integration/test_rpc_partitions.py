@@ -171,3 +171,48 @@ async def test_without_the_mapping_requests_are_taken_on_their_own_subjects(
             await rpc.stop()
             for nc in [*partitions, main]:
                 await nc.close()
+
+
+async def test_a_caller_refused_from_the_bytes_is_served_again_once_its_budget_refills(
+    partitioned: tuple[NatsServer, list[NATS]],
+) -> None:
+    """A refusal by a worker's own budget is remembered for its subject until the budget has a
+    token again: the requests meanwhile are refused without being decoded, the next after it is
+    served, and every refusal is counted."""
+    server, connections = partitioned
+    main = await nats.connect(server.url)
+    client = await nats.connect(server.url)
+    rpc = RpcServer(
+        main,
+        new_service(),
+        admission=AdmissionLimits(worker_rate=5, worker_burst=2),
+        partitions=connections,
+    )
+
+    async def work(request: JobRequest) -> dict[str, str]:
+        return {"job": request.job}
+
+    rpc.route("work", JobRequest, work, scope="job")
+    await rpc.start()
+    try:
+        job = jobs_in_partitions(PARTITIONS)[0]
+        caller = RpcClient(client, timeout=TIMEOUT, caller=Caller(job, "w0"))
+        refused = 0
+        while not refused:  # the burst, then refusals (a slow machine may refill one between)
+            try:
+                await caller.call(rpc.service, "work", {"job": job})
+            except RateLimited:
+                refused += 1
+        for _ in range(20):  # within the 0.2 s a token takes, or served once it came
+            try:
+                await caller.call(rpc.service, "work", {"job": job})
+            except RateLimited:
+                refused += 1
+        # Served again once a token is back: the memory of the refusal ends with it.
+        answer = await caller.call(rpc.service, "work", {"job": job}, retry_for=10.0)
+        assert answer == {"job": job}
+        assert rpc.rejected["rate_limited"] >= refused >= 1
+    finally:
+        await rpc.stop()
+        await client.close()
+        await main.close()

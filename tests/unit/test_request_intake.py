@@ -98,7 +98,7 @@ def test_a_malformed_frame_is_refused_as_nats_py_refuses_it() -> None:
 
 
 def test_an_answer_is_not_queued_on_a_connection_that_is_not_up() -> None:
-    assert not RequestIntakeClient().reply_now("_INBOX.x", b"answer")
+    assert not RequestIntakeClient().reply_now(b"_INBOX.x", b"answer")
 
 
 def test_the_installed_nats_py_is_a_release_the_fast_lane_is_written_for() -> None:

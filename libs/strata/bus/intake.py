@@ -100,7 +100,7 @@ class RequestIntakeClient(ReadingClient):
         self.direct[sub._id] = handler
         return sub
 
-    def reply_now(self, subject: str, payload: bytes) -> bool:
+    def reply_now(self, subject: bytes, payload: bytes) -> bool:
         """Queue a message on `subject` for the connection's flusher, without an await: a flood's
         refusals are written in one go after the read that brought them. False (nothing queued)
         while the connection is down or its outgoing buffer is full: the caller's request then
@@ -109,7 +109,7 @@ class RequestIntakeClient(ReadingClient):
             return False
         if not self.is_connected or self._flush_queue is None:
             return False
-        command = b"PUB %s %d\r\n%s\r\n" % (subject.encode(), len(payload), payload)
+        command = b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload)
         if 0 < self._max_pending_size < self._pending_data_size + len(command):
             return False
         self._pending.append(command)

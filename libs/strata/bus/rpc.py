@@ -98,6 +98,18 @@ class _Refused:
 _REFUSALS_KEPT = 4096
 
 
+@dataclass(slots=True)
+class _Held:
+    """A request subject whose worker's budget refuses everything until `until`: its requests
+    are refused from the subject's bytes alone, without decoding or charging anything."""
+
+    until: float
+    refused: _Refused
+
+
+_HELD_KEPT = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class _Admitted:
     """A request taken in, waiting in its job's queue for a handler."""
@@ -191,6 +203,7 @@ class RpcServer:
         self._rejected_counters: dict[str, Any] = {}
         self._refusals: dict[tuple[Refusal, str], _Refused] = {}
         self._uncounted: list[_Refused] = []
+        self._held: dict[bytes, _Held] = {}
         # One warning per verb and caller every few seconds: forged requests come at their
         # sender's pace, log lines must not.
         self._forbidden_log = Throttle()
@@ -320,9 +333,19 @@ class RpcServer:
         if not reply:
             self._drop_unanswerable()
             return
-        to = reply.decode()
-        answer = self._sort(nc, subject.decode(), to, data, None)
-        if answer is not None and not nc.reply_now(to, answer):
+        held = self._held.get(subject)
+        if held is not None:
+            if time.monotonic() < held.until:  # a flood's path: refused as its last one was
+                refused = held.refused
+                refused.uncounted += 1
+                if refused.uncounted == 1:
+                    self._uncounted.append(refused)
+                if not nc.reply_now(reply, refused.reply):
+                    self._count_reject("reply_not_sent")
+                return
+            del self._held[subject]
+        answer = self._sort(nc, subject.decode(), reply.decode(), data, None, subject)
+        if answer is not None and not nc.reply_now(reply, answer):
             self._count_reject("reply_not_sent")
 
     def _drop_unanswerable(self) -> None:
@@ -331,9 +354,17 @@ class RpcServer:
         self._count_reject("no_reply_subject")
 
     def _sort(
-        self, nc: NATS, subject: str, reply: str, data: bytes, msg: Msg | None
+        self,
+        nc: NATS,
+        subject: str,
+        reply: str,
+        data: bytes,
+        msg: Msg | None,
+        hold: bytes | None = None,
     ) -> bytes | None:
-        """Admit a request into its job's queue (None), or the answer that refuses it."""
+        """Admit a request into its job's queue (None), or the answer that refuses it. With
+        `hold` (the subject's bytes), a refusal by the worker's own budget is remembered for as
+        long as that budget stays spent (`_take`)."""
         admission = self.admission
         assert admission is not None
         arrived = time.perf_counter()
@@ -344,7 +375,8 @@ class RpcServer:
                 "?", _error(InvalidRequest.code, str(exc)), InvalidRequest.code, nc
             )
         job = address.job or OPERATOR
-        refusal = admission.admit(address.job, address.worker, time.monotonic())
+        now = time.monotonic()
+        refusal = admission.admit(address.job, address.worker, now)
         if refusal is None:
             if msg is None:
                 msg = Msg(_client=nc, subject=subject, reply=reply, data=data)
@@ -352,9 +384,20 @@ class RpcServer:
             if not self._queue.push(job, admitted, bounded=job != OPERATOR):
                 refusal = admission.busy(job, self._queue.queued(job), len(self._queue))
         if refusal is not None:
-            return self._refusal(address, refusal)
+            answer = self._refusal(address, refusal)
+            if hold is not None and address.job is not None:
+                wait = admission.held_for(refusal, address.job, address.worker, now)
+                if wait > 0:
+                    if len(self._held) >= _HELD_KEPT:
+                        self._held.clear()
+                    refused = self._refusals[(refusal, self._verb_key(address))]
+                    self._held[hold] = _Held(now + wait, refused)
+            return answer
         self._pump()
         return None
+
+    def _verb_key(self, address: subjects.RpcAddress) -> str:
+        return address.verb if address.verb in self._routes else "?"
 
     async def _in_arrival_order(self, nc: NATS, msg: Msg) -> None:
         if self._gate is None:
@@ -405,7 +448,7 @@ class RpcServer:
     def _refusal(self, address: subjects.RpcAddress, refusal: Refusal) -> bytes:
         """Count and log a refusal; its answer."""
         # The path a flood takes, once per message: everything it can reuse is looked up.
-        verb = address.verb if address.verb in self._routes else "?"
+        verb = self._verb_key(address)
         refused = self._refusals.get((refusal, verb))
         if refused is None:
             if len(self._refusals) >= _REFUSALS_KEPT:
