@@ -340,7 +340,8 @@ def test_a_worker_refusal_holds_exactly_until_its_budget_has_a_token(
     refusal = None
     for _ in range(burst + extra):
         refusal = admission.admit("j", "w", start)
-    assert refusal is not None and refusal.code == "rate_limited"
+    assert refusal is not None
+    assert refusal.code == "rate_limited"
     held = admission.held_for(refusal, "j", "w", start)
     assert 0 < held <= 1 / rate + 1e-9
     assert admission.admit("j", "w", start + held * 0.999) is refusal
