@@ -21,7 +21,13 @@ charging the budgets of a job's 1,000 workers, queueing, taking the next request
 and counting it in flight, against the same loop without them (alternating rounds, median and
 spread), which is the bound of its cost on any call.
 
+With `--against unpartitioned` the baseline keeps admission control on and runs on a nats-server
+without the request partitions' subject mapping: every request then comes to one connection per
+service through nats-py's subscription, as before partitions; the ratio is what a partition's
+connection and the request intake (`strata.bus.intake`) cost the normal path.
+
     python bench/admission.py [--rounds 5] [--burst 600] [--calls 300] [--slices 6] [--check]
+                              [--against off|unpartitioned]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from strata.admission import Admission, AdmissionLimits, FairQueue
 from strata.bus import Bus, Caller, RpcClient
 from strata.bus.server import NatsServer
 from strata.config import Env
+from strata.events import subjects
 from strata.events.requests import (
     ArriveRequest,
     BarrierOutcome,
@@ -65,9 +72,12 @@ TIMEOUT = 30.0
 class Stack:
     """A nats-server and the services on it, with or without admission control."""
 
-    def __init__(self, label: str, base: Path, admission: bool) -> None:
+    def __init__(self, label: str, base: Path, admission: bool, partitioned: bool = True) -> None:
         self.label = label
-        self.server = NatsServer(store_dir=base / label / "nats")
+        self.server = NatsServer(
+            store_dir=base / label / "nats",
+            rpc_partitions=subjects.DEFAULT_RPC_PARTITIONS if partitioned else None,
+        )
         self.services: list[ServiceProcess] = []
         self.admission = admission
         self.base = base / label
@@ -232,10 +242,16 @@ def bookkeeping_cost(requests: int = 200_000, rounds: int = 7) -> list[float]:
     return added
 
 
-async def main(rounds: int, burst: int, calls: int, slices: int, check: bool) -> int:
+async def main(
+    rounds: int, burst: int, calls: int, slices: int, check: bool, against: str = "off"
+) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-bench-admission-") as tmp:
         base = Path(tmp)
-        with_it, without = Stack("admission", base, True), Stack("baseline", base, False)
+        with_it = Stack("admission", base, True)
+        if against == "unpartitioned":
+            without = Stack("unpartitioned", base, True, partitioned=False)
+        else:
+            without = Stack("baseline", base, False)
         try:
             await with_it.start()
             await without.start()
@@ -250,7 +266,8 @@ async def main(rounds: int, burst: int, calls: int, slices: int, check: bool) ->
         finally:
             await with_it.stop()
             await without.stop()
-    print(f"\nadmission control on / off, {rounds} rounds of {slices} alternating slices")
+    compared = "partitioned / unpartitioned" if against == "unpartitioned" else "admission on / off"
+    print(f"\n{compared}, {rounds} rounds of {slices} alternating slices")
     print(f"{'operation':<12} {'with':>10} {'without':>10} {'ratio':>7}  spread")
     worst = 0.0
     for op, pairs in figures.items():
@@ -292,5 +309,15 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=300, help="arrivals and shard reads")
     parser.add_argument("--slices", type=int, default=6, help="alternations per round")
     parser.add_argument("--check", action="store_true", help=f"exit 1 over {CHECK_RATIO}")
+    parser.add_argument(
+        "--against",
+        choices=("off", "unpartitioned"),
+        default="off",
+        help="the baseline: admission control off, or on without request partitions",
+    )
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.rounds, args.burst, args.calls, args.slices, args.check)))
+    sys.exit(
+        asyncio.run(
+            main(args.rounds, args.burst, args.calls, args.slices, args.check, args.against)
+        )
+    )

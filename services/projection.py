@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 from strata._supervise import Supervisor
 from strata.bus import Bus, Delivered, EventFeed, RpcServer
 from strata.bus.connection import ConnectOptions, backoff_delays, connect, retry_transient
+from strata.bus.intake import RequestIntakeClient
 from strata.bus.publish import MSG_ID
 from strata.bus.snapshots import (
     SNAPSHOT_HEADROOM,
@@ -70,7 +71,7 @@ class Projection(Generic[S]):
         self._applied = asyncio.Condition()
         self._feed: EventFeed | None = None
         self._kv: KeyValue | None = None
-        self._rpc_nc: NATS | None = None
+        self._rpc_ncs: list[NATS] = []
         self.tasks = Supervisor(self.name)
         """Every task of this service: one that dies makes it unready and ends the process."""
         self._reactions: asyncio.Queue[Event] = asyncio.Queue()
@@ -105,16 +106,23 @@ class Projection(Generic[S]):
         """This service's request server, with the admission control and pending bounds the
         settings give (`STRATA_RPC_*`, docs/operations.md), on a NATS connection of its own:
         a flood of requests then queues in that connection only, never ahead of the events this
-        service reads back and the acks it waits for on `bus` (its requests' own answers)."""
-        nc = await connect(
-            settings.nats_servers,
-            ConnectOptions(
-                name=f"strata-{self.name}-rpc",
-                user=settings.nats_user,
-                password=settings.nats_password,
-            ),
-        )
-        self._rpc_nc = nc
+        service reads back and the acks it waits for on `bus` (its requests' own answers). Each
+        partition of workers' requests (`STRATA_RPC_PARTITIONS`) has a connection of its own
+        too, so one job's flood queues only where its partition's requests come in."""
+
+        async def connection(name: str, client: Callable[[], NATS] = NATS) -> NATS:
+            options = ConnectOptions(
+                name=name, user=settings.nats_user, password=settings.nats_password
+            )
+            nc = await connect(settings.nats_servers, options, client)
+            self._rpc_ncs.append(nc)
+            return nc
+
+        nc = await connection(f"strata-{self.name}-rpc")
+        partitions = [
+            await connection(f"strata-{self.name}-rpc-p{partition}", RequestIntakeClient)
+            for partition in range(settings.rpc_partitions)
+        ]
         return RpcServer(
             nc,
             self.name,
@@ -123,6 +131,7 @@ class Projection(Generic[S]):
             pending_msgs=settings.rpc_sub_pending_msgs,
             pending_bytes=settings.rpc_sub_pending_mb * 1024 * 1024,
             spawn=self.spawn,
+            partitions=partitions,
         )
 
     async def prepare_fold(self, event: Event) -> None:
@@ -222,10 +231,10 @@ class Projection(Generic[S]):
         self.live = False
         await self.before_stop()
         await self.tasks.stop()
-        if self._rpc_nc is not None:
+        connections, self._rpc_ncs = self._rpc_ncs, []
+        for nc in connections:
             with contextlib.suppress(Exception):
-                await self._rpc_nc.close()
-            self._rpc_nc = None
+                await nc.close()
         if self._feed is not None:
             await self._feed.stop()
         await self.save_snapshot()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from strata.events import subjects
 
 _REFUSED = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.I)
 
@@ -63,7 +64,18 @@ async def connect(url: str, user: str, password: str, inbox_prefix: str | None =
 def _note(client: Client, text: str) -> None:
     # nats-py lowercases the server's error text, subjects included: compare them lowercased.
     for kind, subject in _REFUSED.findall(text):
-        client.refused[kind.lower()].add(subject.lower())
+        client.refused[kind.lower()].add(_as_sent(subject).lower())
+
+
+def _as_sent(subject: str) -> str:
+    """A request subject as its sender wrote it: nats-server checks (and names in a refusal) the
+    subject its mapping moved the request to, in the job's partition."""
+    if not subject.lower().startswith(subjects.RPC_PARTITIONED + "."):
+        return subject
+    try:
+        return subjects.rpc_subject(*subjects.parse_rpc_subject(subject))
+    except ValueError:
+        return subject
 
 
 async def refused_subscriptions(client: Client, wanted: list[str]) -> set[str]:
@@ -108,6 +120,8 @@ async def reached(watcher: NATS, sender: Client, sent: list[str], marker: str) -
             listening.set()
         elif msg.subject in sent:
             seen.add(msg.subject)
+        elif _as_sent(msg.subject) in sent:  # a request the server moved to its partition
+            seen.add(_as_sent(msg.subject))
 
     subs = [await watcher.subscribe(s, cb=on_message) for s in (">", marker)]
     # nats-py's flush() can overtake a SUB still in its write buffer; a message of the watcher's

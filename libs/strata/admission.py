@@ -81,6 +81,11 @@ class TokenBucket:
     def full(self, now: float) -> bool:
         return self.refill(now) >= self.burst
 
+    def wait(self, now: float) -> float:
+        """Seconds until there is a token to take (0 when there is one now)."""
+        tokens = self.refill(now)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+
 
 class Budgets(Generic[K]):
     """A token bucket per key, with at most `max_keys` kept.
@@ -106,6 +111,11 @@ class Budgets(Generic[K]):
                 self._forget(now)
             bucket = self._buckets[key] = TokenBucket(self.rate, self.burst, now)
         return bucket.take(now)
+
+    def wait(self, key: K, now: float) -> float:
+        """Seconds until `key`'s bucket has a token (0 for a key with no bucket: a full one)."""
+        bucket = self._buckets.get(key)
+        return 0.0 if bucket is None else bucket.wait(now)
 
     def _forget(self, now: float) -> None:
         # Down to three quarters at once, so that a stream of new keys (made-up worker ids)
@@ -211,6 +221,14 @@ class Admission:
         if not self._jobs.take(job, now):
             return self._refusal("job", job, worker)
         return None
+
+    def held_for(self, refusal: Refusal, job: str, worker: str | None, now: float) -> float:
+        """Seconds for which every request of `worker` of `job` is refused as `refusal` was: until
+        its own budget has a token again when that budget refused it (a refused request takes
+        no token of either budget, so nothing else changes meanwhile); 0 for any other refusal."""
+        if worker is None or self._refusals.get(("worker", job, worker)) is not refusal:
+            return 0.0
+        return self._workers.wait((job, worker), now)
 
     def _refusal(self, kind: str, job: str | None, worker: str | None) -> Refusal:
         # A flood is refused many times a second with the same words: made once per caller.

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from strata.admission import AdmissionLimits
 from strata.errors import ConfigError
 from strata.events.models import MAX_RANK, MAX_SHARDS
+from strata.events.subjects import DEFAULT_RPC_PARTITIONS, MAX_RPC_PARTITIONS
 
 
 class Env:
@@ -59,6 +60,7 @@ class Env:
     RPC_JOB_INFLIGHT: Final = "STRATA_RPC_JOB_INFLIGHT"
     RPC_SUB_PENDING_MSGS: Final = "STRATA_RPC_SUB_PENDING_MSGS"
     RPC_SUB_PENDING_MB: Final = "STRATA_RPC_SUB_PENDING_MB"
+    RPC_PARTITIONS: Final = "STRATA_RPC_PARTITIONS"
     MAX_DATASETS_PER_JOB: Final = "STRATA_MAX_DATASETS_PER_JOB"
     MAX_SHARDS_PER_DATASET: Final = "STRATA_MAX_SHARDS_PER_DATASET"
     RENDEZVOUS_JOBS: Final = "STRATA_RENDEZVOUS_JOBS"
@@ -173,6 +175,10 @@ class Settings(BaseSettings):
     """Requests the NATS client holds for a service before it drops (and counts) the next."""
     rpc_sub_pending_mb: int = Field(default=64, ge=1, le=65_536)
     """MiB of requests the NATS client holds for a service before it drops (and counts) more."""
+    rpc_partitions: int = Field(default=DEFAULT_RPC_PARTITIONS, ge=1, le=MAX_RPC_PARTITIONS)
+    """Partitions the NATS server sorts workers' requests into by job (its configuration's
+    subject mapping must say the same number); each service takes each on a connection of its
+    own, so a job's flood queues only in its partition's connection."""
     max_datasets_per_job: int = Field(default=256, ge=1, le=100_000)
     """Datasets one job may register (`quota_exceeded` past it)."""
     max_shards_per_dataset: int = Field(default=MAX_SHARDS, ge=1, le=MAX_SHARDS)

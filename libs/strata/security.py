@@ -13,6 +13,15 @@ it publishes reaches the event stream: services record every event, and the subj
 arrives on says who sent it (see `strata.bus.rpc`). `strata up --secure` and the chart both
 render these rules. The files that hold passwords or the gateway's API token are written
 readable by their owner only.
+--secure`; the worker part of its subjects is `*`): it may publish only its own
+heartbeats, metric samples and requests, each on a subject that ends with its job and worker
+(requests also where the server's subject mapping moves them: its job's partition only), and
+subscribe only to its job's world notices, barrier and plan events, its own control notices,
+its own probes (`registry.suspect`) and its own inbox; besides, it may use its job's keys of the
+torchrun rendezvous bucket. Nothing it publishes reaches the event stream: services record every
+event, and the subject a request arrives on says who sent it (see `strata.bus.rpc`). `strata up
+--secure` and the chart both render these rules. The files that hold passwords or the gateway's
+API token are written readable by their owner only.
 """
 
 from __future__ import annotations
@@ -88,8 +97,13 @@ def job_of_shared_user(user: str | None) -> str | None:
     return job if _ID.match(job) and WORKER_USER_SEPARATOR not in job else None
 
 
-def worker_permissions(job: str, worker: str) -> Permissions:
-    """What a credential of `worker` (`*`: every worker) of `job` may do."""
+def worker_permissions(
+    job: str, worker: str, rpc_partitions: int = subjects.DEFAULT_RPC_PARTITIONS
+) -> Permissions:
+    """What a credential of `worker` (`*`: every worker) of `job` may do. Its requests are
+    allowed on their own subjects and on their job's partition (`rpc_partitions` of them), where
+    the NATS server's subject mapping moves them before it checks the permission; no other
+    partition, so a job's requests never reach the connections that serve another partition."""
     rendezvous = rendezvous_permissions(job)
     return Permissions(
         publish_allow=(
@@ -97,6 +111,7 @@ def worker_permissions(job: str, worker: str) -> Permissions:
             subjects.worker_metrics(job, worker),
             subjects.caller_rpcs(job, worker),
             subjects.probe_answer_subject(job, worker, "*"),
+            subjects.caller_partition_rpcs(job, worker, rpc_partitions),
             *rendezvous.publish_allow,
         ),
         publish_deny=WORKER_DENY,
@@ -139,8 +154,11 @@ def rendezvous_permissions(job: str) -> Permissions:
     )
 
 
-def permissions(role: Role, user: str) -> Permissions:
-    """The permissions of `user` in `role` (a worker's user name is `<worker>@<job>`)."""
+def permissions(
+    role: Role, user: str, rpc_partitions: int = subjects.DEFAULT_RPC_PARTITIONS
+) -> Permissions:
+    """The permissions of `user` in `role` (a worker's user name is `<worker>@<job>`), with
+    workers' requests sorted into `rpc_partitions` (`STRATA_RPC_PARTITIONS`)."""
     if role == "services":
         return Permissions((">",), (), (">",))
     if role == "gateway":
@@ -153,14 +171,14 @@ def permissions(role: Role, user: str) -> Permissions:
     if identity is None:
         shared = job_of_shared_user(user)
         if shared is not None:
-            return worker_permissions(shared, "*")
+            return worker_permissions(shared, "*", rpc_partitions)
         raise ConfigError(
             f"worker credential {user!r} names no job and worker: worker user names are "
             f"<worker>{WORKER_USER_SEPARATOR}<job>, or {JOB_USER_PREFIX}<job> for one every "
             "worker of the job shares (strata up --secure makes both)"
         )
     job, worker = identity
-    return worker_permissions(job, worker)
+    return worker_permissions(job, worker, rpc_partitions)
 
 
 @dataclass(frozen=True)
@@ -192,11 +210,14 @@ def _quoted(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(json.dumps(item) for item in items) + "]"
 
 
-def authorization_config(credentials: list[Credential]) -> str:
-    """The `authorization { users = [...] }` block of a nats-server configuration."""
+def authorization_config(
+    credentials: list[Credential], rpc_partitions: int = subjects.DEFAULT_RPC_PARTITIONS
+) -> str:
+    """The `authorization { users = [...] }` block of a nats-server configuration whose subject
+    mapping sorts requests into `rpc_partitions`."""
     lines = ["authorization {", "  users = ["]
     for cred in credentials:
-        perms = permissions(cred.role, cred.user)
+        perms = permissions(cred.role, cred.user, rpc_partitions)
         publish = f"allow: {_quoted(perms.publish_allow)}"
         if perms.publish_deny:
             publish += f", deny: {_quoted(perms.publish_deny)}"

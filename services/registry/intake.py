@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import structlog
-from nats.aio.client import Client as NATS
 from nats.aio.client import __version__ as nats_version
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser
+from strata.bus.intake import ReadingClient
 
 log = structlog.get_logger("strata.registry")
 
@@ -34,7 +34,7 @@ Handler = Callable[[bytes, bytes], None]
 and logged, and the next message is read as usual."""
 
 
-class IntakeClient(NATS):
+class IntakeClient(ReadingClient):
     """A nats-py client whose direct subscriptions skip the parser's regular expressions, `Msg`,
     headers and queues."""
 
@@ -79,24 +79,6 @@ class IntakeClient(NATS):
             handler(subject, data)
         except Exception:
             self.handler_failed()
-
-    @property
-    def reader_alive(self) -> bool:
-        """Whether the connection's read loop still runs. nats-py keeps a client whose read loop
-        died "connected" (and then answers `flush()` at once): such a client hears nothing."""
-        task = self._reading_task
-        return task is not None and not task.done()
-
-    async def _process_pong(self) -> None:
-        # nats-py 2.16's `flush(timeout)` cancels its future when the PONG is late and leaves it
-        # queued; the late PONG then sets the result of a cancelled future, and the
-        # InvalidStateError ends the read loop. A PONG for a wait given up is dropped here.
-        if self._pongs:
-            future = self._pongs.pop(0)
-            if not future.done():
-                future.set_result(True)
-            self._pongs_received += 1
-            self._pings_outstanding = 0
 
     def handler_failed(self) -> None:
         """Count and log (sparingly) the exception being handled: one message must never stop

@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 from strata import procutil, security
 from strata.bus import Bus, ConnectOptions, EventFeed
 from strata.bus import connect as connect_nats
-from strata.bus.server import NatsServer, nats_server_binary
+from strata.bus.server import NatsServer, nats_server_binary, rpc_mapping_config
 from strata.config import load_settings
 from strata.events import EVENT_TYPES, WorkerLeft, subjects
 from strata.events.rpc import RPC_SERVICES
@@ -659,6 +659,29 @@ def test_worker_permissions_are_those_of_strata_security(render: Render) -> None
         assert set(permissions.subscribe_allow) == set(expected.subscribe_allow), user
 
 
+@pytest.mark.parametrize("partitions", [1, 7, 256])
+def test_a_jobs_request_partition_is_the_one_strata_computes(
+    render: Render, partitions: int
+) -> None:
+    # The chart computes FNV-1a in its templates; a job's users may send into that partition only.
+    jobs = ["llm-pretrain-v2", "Z9", "a", "resnet_50", "job-0042", "x_y-z", "default"]
+    rendered = render(
+        "nats.auth.extraWorkerJobs={" + ",".join(jobs) + "}",
+        f"coordinator.admission.partitions={partitions}",
+    )
+    auth = _nats_auth(rendered)
+    for job in jobs:
+        expected = security.worker_permissions(job, "*", partitions)
+        assert set(auth[security.job_user(job)][1].publish_allow) == set(expected.publish_allow)
+    config = rendered.get("ConfigMap", _name("nats-config"))["data"]["nats.conf"]
+    assert (
+        natsconf.parse(config)["mappings"]
+        == natsconf.parse(rpc_mapping_config(partitions))["mappings"]
+    )
+    (registry,) = _containers(rendered.get("Deployment", _name("registry")))
+    assert _settings_from(_env(registry)).rpc_partitions == partitions
+
+
 def test_workers_publish_nothing_on_the_event_stream_and_only_in_their_job(render: Render) -> None:
     job = "default"
     worker = _nats_auth(render())["strata-workers-default"][1]
@@ -996,6 +1019,7 @@ ADMISSION_ENV = {
     "STRATA_RPC_JOB_INFLIGHT": "rpc_job_inflight",
     "STRATA_RPC_SUB_PENDING_MSGS": "rpc_sub_pending_msgs",
     "STRATA_RPC_SUB_PENDING_MB": "rpc_sub_pending_mb",
+    "STRATA_RPC_PARTITIONS": "rpc_partitions",
 }
 QUOTA_ENV = {
     "STRATA_MAX_DATASETS_PER_JOB": "max_datasets_per_job",
@@ -1340,6 +1364,7 @@ async def test_the_rendered_roles_on_a_real_nats_server(
                 await msg.respond(b"pong")
 
             await services.nc.subscribe(subjects.service_rpcs("registry"), cb=pong)
+            await services.nc.subscribe(subjects.partition_rpcs("registry", "*"), cb=pong)
             await services.nc.request(subjects.rpc_subject("registry", "ping"), b"", 5)
             for client in (shared, own):
                 ping = subjects.rpc_subject("registry", "ping", job, "w-1")

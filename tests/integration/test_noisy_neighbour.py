@@ -10,9 +10,12 @@ B loses nothing, A is told why it is refused (`rate_limited`, `busy`, `quota_exc
 services count what they refused and dropped on their `/metrics`, and no service's peak resident
 memory passes its bound (`RSS_BOUND_MB`, stated in docs/operations.md).
 
-The bound asserted here is looser than the goal (max(2x, +50 ms) of the baseline): on a shared
-2-core machine the flooding process itself takes a core from the services. The figures are
-printed; bench/admission.py and docs/operations.md give them on a quiet machine.
+A and B are in different request partitions (the NATS server's subject mapping sorts requests by
+job; each service takes each partition on a connection of its own), as 7 jobs in 8 are with the
+default partitions. B's p50 is asserted against the goal (max(2x, +50 ms) of the baseline) with
+50 ms more for the machine's load; its p99 against a bound that holds on this shared 2-core
+machine, where the flooding process itself takes a core from the services. The figures are
+printed; docs/operations.md gives them.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from strata.events.requests import (
     Registration,
     ShardAssignment,
 )
+from strata.events.subjects import DEFAULT_RPC_PARTITIONS, rpc_partition_of
 
 from tests.support import ServiceProcess, new_job, running_services
 
@@ -62,6 +66,12 @@ BIG_DATASET_SHARDS = 400_000
 BASELINE_ROUNDS = 15
 MIN_ROUNDS_DURING = 5
 CALL_TIMEOUT = 10.0
+P50_ROOM = 0.1
+"""B's p50 during a flood within max(2x, + this) of its baseline: the goal's 50 ms and as much
+again for the machine's load."""
+P99_ROOM = 2.5
+"""B's p99 during a flood within its baseline + this: what holds on a loaded shared machine
+(docs/operations.md, "Figures"); it was 1.7-5.5 s over before requests had partitions."""
 SERVICES = ("registry", "sharding", "barrier", "checkpoint")
 RSS_BOUND_MB = {"registry": 256, "sharding": 512, "barrier": 256, "checkpoint": 256}
 """Each service's peak resident memory over the whole suite (start, A's 400,000-shard plan and
@@ -201,7 +211,14 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
     env = {Env.HEARTBEAT_INTERVAL: "0.5", Env.HEARTBEAT_TIMEOUT: "600"}
     with running_services(url, tmp_path / "logs", SERVICES, env=env) as services:
         by_name = {service.name: service for service in services}
-        job_a, job_b = new_job("noisy"), new_job("quiet")
+        job_a = new_job("noisy")
+        # B in another request partition than A's, as most jobs are (7 in 8 with the default
+        # partitions): what the test measures is what a partition of its own keeps from B.
+        job_b = new_job("quiet")
+        while rpc_partition_of(job_b, DEFAULT_RPC_PARTITIONS) == rpc_partition_of(
+            job_a, DEFAULT_RPC_PARTITIONS
+        ):
+            job_b = new_job("quiet")
 
         # Job A: one worker and a 400,000-shard dataset of its own.
         noisy = strata.aio.Worker(job_a, url, worker_id="a0")
@@ -298,14 +315,17 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
             p50_1, p99_1 = statistics.median(under), percentile(under, 0.99)
             report.append(
                 f"{name}: p50 {p50_0 * 1e3:.1f} -> {p50_1 * 1e3:.1f} ms, "
-                f"p99 {p99_0 * 1e3:.1f} -> {p99_1 * 1e3:.1f} ms"
+                f"p99 {p99_0 * 1e3:.1f} -> {p99_1 * 1e3:.1f} ms (slowest three during: "
+                + ", ".join(f"{value * 1e3:.0f}" for value in sorted(under)[-3:])
+                + " ms)"
             )
-            # Goal: max(2x, +50 ms). Asserted with room for a machine other suites load too
-            # (the flood's own process takes a core of two, and the services' CPU goes to
-            # receiving and refusing it): B's typical call stays fast, and every call of B's
-            # was answered within CALL_TIMEOUT (a timeout in timed_round fails the test), where
-            # without admission control B's calls waited 20 s and more behind A's flood.
-            assert p50_1 <= max(3 * p50_0, p50_0 + 1.0), report
+            # Goal: max(2x, +50 ms). B's p50 is asserted against it with 50 ms more room for a
+            # machine other suites load too; its p99 (the slowest call or two of a few dozen)
+            # with the room that holds on this shared 2-core machine, where the flood's own
+            # process takes one core (docs/operations.md has the figures). Every call of B's
+            # was answered within CALL_TIMEOUT (a timeout in timed_round fails the test).
+            assert p50_1 <= max(2 * p50_0, p50_0 + P50_ROOM), report
+            assert p99_1 <= p99_0 + P99_ROOM, report
         print(
             f"job B under a flood ({len(baseline)} rounds quiet, {len(during)} during, in "
             f"{PHASES} alternating phases; load average {min(load):.1f}-{max(load):.1f}; "

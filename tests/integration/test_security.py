@@ -8,6 +8,7 @@ from pathlib import Path
 import nats
 import pytest
 import strata
+from nats.aio.msg import Msg
 from strata.bus.server import NatsServer
 from strata.config import Settings
 from strata.events import subjects
@@ -23,7 +24,7 @@ from strata.security import (
 )
 
 from tests import natsprobe
-from tests.support import running_services
+from tests.support import async_wait_until, running_services
 
 pytestmark = pytest.mark.nats
 
@@ -250,3 +251,40 @@ async def test_a_live_workers_probe_is_answered_and_only_by_its_own_job(
             await outsider.close()
             await reporter.stop()
             await peer.stop()
+
+
+async def test_a_worker_reaches_its_jobs_request_partition_only(
+    secured: NatsServer, credentials: list[Credential], watcher: nats.NATS
+) -> None:
+    """nats-server checks a publish permission on the subject its mapping moved the request to:
+    a worker may send into its own job's partition (as the mapping does for it) and into no
+    other, so a flood of its never reaches the connections that serve another partition."""
+    own = subjects.rpc_partition_of(JOB, subjects.DEFAULT_RPC_PARTITIONS)
+    other = (own + 1) % subjects.DEFAULT_RPC_PARTITIONS
+    into_own = f"{subjects.RPC_PARTITIONED}.{own}.registry.register.{JOB}.worker-0"
+    into_other = f"{subjects.RPC_PARTITIONED}.{other}.registry.register.{JOB}.worker-0"
+    seen: list[str] = []
+
+    async def note(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    await watcher.subscribe(f"{subjects.RPC_PARTITIONED}.>", cb=note)
+    await watcher.flush()
+    worker = await as_worker(secured, worker_0(credentials))
+    try:
+        for subject in (
+            into_other,
+            into_own,
+            subjects.rpc_subject("barrier", "arrive", JOB, "worker-0"),
+        ):
+            await worker.nc.publish(subject, b"x")
+        await natsprobe.settled(worker)
+
+        async def both_in() -> bool:
+            return len(seen) >= 2
+
+        await async_wait_until(both_in, 10, "the allowed requests to arrive")
+    finally:
+        await worker.close()
+    assert seen == [into_own, f"{subjects.RPC_PARTITIONED}.{own}.barrier.arrive.{JOB}.worker-0"]
+    assert any(into_other.lower() in error for error in worker.errors), worker.errors

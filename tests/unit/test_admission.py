@@ -323,3 +323,30 @@ def test_get_shards_pages_at_the_reply_bound_and_the_pages_make_the_whole_list()
     end = domain.assignment(state, first_request.model_copy(update={"offset": total}))
     assert end.shards == []
     assert end.next_offset is None
+
+
+@given(
+    rate=st.floats(0.5, 1000),
+    burst=st.integers(1, 10),
+    extra=st.integers(1, 20),
+    start=st.floats(0, 1e6),
+)
+def test_a_worker_refusal_holds_exactly_until_its_budget_has_a_token(
+    rate: float, burst: int, extra: int, start: float
+) -> None:
+    """What `RpcServer` refuses from a subject's bytes alone, without asking again: every request
+    of the worker until `held_for` has passed is refused, and the first after it is taken."""
+    admission = Admission("svc", AdmissionLimits(worker_rate=rate, worker_burst=burst))
+    refusal = None
+    for _ in range(burst + extra):
+        refusal = admission.admit("j", "w", start)
+    assert refusal is not None
+    assert refusal.code == "rate_limited"
+    held = admission.held_for(refusal, "j", "w", start)
+    assert 0 < held <= 1 / rate + 1e-9
+    assert admission.admit("j", "w", start + held * 0.999) is refusal
+    assert admission.admit("j", "w", start + held * 1.001 + 1e-9) is None
+    # Only the worker's own budget holds: another refusal, or an operator, holds nothing.
+    busy = admission.busy("j", 1, 1)
+    assert admission.held_for(busy, "j", "w", start) == 0.0
+    assert admission.held_for(refusal, "j", None, start) == 0.0

@@ -22,21 +22,29 @@ from nats.aio.client import DEFAULT_INBOX_PREFIX
 from nats.aio.client import Client as NATS
 
 from strata.errors import BusError, ConfigError
+from strata.events import subjects
 from strata.logs import Throttle
 from strata.metrics import MESSAGES_REJECTED, RPC_DROPPED
 
 log = structlog.get_logger("strata.bus")
 
-_RPC_PREFIX = "strata.rpc."
 _slow_log = Throttle()
+
+
+def _rpc_service(subject: str) -> str | None:
+    """The service a request subject (a partition's too) is for; None for any other subject."""
+    try:
+        return subjects.parse_rpc_subject(subject).service
+    except ValueError:
+        return None
 
 
 def _slow_consumer(client: str | None, exc: nats.errors.SlowConsumerError) -> None:
     """Count a message the client dropped because its subscription held as many as it may (one
     warning per subscription every few seconds: a flood must not become one of log lines)."""
     subject = exc.subject or ""
-    if subject.startswith(_RPC_PREFIX):
-        service = subject[len(_RPC_PREFIX) :].split(".", 1)[0][:64]
+    service = _rpc_service(subject)
+    if service is not None:
         RPC_DROPPED.labels(service, "slow_consumer").inc()
         key: tuple[str | None, str] = (client, f"rpc.{service}")
     else:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
@@ -33,6 +34,7 @@ from nats.aio.subscription import Subscription
 import strata
 from strata.admission import OPERATOR, Admission, AdmissionLimits, FairQueue, Refusal
 from strata.bus.connection import backoff_delays
+from strata.bus.intake import FAST_LANE, RequestIntakeClient
 from strata.errors import (
     BusError,
     Busy,
@@ -79,17 +81,33 @@ class Caller:
     worker: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Refused:
-    """A refusal's answer and counters, made once: a flood repeats the same few."""
+    """A refusal's answer and counters, made once: a flood repeats the same few. Refusals are
+    counted here first and added to the metrics once per read from the socket (`_count_refusals`):
+    three Prometheus increments a request would cost more than the rest of a refusal."""
 
     reply: bytes
+    code: str
     refused: Any
     requests: Any
     rejected: Any
+    uncounted: int = 0
 
 
 _REFUSALS_KEPT = 4096
+
+
+@dataclass(slots=True)
+class _Held:
+    """A request subject whose worker's budget refuses everything until `until`: its requests
+    are refused from the subject's bytes alone, without decoding or charging anything."""
+
+    until: float
+    refused: _Refused
+
+
+_HELD_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +117,8 @@ class _Admitted:
     msg: Msg
     address: subjects.RpcAddress
     arrived: float
+    nc: NATS
+    """The connection it came on, which its answer goes out on."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,14 @@ class RpcServer:
     (`pending_bytes`) that were not looked at yet: past those the NATS client drops and counts
     (`strata_rpc_dropped_total`), so a flood never makes the server cut the service off as a slow
     consumer.
+
+    With `partitions` (connections, one per partition of `STRATA_RPC_PARTITIONS`), it also takes
+    the requests that the NATS server's subject mapping moved to each partition by job
+    (`strata.rpcp.<partition>.<service>.>`) on that partition's own connection, and answers each
+    on the connection it came on: a job's flood then fills its partition's connection only,
+    and another partition's requests never wait behind it in one byte stream. `nc` keeps the
+    unpartitioned subjects (operators' requests, and everything on a NATS without the mapping);
+    without `partitions`, it takes every partition's requests too.
     """
 
     def __init__(
@@ -143,14 +171,16 @@ class RpcServer:
         pending_msgs: int = DEFAULT_PENDING_MSGS,
         pending_bytes: int = DEFAULT_PENDING_BYTES,
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]] | None = None,
+        partitions: Sequence[NATS] = (),
     ) -> None:
         self._nc = nc
+        self._partitions = tuple(partitions)
         self.service = service
         self._spawn = spawn
         """How the status announcements' task is started: a service's supervised `spawn`."""
         self.instance = uuid.uuid4().hex[:12]
         self._routes: dict[str, _Route[Any]] = {}
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         self._started = time.monotonic()
         self._concurrency = max(1, concurrency)
         self._gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
@@ -169,9 +199,11 @@ class RpcServer:
         self._latency = RPC_LATENCY.labels(service)
         self._queued = RPC_QUEUED.labels(service)
         self._no_reply = RPC_DROPPED.labels(service, "no_reply_subject")
-        self._counted: dict[tuple[str, str], Any] = {}
+        self._counted_by: dict[tuple[str, str], Any] = {}
         self._rejected_counters: dict[str, Any] = {}
         self._refusals: dict[tuple[Refusal, str], _Refused] = {}
+        self._uncounted: list[_Refused] = []
+        self._held: dict[bytes, _Held] = {}
         # One warning per verb and caller every few seconds: forged requests come at their
         # sender's pace, log lines must not.
         self._forbidden_log = Throttle()
@@ -217,23 +249,46 @@ class RpcServer:
 
     async def start(self) -> RpcServer:
         self._started = time.monotonic()
-        self._sub = await self._nc.subscribe(
-            subjects.service_rpcs(self.service),
-            queue=subjects.rpc_queue_group(self.service),
-            cb=self._on_message,
-            pending_msgs_limit=self._pending_msgs,
-            pending_bytes_limit=self._pending_bytes,
-        )
+        await self._subscribe(self._nc, subjects.service_rpcs(self.service))
+        if not self._partitions:  # every partition, on the one connection
+            await self._subscribe(self._nc, subjects.partition_rpcs(self.service, "*"))
+        for partition, nc in enumerate(self._partitions):
+            subject = subjects.partition_rpcs(self.service, partition)
+            if isinstance(nc, RequestIntakeClient) and FAST_LANE and self.admission is not None:
+                sub = await nc.subscribe_direct(
+                    subject,
+                    functools.partial(self._take, nc),
+                    queue=subjects.rpc_queue_group(self.service),
+                    after_read=self._count_refusals,
+                )
+                self._subs.append(sub)
+            else:
+                await self._subscribe(nc, subject)
         # Until the server has the SUB, callers get "no responders". nats-py writes flush()'s PING
         # straight to the socket, ahead of the still-buffered SUB, so one round trip is not proof;
         # by the second the SUB has been written, and that PONG comes after the server took it.
-        await self._nc.flush()
-        await self._nc.flush()
+        for nc in (self._nc, *self._partitions):
+            await nc.flush()
+            await nc.flush()
         if self._spawn is not None:
             self._announcer = self._spawn(self._announce(), "status")
         else:
             self._announcer = asyncio.create_task(self._announce(), name=f"{self.service}-status")
         return self
+
+    async def _subscribe(self, nc: NATS, subject: str) -> None:
+        async def on_message(msg: Msg) -> None:
+            await self._on_message(nc, msg)
+
+        self._subs.append(
+            await nc.subscribe(
+                subject,
+                queue=subjects.rpc_queue_group(self.service),
+                cb=on_message,
+                pending_msgs_limit=self._pending_msgs,
+                pending_bytes_limit=self._pending_bytes,
+            )
+        )
 
     async def _announce(self) -> None:
         subject = subjects.status_subject(self.service)
@@ -251,52 +306,111 @@ class RpcServer:
             else:
                 with contextlib.suppress(asyncio.CancelledError):
                     await announcer
-        if self._sub is not None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
             with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
-            self._sub = None
+                await sub.unsubscribe()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _on_message(self, msg: Msg) -> None:
+    async def _on_message(self, nc: NATS, msg: Msg) -> None:
         # nats-py awaits this for one message at a time: it must only sort, never do the work.
         if not msg.reply:
-            # Nobody can read an answer: doing the work would only cost the other callers.
-            self._no_reply.inc()
-            self._count_reject("no_reply_subject")
+            self._drop_unanswerable()
             return
+        if self.admission is None:
+            await self._in_arrival_order(nc, msg)
+            return
+        answer = self._sort(nc, msg.subject, msg.reply, msg.data, msg)
+        if answer is not None:
+            self._count_refusals()
+            await self._publish(nc, msg.reply, answer)
+
+    def _take(self, nc: RequestIntakeClient, subject: bytes, reply: bytes, data: bytes) -> None:
+        """A request of a partition, as `strata.bus.intake` cut it from the socket's bytes: sorted
+        with no `Msg` made unless it is admitted, and a refusal queued on the connection at once,
+        so refusing a flood costs less than sending it."""
+        if not reply:
+            self._drop_unanswerable()
+            return
+        held = self._held.get(subject)
+        if held is not None:
+            if time.monotonic() < held.until:  # a flood's path: refused as its last one was
+                refused = held.refused
+                refused.uncounted += 1
+                if refused.uncounted == 1:
+                    self._uncounted.append(refused)
+                if not nc.reply_now(reply, refused.reply):
+                    self._count_reject("reply_not_sent")
+                return
+            del self._held[subject]
+        answer = self._sort(nc, subject.decode(), reply.decode(), data, None, subject)
+        if answer is not None and not nc.reply_now(reply, answer):
+            self._count_reject("reply_not_sent")
+
+    def _drop_unanswerable(self) -> None:
+        # Nobody can read an answer: doing the work would only cost the other callers.
+        self._no_reply.inc()
+        self._count_reject("no_reply_subject")
+
+    def _sort(
+        self,
+        nc: NATS,
+        subject: str,
+        reply: str,
+        data: bytes,
+        msg: Msg | None,
+        hold: bytes | None = None,
+    ) -> bytes | None:
+        """Admit a request into its job's queue (None), or the answer that refuses it. With
+        `hold` (the subject's bytes), a refusal by the worker's own budget is remembered for as
+        long as that budget stays spent (`_take`)."""
         admission = self.admission
-        if admission is None:
-            await self._in_arrival_order(msg)
-            return
+        assert admission is not None
         arrived = time.perf_counter()
         try:
-            address = subjects.parse_rpc_subject(msg.subject)
+            address = subjects.parse_rpc_subject(subject)
         except ValueError as exc:
-            await self._answer(msg, "?", _error(InvalidRequest.code, str(exc)), InvalidRequest.code)
-            return
+            return self._counted(
+                "?", _error(InvalidRequest.code, str(exc)), InvalidRequest.code, nc
+            )
         job = address.job or OPERATOR
-        refusal = admission.admit(address.job, address.worker, time.monotonic())
-        admitted = _Admitted(msg, address, arrived)
-        if refusal is None and not self._queue.push(job, admitted, bounded=job != OPERATOR):
-            refusal = admission.busy(job, self._queue.queued(job), len(self._queue))
+        now = time.monotonic()
+        refusal = admission.admit(address.job, address.worker, now)
+        if refusal is None:
+            if msg is None:
+                msg = Msg(_client=nc, subject=subject, reply=reply, data=data)
+            admitted = _Admitted(msg, address, arrived, nc)
+            if not self._queue.push(job, admitted, bounded=job != OPERATOR):
+                refusal = admission.busy(job, self._queue.queued(job), len(self._queue))
         if refusal is not None:
-            await self._refuse(msg, address, refusal)
-            return
+            answer = self._refusal(address, refusal)
+            if hold is not None and address.job is not None:
+                wait = admission.held_for(refusal, address.job, address.worker, now)
+                if wait > 0:
+                    if len(self._held) >= _HELD_KEPT:
+                        self._held.clear()
+                    refused = self._refusals[(refusal, self._verb_key(address))]
+                    self._held[hold] = _Held(now + wait, refused)
+            return answer
         self._pump()
+        return None
 
-    async def _in_arrival_order(self, msg: Msg) -> None:
+    def _verb_key(self, address: subjects.RpcAddress) -> str:
+        return address.verb if address.verb in self._routes else "?"
+
+    async def _in_arrival_order(self, nc: NATS, msg: Msg) -> None:
         if self._gate is None:
-            await self._serve(msg)
+            await self._serve(nc, msg)
             return
         await self._gate.acquire()
-        task = asyncio.create_task(self._serve_released(msg))
+        task = asyncio.create_task(self._serve_released(nc, msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve_released(self, msg: Msg) -> None:
+    async def _serve_released(self, nc: NATS, msg: Msg) -> None:
         try:
-            await self._serve(msg)
+            await self._serve(nc, msg)
         finally:
             assert self._gate is not None
             self._gate.release()
@@ -321,7 +435,7 @@ class RpcServer:
 
     async def _serve_admitted(self, job: str, admitted: _Admitted) -> None:
         try:
-            await self._serve(admitted.msg, admitted.address, admitted.arrived)
+            await self._serve(admitted.nc, admitted.msg, admitted.address, admitted.arrived)
         finally:
             self._inflight -= 1
             left = self._inflight_of[job] - 1
@@ -331,23 +445,25 @@ class RpcServer:
                 del self._inflight_of[job]
             self._pump()
 
-    async def _refuse(self, msg: Msg, address: subjects.RpcAddress, refusal: Refusal) -> None:
+    def _refusal(self, address: subjects.RpcAddress, refusal: Refusal) -> bytes:
+        """Count and log a refusal; its answer."""
         # The path a flood takes, once per message: everything it can reuse is looked up.
-        verb = address.verb if address.verb in self._routes else "?"
+        verb = self._verb_key(address)
         refused = self._refusals.get((refusal, verb))
         if refused is None:
             if len(self._refusals) >= _REFUSALS_KEPT:
+                self._count_refusals()
                 self._refusals.clear()
             refused = self._refusals[(refusal, verb)] = _Refused(
                 _error(refusal.code, refusal.message),
+                refusal.code,
                 RPC_REFUSED.labels(self.service, refusal.code),
                 RPC_REQUESTS.labels(self.service, verb, refusal.code),
                 MESSAGES_REJECTED.labels(f"rpc.{self.service}", refusal.code),
             )
-        refused.refused.inc()
-        refused.requests.inc()
-        refused.rejected.inc()
-        self.rejected[refusal.code] += 1
+        refused.uncounted += 1
+        if refused.uncounted == 1:
+            self._uncounted.append(refused)
         held_back = self._refused_log((refusal.code, address.job, address.worker))
         if held_back is not None:
             log.warning(
@@ -358,8 +474,21 @@ class RpcServer:
                 caller_worker=address.worker,
                 held_back=held_back,
             )
+        return refused.reply
+
+    def _count_refusals(self) -> None:
+        """Add the refusals sorted since the last call to the metrics."""
+        uncounted, self._uncounted = self._uncounted, []
+        for refused in uncounted:
+            count, refused.uncounted = refused.uncounted, 0
+            refused.refused.inc(count)
+            refused.requests.inc(count)
+            refused.rejected.inc(count)
+            self.rejected[refused.code] += count
+
+    async def _publish(self, nc: NATS, reply: str, answer: bytes) -> None:
         try:
-            await self._nc.publish(msg.reply, refused.reply)
+            await nc.publish(reply, answer)
         except nats.errors.Error as exc:
             log.warning("rpc_reply_failed", service=self.service, error=str(exc))
 
@@ -373,6 +502,7 @@ class RpcServer:
 
     async def _serve(
         self,
+        nc: NATS,
         msg: Msg,
         address: subjects.RpcAddress | None = None,
         started: float | None = None,
@@ -384,21 +514,25 @@ class RpcServer:
                 address = subjects.parse_rpc_subject(msg.subject)
             except ValueError as exc:
                 reply = _error(InvalidRequest.code, str(exc))
-                await self._answer(msg, "?", reply, InvalidRequest.code)
+                await self._publish(
+                    nc, msg.reply, self._counted("?", reply, InvalidRequest.code, nc)
+                )
                 return
         reply, outcome = await self._reply_for(msg, address)
-        await self._answer(msg, address.verb, reply, outcome)
+        await self._publish(nc, msg.reply, self._counted(address.verb, reply, outcome, nc))
         self._latency.observe(time.perf_counter() - started)
 
-    async def _answer(self, msg: Msg, verb: str, reply: bytes, outcome: str) -> None:
+    def _counted(self, verb: str, reply: bytes, outcome: str, nc: NATS) -> bytes:
+        """Count an answer by verb and outcome; the answer, or an error if it is larger than
+        the server takes."""
         key = (verb if verb in self._routes else "?", outcome)
-        counter = self._counted.get(key)
+        counter = self._counted_by.get(key)
         if counter is None:
-            counter = self._counted[key] = RPC_REQUESTS.labels(self.service, *key)
+            counter = self._counted_by[key] = RPC_REQUESTS.labels(self.service, *key)
         counter.inc()
         if outcome != "ok":
             self._count_reject(outcome)
-        limit = self._nc.max_payload
+        limit = nc.max_payload
         if limit and len(reply) > limit:
             message = (
                 f"{self.service}.{verb}'s answer is {len(reply)} bytes, more than the NATS "
@@ -406,10 +540,7 @@ class RpcServer:
             )
             reply = _error("reply_too_large", message)
             self._count_reject("reply_too_large")
-        try:
-            await self._nc.publish(msg.reply, reply)
-        except nats.errors.Error as exc:
-            log.warning("rpc_reply_failed", service=self.service, verb=verb, error=str(exc))
+        return reply
 
     async def _reply_for(self, msg: Msg, address: subjects.RpcAddress) -> tuple[bytes, str]:
         verb = address.verb

@@ -24,6 +24,7 @@ from typing import Any, Self
 from strata import procutil
 from strata._files import write_private
 from strata.errors import BusError, ConfigError, MissingExtra
+from strata.events import subjects
 from strata.extras import install_command
 
 NATS_SERVER_VERSION = "2.15.1"
@@ -52,6 +53,14 @@ def nats_server_binary() -> Path:
 def _quote(value: str) -> str:
     # JSON string syntax is valid in the nats-server config language, and escapes what needs it.
     return json.dumps(value)
+
+
+def rpc_mapping_config(partitions: int) -> str:
+    """The `mappings` block that sorts workers' requests into `partitions` by job
+    (`subjects.rpc_partition_mapping`); the services must be started with the same
+    `STRATA_RPC_PARTITIONS`."""
+    source, destination = subjects.rpc_partition_mapping(partitions)
+    return f"mappings {{\n  {_quote(source)}: {_quote(destination)}\n}}"
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -101,6 +110,7 @@ class NatsServer:
         log_file: Path | None = None,
         jetstream: bool = True,
         max_file_store: int | None = None,
+        rpc_partitions: int | None = subjects.DEFAULT_RPC_PARTITIONS,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -117,6 +127,9 @@ class NatsServer:
         self.jetstream = jetstream
         self.max_file_store = max_file_store
         """JetStream's file store in bytes (None: the server's default, most of the disk)."""
+        self.rpc_partitions = rpc_partitions
+        """Partitions workers' requests are sorted into by job (None: no mapping, every request
+        stays on its own subject, where the services also listen)."""
         self.config_file = self.store_dir / "nats-server.conf"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -166,6 +179,8 @@ class NatsServer:
             if self.max_file_store is not None:
                 lines.append(f"  max_file_store: {self.max_file_store}")
             lines.append("}")
+        if self.rpc_partitions is not None:
+            lines.append(rpc_mapping_config(self.rpc_partitions))
         if self.cluster_name is not None:
             lines += [
                 "cluster {",
@@ -327,6 +342,7 @@ class NatsCluster:
         host: str = "127.0.0.1",
         cluster_name: str = "strata",
         extra_config: str = "",
+        rpc_partitions: int | None = subjects.DEFAULT_RPC_PARTITIONS,
     ) -> None:
         if size < 1:
             raise ConfigError(f"a cluster needs at least one node, got size={size}")
@@ -348,6 +364,7 @@ class NatsCluster:
                 # connection attempt and log noise, so leave it out.
                 routes=[url for j, url in enumerate(route_urls) if j != i],
                 extra_config=extra_config,
+                rpc_partitions=rpc_partitions,
             )
             for i in range(size)
         ]

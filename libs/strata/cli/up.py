@@ -188,8 +188,11 @@ class LocalStack:
             host=host,
             port=nats_port,
             log_file=self.data_dir / "logs" / "nats-server.log",
-            extra_config=authorization_config(self.credentials) if secure else "",
+            extra_config=(
+                authorization_config(self.credentials, settings.rpc_partitions) if secure else ""
+            ),
             max_file_store=settings.jetstream_max_file_store,
+            rpc_partitions=settings.rpc_partitions,
         )
         self._extra_env = env or {}
         self.children: list[Child] = []

@@ -7,7 +7,10 @@ can be split over registry processes by subject) and samples on
 `strata.rpc.<service>.<verb>.<job>.<worker>`: the last two tokens are the caller, and NATS
 permissions tie a worker's credential to its own, so the subject a request arrives on says who
 sent it. (`strata.rpc.<service>.<verb>` without them is an operator's request, which only the
-services' credential, or anyone on an unsecured NATS, may send.) A worker's replies come to its
+services' credential, or anyone on an unsecured NATS, may send.) The NATS server's subject mapping
+moves a worker's request to `strata.rpcp.<partition>.<service>.<verb>.<job>.<worker>`, the partition
+decided by the job (`rpc_partition_mapping`), so each service can take each partition on a
+connection of its own. A worker's replies come to its
 own inbox prefix, `_INBOX_strata.<job>.<worker>`, so no other worker may read them.
 Ids may contain `.`, which separates subject tokens, so ids are encoded into tokens with `.` -> `~`
 (ids never contain `~`, so the mapping is reversible). Where a function says a part may be `*`, it
@@ -20,7 +23,7 @@ import base64
 import functools
 import hashlib
 import re
-from typing import Final, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 from strata.events.models import ID_PATTERN
 
@@ -37,6 +40,12 @@ EVENTS: Final = f"{ROOT}.evt"
 HEARTBEATS: Final = f"{ROOT}.hb"
 METRICS: Final = f"{ROOT}.metric"
 RPC: Final = f"{ROOT}.rpc"
+RPC_PARTITIONED: Final = f"{ROOT}.rpcp"
+"""Where the NATS server moves a worker's request (`rpc_partition_mapping`): the same subject
+after a partition number that the job token decides."""
+MAX_RPC_PARTITIONS: Final = 256
+DEFAULT_RPC_PARTITIONS: Final = 8
+"""Request partitions (`STRATA_RPC_PARTITIONS`): two jobs share one with a chance of 1 in 8."""
 CONTROL: Final = f"{ROOT}.ctl"
 WORLD: Final = f"{ROOT}.world"
 STATUS: Final = f"{ROOT}.status"
@@ -285,6 +294,9 @@ def service_rpcs(service: str) -> str:
 def parse_rpc_subject(subject: str) -> RpcAddress:
     """The service, verb and caller of a request subject; ValueError for anything else."""
     parts = subject.split(".")
+    if len(parts) == 7 and f"{parts[0]}.{parts[1]}" == RPC_PARTITIONED and parts[2].isdigit():
+        del parts[2]  # moved to its job's partition by the server: the rest is the request's
+        parts[1] = RPC.rsplit(".", 1)[1]
     if len(parts) not in (4, 6) or f"{parts[0]}.{parts[1]}" != RPC:
         raise ValueError(
             f"{subject[:200]!r} is not a request subject ({RPC}.<service>.<verb>.<job>.<worker>)"
@@ -297,6 +309,53 @@ def parse_rpc_subject(subject: str) -> RpcAddress:
         if not _ID.match(identifier) or "\n" in identifier:
             raise ValueError(f"the {kind} of request subject {subject[:200]!r} is not a valid id")
     return RpcAddress(service, verb, job, worker)
+
+
+def _fnv1a32(data: bytes) -> int:
+    value = 0x811C9DC5
+    for byte in data:
+        value = ((value ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return value
+
+
+def check_rpc_partitions(partitions: int) -> int:
+    if not 1 <= partitions <= MAX_RPC_PARTITIONS:
+        raise ValueError(f"request partitions must be 1 to {MAX_RPC_PARTITIONS}, not {partitions}")
+    return partitions
+
+
+@functools.lru_cache(maxsize=4096)
+def rpc_partition_of(job: str, partitions: int) -> int:
+    """The partition the NATS server moves `job`'s requests to: the FNV-1a hash of the job's
+    subject token modulo `partitions`, as nats-server's `partition()` subject transform computes
+    it (`rpc_partition_mapping`)."""
+    return _fnv1a32(token(job).encode()) % check_rpc_partitions(partitions)
+
+
+def rpc_partition_mapping(partitions: int) -> tuple[str, str]:
+    """The subject mapping (source, destination) of a nats-server configuration that moves every
+    worker's request, `strata.rpc.<service>.<verb>.<job>.<worker>`, to
+    `strata.rpcp.<partition>.<service>.<verb>.<job>.<worker>`, the partition decided by the job
+    alone, so each service can take each partition on a connection of its own."""
+    check_rpc_partitions(partitions)
+    wildcards = ".".join(f"{{{{wildcard({index})}}}}" for index in range(1, 5))
+    return (
+        f"{RPC}.*.*.*.*",
+        f"{RPC_PARTITIONED}.{{{{partition({partitions},3)}}}}.{wildcards}",
+    )
+
+
+def partition_rpcs(service: str, partition: int | Literal["*"]) -> str:
+    """Every request to `service` that the NATS server moved to `partition` (`*`: to any)."""
+    return f"{RPC_PARTITIONED}.{partition}.{_check_name('service', service)}.>"
+
+
+def caller_partition_rpcs(job: str, worker_id: str, partitions: int) -> str:
+    """Every request one worker may send, once the NATS server moved it to its job's partition
+    (nats-server checks a publish permission on the subject after the mapping); `worker_id` may
+    be `*`."""
+    partition = rpc_partition_of(job, partitions)
+    return f"{RPC_PARTITIONED}.{partition}.*.*.{token(job)}.{token(worker_id)}"
 
 
 def status_subject(service: str) -> str:

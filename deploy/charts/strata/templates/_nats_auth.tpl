@@ -51,6 +51,8 @@ authorization {
           {{ printf "strata.rpc.*.*.%s.%s" $job $worker | quote }},
           {{- /* Answers to its own probes (strata.events.subjects.probe_answer_subject). */}}
           {{ printf "strata.probed.%s.%s.*" $job $worker | quote }},
+          {{- /* The same requests where the server's mapping moves them (it checks permissions after). */}}
+          {{ printf "strata.rpcp.%s.*.*.%s.%s" (include "strata.rpcPartition" (list $job $.Values.coordinator.admission.partitions)) $job $worker | quote }},
           {{ printf "$KV.STRATA_RENDEZVOUS.%s.>" $job | quote }},
           {{- /* Each job's keys are in a stream of its own (strata.events.subjects.rendezvous_stream_name). */}}
           {{ printf "$JS.API.DIRECT.GET.KV_STRATA_RENDEZVOUS_%s.$KV.STRATA_RENDEZVOUS.%s.>" $job $job | quote }}
@@ -75,5 +77,43 @@ authorization {
     {{- end }}
     {{- end }}
   ]
+}
+{{- end }}
+
+{{/*
+The request partition of a job (list job partitions): the FNV-1a hash of the job's subject token
+(`.` written `~`) modulo the partitions, as nats-server's partition() subject transform computes
+it (strata.events.subjects.rpc_partition_of; a test compares them). Templates have no XOR: the
+low byte's is taken bit by bit.
+*/}}
+{{- define "strata.rpcPartition" -}}
+{{- $token := replace "." "~" (index . 0) }}
+{{- $partitions := int64 (index . 1) }}
+{{- $codes := "-0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~" }}
+{{- $first := list 45 48 49 50 51 52 53 54 55 56 57 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 95 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 126 }}
+{{- $hash := int64 2166136261 }}
+{{- range $char := splitList "" $token }}
+{{- $byte := 0 }}
+{{- range $at, $code := $first }}
+{{- if eq (substr $at (add1 $at | int) $codes) $char }}{{ $byte = $code }}{{ end }}
+{{- end }}
+{{- $low := mod $hash 256 }}
+{{- $mixed := 0 }}
+{{- range $weight := list 1 2 4 8 16 32 64 128 }}
+{{- $mixed = add $mixed (mul $weight (mod (add (mod (div $low $weight) 2) (mod (div $byte $weight) 2)) 2)) }}
+{{- end }}
+{{- $hash = mod (mul (add (sub $hash $low) $mixed) 16777619) 4294967296 }}
+{{- end }}
+{{- mod $hash $partitions }}
+{{- end }}
+
+{{/*
+The subject mapping that moves every worker's request to its job's partition
+(strata.events.subjects.rpc_partition_mapping; a test compares them).
+*/}}
+{{- define "strata.nats.mappings" -}}
+{{- $partitions := int64 .Values.coordinator.admission.partitions -}}
+mappings {
+  "strata.rpc.*.*.*.*": {{ printf "strata.rpcp.{{partition(%d,3)}}.{{wildcard(1)}}.{{wildcard(2)}}.{{wildcard(3)}}.{{wildcard(4)}}" $partitions | quote }}
 }
 {{- end }}
