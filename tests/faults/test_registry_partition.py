@@ -62,8 +62,8 @@ def _wait_routed(cluster: NatsCluster, proxies: Proxies, timeout: float = 30.0) 
 
     A route dialled past the proxies is one whose remote port is a node's own route port. Any
     other port is a proxy's: the one it listens on (dialled through it) or the one its upstream
-    connection comes from (accepted from it; nats-server may report such a route as solicited
-    too, when the two nodes dialled each other at once and it kept the accepted one)."""
+    connection comes from (accepted from it: nats-server lists some of those as solicited too,
+    which an earlier check took for routes dialled past the proxies)."""
     deadline = time.monotonic() + timeout
     own_ports = {node.cluster_port for node in cluster.nodes}
     assert not own_ports & {proxy.port for proxy in proxies.proxies}
