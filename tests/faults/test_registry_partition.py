@@ -109,12 +109,15 @@ def _proxied_cluster(tmp_path: Path) -> Iterator[tuple[NatsCluster, Proxies]]:
 def _cluster_attempt(store: Path) -> Iterator[tuple[NatsCluster, Proxies] | None]:
     cluster = NatsCluster(store, size=3)
     first, cut_off, third = cluster.nodes
+    # The nodes' ports are chosen, not yet bound: a proxy that took one would answer in place
+    # of a node (a health check once read a route's INFO).
+    ports = {p for n in cluster.nodes for p in (n.port, n.monitor_port, n.cluster_port)}
     # Every route passes through the proxy in front of the node dialled; a cut holds the links
     # of node 1 only, whichever side dialled them.
     with (
-        Proxy(first.cluster_port) as to_first,
-        Proxy(cut_off.cluster_port) as to_cut_off,
-        Proxy(third.cluster_port) as to_third,
+        Proxy(first.cluster_port, avoid=ports) as to_first,
+        Proxy(cut_off.cluster_port, avoid=ports) as to_cut_off,
+        Proxy(third.cluster_port, avoid=ports) as to_third,
     ):
         proxies = Proxies([to_first, to_cut_off, to_third])
         first.routes = [to_cut_off.route_url, to_third.route_url]
