@@ -239,8 +239,14 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
         stream stored beyond the last one applied here is not silent, only unheard (a route of
         this registry's node cut while the workers heartbeat to the majority): it gets a fresh
         timeout instead. Returns whether any failure was contradicted (decide again), or None
-        when the stream could not be read (the decision is dropped)."""
+        when the stream could not be read (the decision is dropped).
+
+        Called right after the failures are decided, before anything is awaited: what the
+        decision knew of each worker's heartbeats is taken as the call begins."""
         judged = [event for event in failures if isinstance(event, WorkerFailed)]
+        # What each decision knew, taken before the first wait: heartbeats applied while the
+        # stream is read (held by a cut that heals now) must not count as known to it.
+        decided_on = {event.id: _last_beat_seq(self.state, event) for event in judged}
 
         async def last_stored(event: WorkerFailed) -> tuple[domain.Beat | None, int]:
             subject = subjects.heartbeat_subject(event.job, event.worker_id)
@@ -263,7 +269,9 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
             member = job.members.get(event.worker_id) if job is not None else None
             if member is None or stored is None:
                 continue
-            if domain.stream_contradicts(member, stored, seq, self._listening_from):
+            if domain.stream_contradicts(
+                member, stored, seq, self._listening_from, decided_on[event.id]
+            ):
                 domain.heard_in_stream(member, stored, self._liveness_ns())
                 log.warning(
                     "failure_contradicted",
@@ -274,3 +282,9 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
                 )
                 contradicted = True
         return contradicted
+
+
+def _last_beat_seq(state: domain.RegistryState, failure: WorkerFailed) -> int | None:
+    job = state.jobs.get(failure.job)
+    member = job.members.get(failure.worker_id) if job is not None else None
+    return member.last_beat_seq if member is not None else None

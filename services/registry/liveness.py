@@ -287,24 +287,33 @@ def begin_grace(state: RegistryState, now_ns: int) -> None:
 
 
 def stream_contradicts(
-    member: Member, stored: Beat | None, stored_seq: int, listening_from: int
+    member: Member,
+    stored: Beat | None,
+    stored_seq: int,
+    listening_from: int,
+    decided_on: int | None,
 ) -> bool:
     """Whether the telemetry stream's record of `member`'s heartbeats contradicts the silence it
     is about to be failed for: the last heartbeat stored on its subject (`stored`, at stream
-    sequence `stored_seq`) is one of this registration that this registry never applied, stored
-    after it began to listen (past sequence `listening_from`; an older one it could not have
-    heard).
+    sequence `stored_seq`) is one of this registration that the decision did not know of (newer
+    than `decided_on`, the `seq` of the last heartbeat applied when the failure was decided),
+    stored after the registry began to listen (past sequence `listening_from`; an older one it
+    could not have heard).
 
     The proof of hearing shows that every heartbeat the registry's own NATS node routed to it was
     applied; a heartbeat a worker sent to another node, which the stream stored with its quorum
     but whose route to the registry's node is cut (a partial partition), it does not cover. The
     stream's leader does.
+
+    `decided_on`, not the member's `last_beat_seq` now: when the cut heals, the heartbeats it
+    held reach the registry in a burst, and one applied while the stream is read would make the
+    stream's last heartbeat look known, and the failure decided without it confirmed.
     """
     if stored is None or stored_seq <= listening_from:
         return False
     if stored.worker_id != member.worker_id or stored.instance != member.instance:
         return False  # another process's heartbeat under this id, not this registration's
-    return member.last_beat_seq is None or stored.seq > member.last_beat_seq
+    return decided_on is None or stored.seq > decided_on
 
 
 def heard_in_stream(member: Member, stored: Beat, seen_ns: int) -> None:
@@ -313,4 +322,5 @@ def heard_in_stream(member: Member, stored: Beat, seen_ns: int) -> None:
     failed, its last stored heartbeat then being one this registry knows."""
     if seen_ns > member.last_seen_ns:
         member.last_seen_ns = seen_ns
-    member.last_beat_seq = stored.seq
+    if member.last_beat_seq is None or stored.seq > member.last_beat_seq:
+        member.last_beat_seq = stored.seq

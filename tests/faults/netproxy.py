@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Collection
 from types import TracebackType
 
 from strata import procutil
@@ -45,12 +46,19 @@ class _Link:
 
 
 class Proxy:
-    """Listens on `port` (chosen free) of 127.0.0.1 and forwards to `upstream_port`."""
+    """Listens on `port` (chosen free) of 127.0.0.1 and forwards to `upstream_port`.
 
-    def __init__(self, upstream_port: int, host: str = "127.0.0.1") -> None:
+    `avoid`: ports chosen for servers not started yet (free now, so the kernel may hand one of
+    them out again): the proxy must not take one, or the server could not bind it."""
+
+    def __init__(
+        self, upstream_port: int, host: str = "127.0.0.1", avoid: Collection[int] = ()
+    ) -> None:
         self.host = host
         self.upstream_port = upstream_port
         self.port = procutil.free_port(host)
+        while self.port in avoid:
+            self.port = procutil.free_port(host)
         self._loop = asyncio.new_event_loop()
         self._open = asyncio.Event()
         self._started = threading.Event()
