@@ -23,6 +23,8 @@ from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
 from strata.config import Env
 from strata.errors import ConfigError
 
+from tests.tiers import examples
+
 
 @pytest.fixture(autouse=True)
 def _logging_left_as_found() -> Iterator[None]:
@@ -114,7 +116,14 @@ async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
 
 
 # Shared, noisy machines: a slow example is not a failure. Examples stay bounded per test.
-settings.register_profile("strata", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A property test without its own count runs hypothesis's default (100) in `make test` and a
+# fifth of it in `make check` (tests/tiers.py).
+settings.register_profile(
+    "strata",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    max_examples=examples(settings.default.max_examples),
+)
 settings.load_profile("strata")
 
 

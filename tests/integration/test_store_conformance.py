@@ -561,6 +561,9 @@ def ends_in_time_with_torchs_error(store: dist.Store, name: str) -> str | None:
     return None
 
 
+# Every call of every backend waits out its timeout here (over a minute in all); the check tier
+# keeps test_a_backend_call_ends_within_read_timeout_when_nats_stops for the server going away.
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
 def test_every_call_ends_within_its_timeout_when_the_server_is_gone(
     outage: Outage, how: signal.Signals
