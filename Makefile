@@ -3,14 +3,17 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The install stamp is named by the hash of the files pip installs from, so `make install` is a
+# no-op until their content changes (a checkout that only touches them installs nothing).
+INSTALL_HASH := $(shell cat pyproject.toml setup.py | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(INSTALL_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: install dashboard dashboard-test wheel test check chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
+.PHONY: install dashboard dashboard-modules dashboard-test wheel test check chaos faults lint format typecheck schemas schemas-check unit integration up demo bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU wheel on disk; anything else pulls GBs of CUDA.
@@ -21,24 +24,23 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet -e '.[dev,s3,torch,server]'
 	# The browser tests drive Debian's Chromium (a browser download is not possible here).
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 
-# The dashboard: npm ci (only when the lockfile changed), event types from schemas/, API types from
-# the gateway's OpenAPI document, vite build.
+# The dashboard: npm ci (only when node_modules does not match package-lock.json, see
+# scripts/dashboard_modules.py), event types from schemas/, API types from the gateway's OpenAPI
+# document, vite build.
 # The gateway serves dashboard/dist/ at "/".
-DASHBOARD_MODULES := dashboard/node_modules/.package-lock.json
+dashboard-modules:
+	$(PYTHON) scripts/dashboard_modules.py
 
-$(DASHBOARD_MODULES): dashboard/package.json dashboard/package-lock.json
-	cd dashboard && npm ci --no-audit --no-fund
-	touch $@
-
-dashboard: $(STAMP) $(DASHBOARD_MODULES)
+dashboard: $(STAMP) dashboard-modules
 	$(BIN)/python scripts/gen_types.py
 	$(BIN)/python scripts/gen_api_types.py
 	cd dashboard && npm run build
 
 # The dashboard's own checks: eslint (with the rules of hooks) and vitest (hooks, formatters).
-dashboard-test: $(DASHBOARD_MODULES)
+dashboard-test: dashboard-modules
 	cd dashboard && npm run lint && npm test
 
 # A wheel (and sdist) under dist/ that carries the built dashboard: pip install dist/strata_ctl-*.whl.

@@ -1,6 +1,7 @@
-// ESLint for the dashboard: the rules of hooks (eslint-plugin-react-hooks) and ESLint's own
-// recommended checks. TypeScript is parsed with Babel's preset, as the project's TypeScript
-// (the native compiler, `tsc --noEmit` in the build) checks the types.
+// ESLint for the dashboard: eslint-plugin-react-hooks' recommended rules (the rules of hooks and
+// the React Compiler's checks) and ESLint's own recommended checks. TypeScript is parsed with
+// Babel's preset, as the project's TypeScript (the native compiler, `tsc --noEmit` in the build)
+// checks the types.
 import js from "@eslint/js";
 import babelParser from "@babel/eslint-parser";
 import reactHooks from "eslint-plugin-react-hooks";
@@ -25,11 +26,12 @@ export default [
     },
     plugins: { "react-hooks": reactHooks },
     rules: {
-      // The rules of hooks. The plugin's React Compiler checks (set-state-in-effect, purity,
-      // ...) are left out: this build does not use the compiler, and the hooks reset their state
-      // on a change of job inside their effects on purpose.
-      "react-hooks/rules-of-hooks": "error",
-      "react-hooks/exhaustive-deps": "error",
+      // The plugin's recommended rules: the rules of hooks and the React Compiler's checks
+      // (set-state-in-effect, purity, refs, ...), with missing effect dependencies and
+      // everything else an error rather than a warning.
+      ...Object.fromEntries(
+        Object.keys(reactHooks.configs.flat.recommended.rules).map((rule) => [rule, "error"]),
+      ),
       // Types and type-only imports are checked by tsc (noUnusedLocals), which sees them.
       "no-unused-vars": "off",
       "no-undef": "off",

@@ -16,11 +16,34 @@ from pathlib import Path
 
 import pytest
 import strata.aio
+import structlog
 from hypothesis import HealthCheck, settings
 from strata.bus import Bus
 from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
 from strata.config import Env
 from strata.errors import ConfigError
+
+from tests.tiers import examples
+
+
+@pytest.fixture(autouse=True)
+def _logging_left_as_found() -> Iterator[None]:
+    """Every test leaves structlog configured as it found it.
+
+    The command line's entry points configure logging in the test's process (a filtering logger at
+    "warning"); left behind, it silently drops the debug and info lines a later test on the same
+    process captures with `structlog.testing.capture_logs`, so that test passes or fails by order.
+    """
+    configured = structlog.is_configured()
+    saved = {
+        key: list(value) if isinstance(value, list) else value
+        for key, value in structlog.get_config().items()
+    }
+    yield
+    if configured:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()
 
 
 @dataclass(frozen=True)
@@ -93,7 +116,14 @@ async def workers() -> AsyncIterator[list[strata.aio.Worker]]:
 
 
 # Shared, noisy machines: a slow example is not a failure. Examples stay bounded per test.
-settings.register_profile("strata", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A property test without its own count runs hypothesis's default (100) in `make test` and a
+# fifth of it in `make check` (tests/tiers.py).
+settings.register_profile(
+    "strata",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    max_examples=examples(settings.default.max_examples),
+)
 settings.load_profile("strata")
 
 

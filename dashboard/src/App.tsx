@@ -21,6 +21,7 @@ import { useTrainingMetrics } from "./hooks/useTrainingMetrics";
 import { landingJob } from "./landing";
 
 type ErrorSource = "live" | "other";
+const CLOCK_MS = 1000;
 const OTHER_ERROR_MS = 10_000;
 
 interface Location {
@@ -49,6 +50,17 @@ function writeLocation(location: Location): void {
   if (url !== `${window.location.pathname}${window.location.search}${window.location.hash}`) {
     window.history.replaceState(null, "", url);
   }
+}
+
+/** The time (ms), read again every `everyMs` (null: not at all): renders read the clock here. */
+function useClock(everyMs: number | null): number {
+  const [now, setNow] = useState(() => Date.now());
+  useEffect(() => {
+    if (everyMs === null) return;
+    const timer = window.setInterval(() => setNow(Date.now()), everyMs);
+    return () => window.clearInterval(timer);
+  }, [everyMs]);
+  return now;
 }
 
 function JobPicker(props: {
@@ -86,7 +98,7 @@ function JobPicker(props: {
 }
 
 export function App() {
-  const initial = useMemo(readLocation, []);
+  const [initial] = useState(readLocation);
   const [job, setJob] = useState<string | null>(initial.job);
   const [replaySeq, setReplaySeq] = useState<number | null>(initial.seq);
   const [authVersion, setAuthVersion] = useState(0);
@@ -107,18 +119,22 @@ export function App() {
   const onLiveError = useCallback((reason: unknown) => report(reason, "live"), [report]);
   const onOtherError = useCallback((reason: unknown) => report(reason, "other"), [report]);
 
-  const jobs = useJobs(authVersion, onOtherError);
+  // With no job in the address, the landing job opens once the job list first has one.
+  const land = useCallback((listed: readonly JobSummary[]) => {
+    if (listed.length > 0) setJob((open) => open ?? landingJob(listed));
+  }, []);
+  const jobs = useJobs(authVersion, onOtherError, land);
   const live = useLiveDashboard(job, authVersion, onLiveError);
   const index = useEventIndex(job, live.state, authVersion, onOtherError);
   const replay = useReplay(job, replaySeq, authVersion, onOtherError);
 
-  useEffect(() => {
-    if (job === null && jobs && jobs.length > 0) setJob(landingJob(jobs));
-  }, [job, jobs]);
   useEffect(() => writeLocation({ job, seq: replaySeq }), [job, replaySeq]);
-  useEffect(() => {
+  // An error of the live connection clears when a state arrives: adjusted while rendering.
+  const [liveState, setLiveState] = useState(live.state);
+  if (live.state !== liveState) {
+    setLiveState(live.state);
     if (live.state) setError((shown) => (shown?.source === "live" ? null : shown));
-  }, [live.state]);
+  }
   useEffect(() => {
     if (error?.source !== "other") return;
     const timer = window.setTimeout(() => setError(null), OTHER_ERROR_MS);
@@ -147,8 +163,10 @@ export function App() {
 
   const replaying = replaySeq !== null;
   const shown = replaying ? replay.state : live.state;
-  // Ages ("3 s ago") count from now when live, from the replayed event's time in a replay.
-  const nowNs = replaying ? (shown?.ts ?? 0) : Date.now() * 1e6;
+  // Ages ("3 s ago") count from now when live (the clock, or the last state's arrival if
+  // later), from the replayed event's time in a replay.
+  const clock = useClock(replaying ? null : CLOCK_MS);
+  const nowNs = replaying ? (shown?.ts ?? 0) : Math.max(clock, live.receivedAt ?? 0) * 1e6;
   // Time travel: the training metrics stored by the replayed event's time.
   const training = useTrainingMetrics(
     job,

@@ -153,6 +153,7 @@ def test_missing_binary_is_actionable(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 async def test_cluster_fails_over_and_node_rejoins(nats_cluster: NatsCluster) -> None:
     cluster = nats_cluster
     names = {node.name for node in cluster.nodes}

@@ -56,7 +56,9 @@ from strata.events.subjects import DEFAULT_RPC_PARTITIONS, rpc_partition_of
 
 from tests.support import ServiceProcess, new_job, running_services
 
-pytestmark = pytest.mark.nats
+# A flood of thousands of requests for tens of seconds; the check tier keeps the fair queue's
+# properties (tests/unit/test_admission.py) and test_rpc_admission.py.
+pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 FLOOD = Path(__file__).with_name("flood.py")
 FLOOD_COUNT = 50_000

@@ -380,6 +380,7 @@ def test_a_deeply_nested_export_line_is_a_one_line_error(tmp_path: Path) -> None
         assert "[malformed] line 1 of" in lines[0]
 
 
+@pytest.mark.slow  # builds plans up to the bounds: seconds of CPU
 def test_a_small_export_asking_for_huge_plans_stops_within_the_bounds(tmp_path: Path) -> None:
     job = new_job("heavy")
     records = [

@@ -330,6 +330,8 @@ def test_a_worker_keeps_its_rank_through_a_registry_restart(
         assert (first.rejoin_count, second.rejoin_count) == (0, 0)
 
 
+# The check tier keeps a server restart in test_history_read.py and test_nats_server.py.
+@pytest.mark.slow
 def test_a_worker_heartbeats_again_after_a_nats_restart(
     own_nats_server: NatsServer, start_registry: Callable[..., RegistryProcess]
 ) -> None:

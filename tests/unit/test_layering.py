@@ -9,6 +9,7 @@ strata.cli.main` stays as light as the SDK. The services never import the comman
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,12 @@ def _imported(node: ast.Import | ast.ImportFrom) -> Iterator[str]:
         yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
+@functools.cache
+def _module(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for every test that reads it."""
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
 def imports(path: Path) -> Iterator[Import]:
     """Every absolute import in `path`, with where it sits: in a function, under TYPE_CHECKING."""
 
@@ -59,11 +66,12 @@ def imports(path: Path) -> Iterator[Import]:
             elif isinstance(node, ast.If) and _is_type_checking(node.test):
                 yield from walk(node.body, in_function, True)
                 yield from walk(node.orelse, in_function, checking)
+            elif isinstance(node, ast.expr):
+                continue  # an import is a statement: no expression holds one
             else:
                 yield from walk(ast.iter_child_nodes(node), in_function, checking)
 
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    yield from walk(tree.body, False, False)
+    yield from walk(_module(path).body, False, False)
 
 
 def _is(module: str, package: str) -> bool:

@@ -11,6 +11,7 @@ from strata.services.readmodel import render_dashboard
 from strata.services.readmodel.restarts import GROUP_WINDOW_NS, GoneStatus, Loss, RestartLog
 
 from tests.replays import JOB, History
+from tests.tiers import examples
 
 
 def failed(h: History, worker: str, rank: int) -> None:
@@ -219,7 +220,7 @@ def membership_histories(draw: st.DrawFn) -> list[tuple[str, int]]:
 
 
 @given(membership_histories())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_every_loss_is_replaced_at_most_once_and_only_replacements_restart(
     operations: list[tuple[str, int]],
 ) -> None:

@@ -87,7 +87,7 @@ def test_any_point_of_an_hour_of_a_job_equals_a_fold_from_the_first_event(
     store = SnapshotStore(every=97, cost_factor=0)
     live = fold_live(hour, store)
     assert store.count(JOB) == len(hour) // 97
-    for seq in points(hour, store, JOB, 150):
+    for seq in points(hour, store, JOB, examples(150)):
         assert render_dashboard(travel(hour, store, JOB, seq=seq)) == from_scratch(
             hour, JOB, seq=seq
         ), seq
@@ -146,7 +146,7 @@ def test_a_memory_budget_thins_snapshots_out_over_the_whole_history(hour: list[R
     assert 2 <= len(kept.seqs) <= 5
     assert kept.every > 50  # the spacing grew as snapshots were given up
     assert kept.seqs[0] < hour[-1].seq // 2  # the early history keeps one
-    for seq in points(hour, store, JOB, 40):
+    for seq in points(hour, store, JOB, examples(40)):
         assert render_dashboard(travel(hour, store, JOB, seq=seq)) == from_scratch(
             hour, JOB, seq=seq
         ), seq

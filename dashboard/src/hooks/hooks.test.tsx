@@ -5,6 +5,7 @@ import type { Dashboard, JobSummary, RecentEvent } from "../api/types";
 import { extended, joins, RECENT_EVENTS_CAP } from "./useEventIndex";
 import { useJobs } from "./useJobs";
 import { useReplay } from "./useReplay";
+import { useTrainingMetrics } from "./useTrainingMetrics";
 
 /** Generous: the tests run beside others on a loaded machine. */
 const WAIT_MS = 10_000;
@@ -78,6 +79,15 @@ describe("useJobs", () => {
     unmount();
   });
 
+  it("hands each list it receives to onJobs", async () => {
+    const jobs = [{ job: "a" }] as unknown as JobSummary[];
+    gateway({ "api/jobs": () => json({ jobs }) });
+    const onJobs = vi.fn();
+    const { unmount } = renderHook(() => useJobs(0, vi.fn(), onJobs));
+    await waitFor(() => expect(onJobs).toHaveBeenCalledWith(jobs), { timeout: WAIT_MS });
+    unmount();
+  });
+
   it("reports an error it cannot recover from", async () => {
     gateway({ "api/jobs": () => json({ detail: "down" }, 503) });
     const onError = vi.fn();
@@ -113,6 +123,60 @@ describe("useReplay", () => {
     rerender({ seq: 7 });
     expect(result.current).toEqual({ state, loading: false });
     expect(asked.filter((url) => url.includes("seq=7"))).toHaveLength(2);
+    unmount();
+  });
+});
+
+describe("useTrainingMetrics", () => {
+  it("never shows a job the metrics of the job open before", async () => {
+    gateway({
+      "api/jobs/a/metrics": () => json({ job: "a" }),
+      "api/jobs/b/metrics": () => json({ job: "b" }),
+    });
+    const onError = vi.fn();
+    const { result, rerender, unmount } = renderHook(
+      ({ job }: { job: string }) => useTrainingMetrics(job, 5, 0, onError),
+      { initialProps: { job: "a" } },
+    );
+    await waitFor(() => expect(result.current).toEqual({ job: "a" }), { timeout: WAIT_MS });
+    rerender({ job: "b" });
+    expect(result.current).toBeNull();
+    await waitFor(() => expect(result.current).toEqual({ job: "b" }), { timeout: WAIT_MS });
+    expect(onError).not.toHaveBeenCalled();
+    unmount();
+  });
+});
+
+describe("useReplay while a new point loads", () => {
+  it("keeps the state shown so far, loading, and drops it when the replay ends", async () => {
+    const states: Record<string, Dashboard> = {};
+    for (const seq of [3, 4]) states[seq] = { job: "a", seq } as unknown as Dashboard;
+    let answer4: (() => void) | null = null;
+    vi.stubGlobal("fetch", (input: string) => {
+      if (input.includes("seq=3")) return Promise.resolve(json(states[3]));
+      return new Promise<Response>((resolve) => {
+        answer4 = () => resolve(json(states[4]));
+      });
+    });
+    const onError = vi.fn();
+    const { result, rerender, unmount } = renderHook(
+      ({ seq }: { seq: number | null }) => useReplay("a", seq, 0, onError),
+      { initialProps: { seq: 3 as number | null } },
+    );
+    expect(result.current).toEqual({ state: null, loading: true });
+    await waitFor(() => expect(result.current).toEqual({ state: states[3], loading: false }), {
+      timeout: WAIT_MS,
+    });
+    rerender({ seq: 4 });
+    expect(result.current).toEqual({ state: states[3], loading: true });
+    await waitFor(() => expect(answer4).not.toBeNull(), { timeout: WAIT_MS });
+    answer4!();
+    await waitFor(() => expect(result.current).toEqual({ state: states[4], loading: false }), {
+      timeout: WAIT_MS,
+    });
+    rerender({ seq: null });
+    expect(result.current).toEqual({ state: null, loading: false });
+    expect(onError).not.toHaveBeenCalled();
     unmount();
   });
 });

@@ -122,6 +122,15 @@ export function useEventIndex(
     [append, onError],
   );
 
+  // Another job (or token) starts an empty index at once: adjusted while rendering, as React
+  // advises for state that follows a prop; the effect below starts over the page loop's refs.
+  const session = `${job ?? ""}\u0000${authVersion}`;
+  const [indexed, setIndexed] = useState(session);
+  if (session !== indexed) {
+    setIndexed(session);
+    setIndex(EMPTY);
+  }
+
   useEffect(() => {
     current.current = [];
     loaded.current = false;
@@ -129,8 +138,7 @@ export function useEventIndex(
     retryAt.current = 0;
     fetching.current?.abort();
     fetching.current = null;
-    setIndex(EMPTY);
-  }, [job, authVersion]);
+  }, [session]);
 
   useEffect(() => {
     if (!job || !live || live.job !== job) return;

@@ -7,7 +7,12 @@ import { type ErrorSink, isAbort, sleep } from "./common";
 
 export const JOBS_REFRESH_MS = 5000;
 
-export function useJobs(authVersion: number, onError: ErrorSink): JobSummary[] | null {
+/** The job list; `onJobs` hears each list as it arrives (a stable callback, like `onError`). */
+export function useJobs(
+  authVersion: number,
+  onError: ErrorSink,
+  onJobs?: (jobs: readonly JobSummary[]) => void,
+): JobSummary[] | null {
   const [jobs, setJobs] = useState<JobSummary[] | null>(null);
   useEffect(() => {
     const controller = new AbortController();
@@ -16,6 +21,7 @@ export function useJobs(authVersion: number, onError: ErrorSink): JobSummary[] |
         try {
           const answer = await api.jobs(controller.signal);
           setJobs([...answer.jobs]);
+          onJobs?.(answer.jobs);
         } catch (error) {
           if (isAbort(error)) return;
           onError(error);
@@ -25,6 +31,6 @@ export function useJobs(authVersion: number, onError: ErrorSink): JobSummary[] |
       }
     })();
     return () => controller.abort();
-  }, [authVersion, onError]);
+  }, [authVersion, onError, onJobs]);
   return jobs;
 }

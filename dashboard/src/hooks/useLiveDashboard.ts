@@ -56,35 +56,45 @@ export interface LiveDashboard {
   readonly receivedAt: number | null;
 }
 
+const CONNECTING: LiveDashboard = {
+  state: null,
+  history: [],
+  connection: "connecting",
+  receivedAt: null,
+};
+
 export function useLiveDashboard(
   job: string | null,
   authVersion: number,
   onError: ErrorSink,
 ): LiveDashboard {
-  const [live, setLive] = useState<LiveDashboard>({
-    state: null,
-    history: [],
-    connection: "connecting",
-    receivedAt: null,
-  });
+  // What one connection (a job, with the token of `authVersion`) received: a change of either
+  // shows a fresh, connecting view at once, derived rather than reset by the effect.
+  const connection = `${job ?? ""}\u0000${authVersion}`;
+  const [live, setLive] = useState<{ connection: string; view: LiveDashboard } | null>(null);
 
   useEffect(() => {
-    setLive({ state: null, history: [], connection: "connecting", receivedAt: null });
     if (!job) return;
     const controller = new AbortController();
     const { signal } = controller;
+    const update = (change: (previous: LiveDashboard) => LiveDashboard): void =>
+      setLive((previous) => {
+        const current = previous?.connection === connection ? previous : null;
+        const next = change(current?.view ?? CONNECTING);
+        return current !== null && next === current.view ? current : { connection, view: next };
+      });
     const accept = (state: Dashboard): void => {
       if (state.job !== job || signal.aborted) return;
-      setLive((previous) => ({
+      update((previous) => ({
         ...previous,
         state,
         history: appendSample(previous.history, state, Date.now()),
         receivedAt: Date.now(),
       }));
     };
-    const setConnection = (connection: Connection): void =>
-      setLive((previous) =>
-        previous.connection === connection ? previous : { ...previous, connection },
+    const setConnection = (next: Connection): void =>
+      update((previous) =>
+        previous.connection === next ? previous : { ...previous, connection: next },
       );
 
     void (async () => {
@@ -123,7 +133,7 @@ export function useLiveDashboard(
       }
     })();
     return () => controller.abort();
-  }, [job, authVersion, onError]);
+  }, [job, connection, onError]);
 
-  return live;
+  return live !== null && live.connection === connection ? live.view : CONNECTING;
 }

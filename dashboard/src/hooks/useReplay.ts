@@ -1,7 +1,7 @@
 // A job as it was at a stream sequence (`GET /api/replay`), debounced, cached, and asked again
 // when the gateway is busy (429).
 
-import { useEffect, useRef, useState } from "react";
+import { useEffect, useState } from "react";
 import { ApiError, api } from "../api/client";
 import type { Dashboard } from "../api/types";
 import { type ErrorSink, isAbort, sleep } from "./common";
@@ -33,6 +33,23 @@ async function replayWhenFree(
   }
 }
 
+const NO_REPLAY: Replay = { state: null, loading: false };
+
+/** `cache` with `state` added under `key`, the oldest entry left out past REPLAY_CACHE. */
+function cached(
+  cache: ReadonlyMap<string, Dashboard>,
+  key: string,
+  state: Dashboard,
+): ReadonlyMap<string, Dashboard> {
+  const next = new Map(cache);
+  next.set(key, state);
+  if (next.size > REPLAY_CACHE) {
+    const oldest = next.keys().next().value;
+    if (oldest !== undefined) next.delete(oldest);
+  }
+  return next;
+}
+
 /** The job as it was at stream sequence `seq` (`GET /api/replay`); null seq means no replay. */
 export function useReplay(
   job: string | null,
@@ -40,31 +57,31 @@ export function useReplay(
   authVersion: number,
   onError: ErrorSink,
 ): Replay {
-  const cache = useRef(new Map<string, Dashboard>());
-  const [replay, setReplay] = useState<Replay>({ state: null, loading: false });
+  const [cache, setCache] = useState<ReadonlyMap<string, Dashboard>>(() => new Map());
+  const key = job && seq !== null ? `${job}\u0000${seq}` : null;
+  const [replay, setReplay] = useState<Replay>(
+    key === null ? NO_REPLAY : { state: null, loading: true },
+  );
+
+  // A new point in time (or token) shows at once: the cached state, or the one shown so far
+  // while the new one loads. Adjusted while rendering, as React advises for state that follows
+  // a prop, rather than by an effect's second render.
+  const request = `${key ?? ""}\u0000${authVersion}`;
+  const [requested, setRequested] = useState(request);
+  if (request !== requested) {
+    setRequested(request);
+    const hit = key === null ? undefined : cache.get(key);
+    setReplay(key === null ? NO_REPLAY : { state: hit ?? replay.state, loading: hit === undefined });
+  }
 
   useEffect(() => {
-    if (!job || seq === null) {
-      setReplay({ state: null, loading: false });
-      return;
-    }
-    const key = `${job}\u0000${seq}`;
-    const cached = cache.current.get(key);
-    if (cached) {
-      setReplay({ state: cached, loading: false });
-      return;
-    }
-    setReplay((previous) => ({ state: previous.state, loading: true }));
+    if (!job || seq === null || key === null || cache.has(key)) return;
     const controller = new AbortController();
     const timer = window.setTimeout(() => {
       void (async () => {
         try {
           const state = await replayWhenFree(job, seq, controller.signal);
-          cache.current.set(key, state);
-          if (cache.current.size > REPLAY_CACHE) {
-            const oldest = cache.current.keys().next().value;
-            if (oldest !== undefined) cache.current.delete(oldest);
-          }
+          setCache((previous) => cached(previous, key, state));
           setReplay({ state, loading: false });
         } catch (error) {
           if (controller.signal.aborted || isAbort(error)) return;
@@ -77,7 +94,7 @@ export function useReplay(
       window.clearTimeout(timer);
       controller.abort();
     };
-  }, [job, seq, authVersion, onError]);
+  }, [job, seq, key, cache, authVersion, onError]);
 
   return replay;
 }

@@ -16,9 +16,8 @@ export function useTrainingMetrics(
   authVersion: number,
   onError: ErrorSink,
 ): MetricsHistoryView | null {
-  const [metrics, setMetrics] = useState<MetricsHistoryView | null>(null);
-
-  useEffect(() => setMetrics(null), [job]);
+  // Tagged with their job: another job's metrics are never shown, with no reset to wait for.
+  const [loaded, setLoaded] = useState<{ job: string; metrics: MetricsHistoryView } | null>(null);
 
   useEffect(() => {
     if (!job) return;
@@ -27,7 +26,7 @@ export function useTrainingMetrics(
     const load = async (): Promise<void> => {
       try {
         const answer = await trainingMetrics(job, untilNs, controller.signal);
-        if (!controller.signal.aborted) setMetrics(answer);
+        if (!controller.signal.aborted) setLoaded({ job, metrics: answer });
       } catch (error) {
         if (controller.signal.aborted || isAbort(error)) return;
         onError(error);
@@ -45,5 +44,5 @@ export function useTrainingMetrics(
     };
   }, [job, untilNs, authVersion, onError]);
 
-  return metrics;
+  return loaded !== null && loaded.job === job ? loaded.metrics : null;
 }
