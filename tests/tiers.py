@@ -3,6 +3,9 @@
 `make check` sets STRATA_TEST_TIER=check: it runs the unit and the integration tests not marked
 `slow`, on two processes, and the property tests with a fifth of their examples (at least ten), so a
 change is checked in minutes. `make test`, the full suite that CI runs, leaves the variable unset.
+A property test with no count of its own gets `examples` of hypothesis's default through the
+"strata" profile (tests/conftest.py). The figures, and what is marked `slow`: README.md, "Test
+tiers".
 """
 
 from __future__ import annotations
