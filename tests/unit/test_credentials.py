@@ -37,6 +37,8 @@ def test_a_worker_may_publish_and_hear_only_as_itself_in_its_job() -> None:
         subjects.caller_rpcs("job", "w-1"),
         # Its answers to its own probes (`registry.suspect`), nobody else's.
         subjects.probe_answer_subject("job", "w-1", "*"),
+        # Its requests where the server's mapping moves them: its job's partition only.
+        subjects.caller_partition_rpcs("job", "w-1", subjects.DEFAULT_RPC_PARTITIONS),
         # The job's torchrun rendezvous keys, written and read by subject.
         subjects.rendezvous_subjects("job"),
         subjects.rendezvous_reads("job"),
