@@ -47,6 +47,8 @@ CHECKSUM_METADATA: Final = "strata-checksum"
 """Metadata name of the checksum; on the wire it is the header `x-amz-meta-strata-checksum`."""
 
 ABORT_ATTEMPTS: Final = 5
+PART_SETTLE_S: Final = 5.0
+"""How long a cancelled write lets its part requests under way end before it aborts the upload."""
 ABORT_RECHECK_S: Final = 0.1
 """After an abort, how long before checking that the upload is gone (longer on each attempt)."""
 
@@ -262,6 +264,10 @@ class S3Storage(StorageBackend):
             ),
         )
         upload_id: str = created["UploadId"]
+        # Part requests under way, each shielded from the write's cancellation: a request cut off
+        # on the client may still be stored by the server after the abort and bring the upload
+        # back, so a cancelled write lets them end first.
+        in_flight: set[asyncio.Future[Any]] = set()
         try:
             etags: dict[int, str] = {}
             pending = _parts(view.nbytes, part_size)
@@ -270,17 +276,22 @@ class S3Storage(StorageBackend):
                 # Each worker takes the next part when it is done with one, so exactly
                 # `concurrency` parts are in flight until the last ones.
                 for number, start, end in pending:
-                    response = await self._retry(
-                        f"upload part {number} of {object_key}",
-                        functools.partial(
-                            s3.upload_part,
-                            Bucket=self.bucket,
-                            Key=object_key,
-                            UploadId=upload_id,
-                            PartNumber=number,
-                            Body=view[start:end],
-                        ),
+                    part = asyncio.ensure_future(
+                        self._retry(
+                            f"upload part {number} of {object_key}",
+                            functools.partial(
+                                s3.upload_part,
+                                Bucket=self.bucket,
+                                Key=object_key,
+                                UploadId=upload_id,
+                                PartNumber=number,
+                                Body=view[start:end],
+                            ),
+                        )
                     )
+                    in_flight.add(part)
+                    part.add_done_callback(_settled(in_flight))
+                    response = await asyncio.shield(part)
                     etags[number] = response["ETag"]
 
             async with asyncio.TaskGroup() as group:
@@ -307,6 +318,10 @@ class S3Storage(StorageBackend):
             await self._retry(f"complete upload {object_key}", complete)
         except BaseException as exc:
             # Shielded: a cancelled write must still release the parts it stored.
+            if isinstance(exc, asyncio.CancelledError) and in_flight:
+                await asyncio.shield(asyncio.wait(set(in_flight), timeout=PART_SETTLE_S))
+            for part in in_flight:
+                part.cancel()
             await asyncio.shield(self._abort(s3, object_key, upload_id))
             if isinstance(exc, BaseExceptionGroup):
                 # Report the first part's failure rather than a group of one kind of error.
@@ -527,6 +542,17 @@ class S3Storage(StorageBackend):
             with contextlib.suppress(ValidationError):
                 keys.append(check_key(key))
         return sorted(keys)
+
+
+def _settled(in_flight: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    """A part request's end: out of the set, its error taken (the write reports its own)."""
+
+    def done(part: asyncio.Future[Any]) -> None:
+        in_flight.discard(part)
+        if not part.cancelled():
+            part.exception()
+
+    return done
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
