@@ -57,7 +57,7 @@ test: install dashboard dashboard-test lint typecheck schemas-check
 # the unit tests and the integration tests not marked slow, on two processes, property tests with a
 # fifth of their examples.
 check: install dashboard-test lint typecheck schemas-check
-	STRATA_TEST_TIER=check $(BIN)/python -m pytest tests/unit tests/integration -m "not slow" \
+	STRATA_TEST_TIER=check $(BIN)/python -m pytest tests/unit tests/integration -m "not slow" --dist worksteal \
 		-n $(TEST_PROCESSES) -p no:cacheprovider $(PYTEST_ARGS)
 
 chaos: install

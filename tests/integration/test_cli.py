@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from strata.bus import Bus
 from strata.bus.server import NatsServer
 from strata.config import Env
@@ -37,6 +38,7 @@ def test_status_with_nats_down_is_one_error_line_and_a_failure() -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_errors_are_json_lines_under_the_json_log_format() -> None:
     down = f"nats://127.0.0.1:{free_port()}"
     result = strata("status", "--nats-url", down, **{Env.LOG_FORMAT: "json"})

@@ -341,6 +341,7 @@ async def test_a_failed_worker_shows_as_failed_and_a_replay_before_shows_it_aliv
     assert all(w["last_heartbeat"] is None for w in lean["workers"])
 
 
+@pytest.mark.slow
 async def test_replaying_the_whole_stream_gives_exactly_the_live_dashboard(
     stack: Stack, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:

@@ -163,6 +163,7 @@ async def _count(got: list[Any], wanted: int) -> bool:
     return len(got) >= wanted
 
 
+@pytest.mark.slow
 async def test_a_follower_goes_on_after_the_server_restarts(own_nats_server: Any) -> None:
     async with await Bus.connect(own_nats_server.url, deadline=10) as bus:
         await bus.ensure_streams()

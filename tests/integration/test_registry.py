@@ -385,6 +385,7 @@ def child_says(child: subprocess.Popen[str], first_word: str) -> list[str]:
     return line.split()
 
 
+@pytest.mark.slow
 async def test_a_second_process_with_the_same_worker_id_supersedes_the_first_at_once(
     registry: ServiceProcess,
     nats_url: str,
@@ -501,6 +502,7 @@ async def test_requested_ranks_are_given_exactly_and_a_taken_one_is_refused_nami
 # -- jobs are isolated ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_jobs_with_the_same_worker_ids_are_isolated(
     registry: ServiceProcess, nats_url: str, bus: Bus, workers: list[strata.aio.Worker]
 ) -> None:

@@ -270,6 +270,7 @@ async def test_headers_on_its_own_keys_reach_no_other_key(
     assert await victim_keys(services) == before
 
 
+@pytest.mark.slow
 async def test_a_worker_credential_cannot_make_a_missing_bucket(
     secured: NatsServer, credentials: list[Credential]
 ) -> None:
