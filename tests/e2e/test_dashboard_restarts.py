@@ -148,7 +148,9 @@ def test_restart_markers_lost_ranks_steps_from_metrics_and_the_landing_job(
     job = new_job("restarts")
     workers = Workers(own_nats_server.url, job, tmp_path)
     try:
+        # One after the other, so that w0 registers first and holds rank 0, w1 rank 1.
         workers.start("w0")
+        wait_until(lambda: "w0" in steps(gateway_url, job), 60, "w0 registered")
         workers.start("w1")
 
         def both_past_step_20() -> bool:
