@@ -170,10 +170,12 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
         assert match[4] == "True", f"{match[1]} did not train every sample once:\n{text}"
     assert len({m[7] for m in results}) == 1, f"the ranks ended with other weights:\n{text}"
     assert len({m[5] for m in results}) == 1, text
-    # The survivors are the processes first started, never restarted.
+    # The survivors are the processes first started, never restarted. One of them may have
+    # healed: gloo can complete a step's all-reduce on one survivor and fail it on the other
+    # when the peer dies inside it; the one behind then takes that step from the other when the
+    # group re-forms (`LiveGroup.train_epoch`), which the ledger and the weights above check.
     for rank in (ranks[0], ranks[2]):
         assert int(by_worker[rank.worker_id][2]) == rank.proc.pid
-        assert by_worker[rank.worker_id][6] == "False", text
     # The replacement took the state from a live peer (there is no checkpoint to read).
     assert by_worker["w3"][6] == "True", text
     assert "joined at step 0," not in replacement.output(), text
