@@ -29,13 +29,11 @@ from strata import procutil
 from strata.bus.server import NatsServer
 from strata.config import Env
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, DIST_INDEX, ROOT, VIEWPORT, screenshot
+from tests.browser import chromium_page, dashboard_gateway, screenshot
 from tests.support import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
-    ServiceProcess,
     new_job,
-    running_services,
     wait_until,
 )
 
@@ -104,32 +102,14 @@ class Workers:
 
 @pytest.fixture
 def gateway_url(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
-    if not DIST_INDEX.is_file():
-        pytest.fail(f"{DIST_INDEX.relative_to(ROOT)} is missing: build it with `make dashboard`")
-    port = procutil.free_port()
-    with running_services(own_nats_server.url, tmp_path, ("registry",)):
-        gateway = ServiceProcess(
-            "gateway", own_nats_server.url, tmp_path, env={Env.HTTP_PORT: str(port)}
-        )
-        gateway.start()
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            gateway.stop()
+    with dashboard_gateway(own_nats_server.url, tmp_path, ("registry",)) as url:
+        yield url
 
 
 @pytest.fixture
 def page() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
-        )
-        try:
-            yield browser.new_page(viewport=VIEWPORT)
-        finally:
-            browser.close()
+    with chromium_page() as page:
+        yield page
 
 
 def dashboard(gateway_url: str, job: str) -> dict[str, Any]:
