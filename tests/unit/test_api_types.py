@@ -7,28 +7,16 @@ gateway's answers that is not regenerated fails here (and in `make schemas-check
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script() -> ModuleType:
-    path = ROOT / "scripts" / "gen_api_types.py"
-    spec = importlib.util.spec_from_file_location("gen_api_types", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _script()
+gen = load_script("gen_api_types")
 
 
 def test_the_committed_types_are_what_the_openapi_document_generates() -> None:

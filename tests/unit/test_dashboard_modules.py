@@ -7,30 +7,15 @@ node_modules linked to another checkout's tree is never emptied by `npm ci`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
-
-def _script() -> ModuleType:
-    path = ROOT / "scripts" / "dashboard_modules.py"
-    spec = importlib.util.spec_from_file_location("dashboard_modules", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-modules = _script()
+modules = load_script("dashboard_modules")
 
 REACT = {"version": "19.3.1", "integrity": "sha512-react"}
 FSEVENTS = {"version": "2.3.3", "integrity": "sha512-fsevents", "optional": True}
