@@ -276,9 +276,12 @@ class Run:
         )
 
     def lines(self) -> list[list[str]]:
+        """Every complete line of the ranks' logs, split; a line still being written (no newline
+        yet, read while its rank appends it) waits for the next read."""
         found = []
         for path in self.work.glob("*.log"):
-            found += [line.split() for line in path.read_text().splitlines() if line]
+            complete = path.read_text().rpartition("\n")[0]
+            found += [line.split() for line in complete.splitlines() if line]
         return found
 
     def committed(self) -> int:
