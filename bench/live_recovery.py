@@ -203,6 +203,48 @@ while True:
 LIVE_DISCARD = re.compile(r"live_step_discarded")
 
 
+def log_lines(path: Path) -> list[list[str]]:
+    """The complete lines of a rank's log, split; a line still being written (no newline yet,
+    read while its rank appends it) waits for the next read."""
+    if not path.exists():
+        return []
+    complete = path.read_text().rpartition("\n")[0]
+    return [line.split() for line in complete.splitlines() if line]
+
+
+COMPUTE = """
+import statistics
+torch.set_num_threads(1)
+x, y = inputs[:32], labels[:32]
+times = []
+for i in range(int(os.environ["BENCH_STEPS"])):
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    times.append(time.perf_counter() - start)
+print(statistics.median(times[5:]))
+"""
+
+
+def compute_time(work: Path, wide: int, steps: int) -> float:
+    """One rank's step without any collective (forward, backward, optimizer step of the steady
+    state's model, batch 32, one thread as every rank has): the compute the overhead is against."""
+    script = work / "compute.py"
+    script.write_text(COMMON + COMPUTE, encoding="utf-8")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BENCH_WIDE": str(wide),
+        "BENCH_STEPS": str(steps + 5),
+        "BENCH_LOG": os.devnull,
+    }
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.split()[-1])
+
+
 class Run:
     """One job's ranks, the log of each, and how to kill rank 1."""
 
@@ -276,12 +318,10 @@ class Run:
         )
 
     def lines(self) -> list[list[str]]:
-        """Every complete line of the ranks' logs, split; a line still being written (no newline
-        yet, read while its rank appends it) waits for the next read."""
+        """Every complete line of the ranks' logs, split (`log_lines`)."""
         found = []
         for path in self.work.glob("*.log"):
-            complete = path.read_text().rpartition("\n")[0]
-            found += [line.split() for line in complete.splitlines() if line]
+            found += log_lines(path)
         return found
 
     def committed(self) -> int:
@@ -382,11 +422,7 @@ def step_time(run: Run, warmup: int, steps: int) -> float:
     """The median time between rank 0's optimizer steps, over `steps` steps after `warmup`."""
 
     def times() -> list[float]:
-        path = run.work / "w0.log"
-        if not path.exists():
-            return []
-        lines = [line.split() for line in path.read_text().splitlines() if line]
-        return [float(w[2]) for w in lines if w[0] == "commit"]
+        return [float(w[2]) for w in log_lines(run.work / "w0.log") if w[0] == "commit"]
 
     def enough() -> bool:
         if any(proc.poll() is not None for proc in run.procs):
@@ -478,6 +514,9 @@ def main() -> None:
         NatsServer(store_dir=Path(tmp) / "nats") as nats,
         running_services(nats.url, Path(tmp) / "logs"),
     ):
+        compute = compute_time(Path(tmp), args.wide, args.steps) if args.steps else 0.0
+        if args.steps:
+            print(f"compute alone (one rank, no collective): {compute * 1000:.1f} ms/step")
         for round_ in range(args.rounds if args.steps else 0):
             turn = round_ % len(steady_ways)
             for way in steady_ways[turn:] + steady_ways[:turn]:
@@ -512,7 +551,7 @@ def main() -> None:
         print(
             f"\nsteady state, 3 ranks, MLP 32-{args.wide}-{args.wide}-2, batch 32 per rank, "
             f"median step of {args.steps} after {args.warmup}, median (min-max) of "
-            f"{args.rounds} rounds:"
+            f"{args.rounds} rounds; compute alone {compute * 1000:.1f} ms/step:"
         )
         for way, times in overhead.items():
             print(
