@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import threading
 import types
 from collections.abc import Iterator, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final, cast
+
+if TYPE_CHECKING:
+    # Annotations only: `importlib.abc` imports `importlib.resources` (tempfile, shutil, ...),
+    # more than this whole module is worth to `import strata`.
+    from importlib.abc import Loader
 
 WITHOUT: Final[dict[str, frozenset[str]]] = {
     "structlog": frozenset({"rich"}),
@@ -61,10 +65,10 @@ class _Shaping(threading.local):
     held: frozenset[str] = frozenset()
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     """Runs the real loader with the module's optional packages held back in this thread."""
 
-    def __init__(self, real: importlib.abc.Loader, name: str, finder: OptionalImports) -> None:
+    def __init__(self, real: Loader, name: str, finder: OptionalImports) -> None:
         self._real = real
         self._name = name
         self._finder = finder
@@ -85,7 +89,7 @@ class _Loader(importlib.abc.Loader):
                 setattr(module, name, Deferred(name, module))
 
 
-class OptionalImports(importlib.abc.MetaPathFinder):
+class OptionalImports:
     """The finder `install` puts first on `sys.meta_path`; it leaves once both modules ran."""
 
     def __init__(self) -> None:
@@ -125,7 +129,7 @@ class OptionalImports(importlib.abc.MetaPathFinder):
         spec = _find_elsewhere(self, fullname, path, target)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader, fullname, self)
+        spec.loader = cast("Loader", _Loader(spec.loader, fullname, self))
         return spec
 
 
