@@ -31,18 +31,40 @@ def _run(code: str) -> dict[str, object]:
     return result
 
 
+UNUSED = ("strata.aio._checkpoint", "strata.storage", "strata.checkpoint")
+"""Strata's own modules a rank that trains without checkpoints never uses."""
+
+
 def test_the_live_group_imports_none_of_the_heavy_packages() -> None:
     found = _run(
         f"""
         import json, sys
         import torch
         import strata.torch.live
-        print(json.dumps({{"heavy": sorted(
-            m for m in sys.modules if m.partition(".")[0] in {set(HEAVY)!r}
-        )}}))
+        from strata.events.models import EVENT_MODELS
+        from strata.events import requests
+        from pydantic import BaseModel
+        request_models = [
+            value for value in vars(requests).values()
+            if isinstance(value, type) and issubclass(value, BaseModel)
+        ]
+        print(json.dumps({{
+            "heavy": sorted(m for m in sys.modules if m.partition(".")[0] in {set(HEAVY)!r}),
+            "unused": sorted(m for m in {UNUSED!r} if m in sys.modules),
+            "models": len(EVENT_MODELS) + len(request_models),
+            "built": sorted(
+                model.__name__ for model in [*EVENT_MODELS, *request_models]
+                if model.__pydantic_complete__
+            ),
+        }}))
         """
     )
     assert found["heavy"] == []
+    assert found["unused"] == []
+    # Validators are built on a model's first use (`defer_build`), not for all of them at import.
+    assert isinstance(found["models"], int)
+    assert found["models"] > 50
+    assert found["built"] == []
 
 
 def test_import_strata_alone_imports_no_library_of_the_sdk() -> None:
