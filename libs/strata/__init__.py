@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from strata import _imports
 from strata import clock as _clock  # noqa: F401  (installs the test clock seam when asked)
 from strata.errors import (
     BackgroundTaskFailed,
@@ -41,6 +42,9 @@ from strata.errors import (
     ValidationError,
     WorkerSuperseded,
 )
+
+# Before anything imports structlog or nats-py: keeps rich and aiohttp out of their imports.
+_imports.install()
 
 if TYPE_CHECKING:
     from strata import aio

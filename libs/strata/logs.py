@@ -10,11 +10,11 @@ import logging
 import sys
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 import structlog.tracebacks
-from structlog.typing import EventDict, WrappedLogger
+from structlog.typing import EventDict, ExceptionRenderer, ExcInfo, WrappedLogger
 
 from strata.config import LogFormat
 
@@ -29,6 +29,27 @@ def _context_prefix(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDi
     prefix = f"[{who}" + (f" - step {step}" if step is not None else "") + "]"
     event_dict["event"] = f"{prefix} {event_dict.get('event', '')}"
     return event_dict
+
+
+def _console_exceptions(colors: bool) -> ExceptionRenderer:
+    """rich's tracebacks on a terminal when rich is installed, else plain ones.
+
+    Importing `strata` keeps rich out of structlog's own import (`strata._imports`: rich and
+    pygments cost a rank's start about 0.1 s), so the console renderer is given them here, the
+    one place they are shown.
+    """
+    try:
+        from rich.console import Console
+        from rich.traceback import Traceback
+    except ImportError:
+        return structlog.dev.plain_traceback
+
+    def rich_traceback(sio: TextIO, exc_info: ExcInfo) -> None:
+        sio.write("\n")
+        console = Console(file=sio, color_system="truecolor" if colors else None)
+        console.print(Traceback.from_exception(*exc_info, show_locals=True))
+
+    return rich_traceback
 
 
 class _CurrentStderr:
@@ -58,7 +79,11 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
             structlog.processors.JSONRenderer(),
         ]
     else:
-        renderer = [_context_prefix, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+        colors = sys.stderr.isatty()
+        console = structlog.dev.ConsoleRenderer(
+            colors=colors, exception_formatter=_console_exceptions(colors)
+        )
+        renderer = [_context_prefix, console]
     structlog.configure(
         processors=shared + renderer,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -42,3 +42,19 @@ def test_console_lines_show_the_context_prefix(capsys: pytest.CaptureFixture[str
     get_logger("test").info("barrier_released")
     err = capsys.readouterr().err
     assert "[resnet/w-1#3 - step 7] barrier_released" in err
+
+
+def test_console_exceptions_are_rich_tracebacks(capsys: pytest.CaptureFixture[str]) -> None:
+    # structlog itself is imported without rich (strata._imports); the console renderer is given
+    # rich's tracebacks by configure_logging, with the frames' locals.
+    configure_logging("console", "debug")
+    step_of_the_failure = 7
+    try:
+        raise RuntimeError(f"shard {step_of_the_failure} unreadable")
+    except RuntimeError:
+        get_logger("test").exception("load_failed")
+    err = capsys.readouterr().err
+    assert "load_failed" in err
+    assert "Traceback (most recent call last)" in err
+    assert "RuntimeError: shard 7 unreadable" in err
+    assert "step_of_the_failure = 7" in err  # rich shows locals; a plain traceback does not

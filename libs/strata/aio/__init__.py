@@ -11,12 +11,16 @@ The worker is built in layers, one module per concern: its identity, settings an
 (`_heartbeats`), its membership and re-registration (`_membership`), its training metrics
 (`_training`), and its life (`worker`); its barrier waits are `_barrier`'s, and datasets and
 checkpoints are `_datasets` and `_checkpoint`, on the worker's bus. This module is the public
-face: import from `strata.aio`, not from those.
+face: import from `strata.aio`, not from those. The checkpoint names are imported on first use:
+a rank that trains without checkpoints (a `LiveGroup` replacement heals from its peers) does not
+pay for `strata.storage`.
 """
 
 from __future__ import annotations
 
-from strata.aio._checkpoint import CheckpointArgs, CheckpointManager, CheckpointOptions, ShardSlot
+import importlib
+from typing import TYPE_CHECKING
+
 from strata.aio._core import (
     CLOSE_TIMEOUT_S,
     LEAVE_RETRY_S,
@@ -33,6 +37,16 @@ from strata.aio._core import (
 from strata.aio._datasets import DatasetArgs, DatasetOptions, DatasetRegistry
 from strata.aio._membership import decode_world_notice
 from strata.aio.worker import Worker
+
+if TYPE_CHECKING:
+    from strata.aio._checkpoint import (
+        CheckpointArgs,
+        CheckpointManager,
+        CheckpointOptions,
+        ShardSlot,
+    )
+
+_CHECKPOINT = frozenset(["CheckpointArgs", "CheckpointManager", "CheckpointOptions", "ShardSlot"])
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -56,3 +70,15 @@ __all__ = [
     "WorkerOptions",
     "decode_world_notice",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _CHECKPOINT:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("strata.aio._checkpoint"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _CHECKPOINT)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
 import msgpack
 import pydantic
-from pydantic import TypeAdapter
 
 from strata.errors import CodecError, ValidationError
 from strata.events.models import EVENT_TYPES, MAX_SHARDS, MAX_WORKERS, AnyEvent, Event
@@ -25,10 +23,6 @@ MAX_MAP_ENTRIES: Final = MAX_WORKERS
 MAX_ARRAY_ITEMS: Final = MAX_SHARDS
 """The largest list any message holds (an epoch's completed shards)."""
 
-_EVENT_ADAPTER: Final[TypeAdapter[AnyEvent]] = TypeAdapter(AnyEvent)
-_VALIDATE_EVENT: Final[Callable[[Any], AnyEvent]] = _EVENT_ADAPTER.validator.validate_python
-"""The adapter's core validator itself: `TypeAdapter.validate_python` only forwards to it, and
-the forwarding costs about a tenth of validating a small event (a replay decodes every one)."""
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -107,7 +101,12 @@ def event_from_data(obj: Any) -> AnyEvent:
     mapping = _as_mapping(obj, "an event")
     _check_type(mapping)
     try:
-        return _VALIDATE_EVENT(mapping)
+        # The model of its type, as the `AnyEvent` union's discriminator would pick it, but built
+        # (`defer_build`) only for the types a process meets: a worker decodes a few of them.
+        # The core validator itself, without `model_validate`'s forwarding (a replay decodes
+        # every event).
+        validator = EVENT_TYPES[mapping["type"]].__pydantic_validator__
+        return validator.validate_python(mapping)  # type: ignore[no-any-return]
     except pydantic.ValidationError as exc:
         raise validation_error(exc, "event") from None
 
@@ -161,6 +160,7 @@ def event_from_json(text: str | bytes) -> AnyEvent:
     mapping = _as_mapping(obj, "an event")
     _check_type(mapping)
     try:
-        return _EVENT_ADAPTER.validate_json(text if isinstance(text, bytes) else text.encode())
+        model = EVENT_TYPES[mapping["type"]]
+        return model.model_validate_json(text)  # type: ignore[return-value]
     except pydantic.ValidationError as exc:
         raise validation_error(exc, "event") from None

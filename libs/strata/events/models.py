@@ -79,7 +79,7 @@ def new_event_id() -> str:
 class StrictModel(BaseModel):
     """Frozen, strict, closed: the base of everything that travels on the bus."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, defer_build=True)
 
 
 class Event(StrictModel):
