@@ -131,3 +131,67 @@ def test_a_rank_paused_past_its_timeout_is_left_behind_then_heals_back_in(
             rank.kill()
         plans.close()
     print(f"paused rank: survivors' group of two {shrink_s:.1f}s after the pause")
+
+
+def test_a_rank_cut_off_from_nats_past_its_timeout_is_left_behind_then_heals_back_in(
+    stack: str, tmp_path: Path
+) -> None:
+    job = new_job("live-cut")
+    script = example(tmp_path)
+    plans = Plans(stack, job)
+    upstream = int(stack.rsplit(":", 1)[1])
+    with Proxy(upstream) as proxy:
+        ranks = [
+            Rank(script, proxy.url if f"w{i}" == VICTIM else stack, job, f"w{i}") for i in range(3)
+        ]
+        try:
+            wait_until(lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
+            # Its NATS connection carries nothing either way, and stays open (a black hole);
+            # the group's own connections between the ranks still work.
+            proxy.cut()
+            cut_at = time.monotonic()
+            wait_until(lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two")
+            shrink_s = time.monotonic() - cut_at
+            going = plans.progress()
+            wait_until(lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on")
+            proxy.heal()
+            check_healed_back(ranks, plans)
+        finally:
+            for rank in ranks:
+                rank.kill()
+            plans.close()
+    print(f"cut-off rank: survivors' group of two {shrink_s:.1f}s after the cut")
+
+
+def test_a_rank_whose_wall_clock_steps_fails_nobody(stack: str, tmp_path: Path) -> None:
+    job = new_job("live-clock")
+    script = example(tmp_path)
+    plans = Plans(stack, job)
+    offset = tmp_path / "w1-clock"
+    step_wall_clock(offset, 0.0)
+    ranks = [
+        Rank(script, stack, job, f"w{i}", env={OFFSET_FILE_ENV: str(offset)} if i == 1 else None)
+        for i in range(3)
+    ]
+    try:
+        wait_until(lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
+        for seconds in (+60.0, -60.0):
+            # NTP steps w1's wall clock a minute ahead, later a minute behind the true time.
+            step_wall_clock(offset, seconds)
+            target = plans.progress() + 0.3
+            wait_until(lambda t=target: plans.progress() >= t, SHRINK_S, "the group going on")
+        results = finish(ranks, FINISH_S)
+        events = events_of(plans)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        plans.close()
+    text = outputs(ranks)
+    for match in results:
+        assert match[4] == "True", f"{match[1]} did not train every sample once:\n{text}"
+    assert len({m[7] for m in results}) == 1, f"the ranks ended with other weights:\n{text}"
+    assert not [e for e in events if isinstance(e, WorkerFailed)], text
+    quorums = [e for e in events if isinstance(e, LiveQuorumFormed)]
+    assert len(quorums) == 1, quorums
+    assert sorted(quorums[0].members) == ["w0", "w1", "w2"], quorums
+    assert "live_step_fenced" not in text, text
