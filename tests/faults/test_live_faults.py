@@ -27,7 +27,7 @@ from tests.faults.netproxy import Proxy
 from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs
 from tests.support import SERVICES, ServiceProcess, job_events, new_job, wait_until
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(900)]
 
 VICTIM = "w1"
 START_S = 240.0
