@@ -14,7 +14,11 @@ in a vote (a replacement registered) makes every rank re-form the group after th
 joiner enters at a step boundary. Whenever a group forms, the ranks compare their committed steps
 and the one furthest ahead broadcasts its weights, optimizer state and position to the others: a
 replacement heals from a live peer and never reads a checkpoint, and a survivor whose last vote
-failed while the others' passed takes the step it missed.
+failed while the others' passed takes the step it missed. A peer that stands still instead of
+dying (paused, or cut off from NATS) leaves a collective neither completed nor failed: while one
+waits, each rank looks whether the registry failed a member of its group, and drops the group
+if so; the rank that comes back commits nothing under the registration it lost, registers
+again, and heals back in as a joiner does.
 
 The pure parts (who serves the state, which members form the group) are functions here.
 """
@@ -77,6 +81,7 @@ REPORT_S: Final = 5.0
 CHECK_S: Final = 0.25
 """While a collective has not completed, how often a rank looks whether the registry failed a
 member of its group (a paused or cut-off peer: the collective would wait for its timeout)."""
+CHECK: Final = timedelta(seconds=CHECK_S)
 STATE_FORMAT: Final = 1
 SLOTS: Final = 4
 """Shards one rank's batch may touch in a step: each step's vote carries, for every rank, where
@@ -606,33 +611,29 @@ class LiveGroup:
             work.wait()
 
     def _settle(self, works: list[Any]) -> None:
-        """Return once every one of `works` has ended, successfully or not. While they have not,
+        """Return once every one of `works` has ended, successfully or not. While one has not,
         look every `CHECK_S` whether the registry failed a member of the group (a peer paused,
         or cut off from NATS, past the heartbeat timeout: the collective would wait for the
         group's `timeout`); if it did, park the group with `works` (taking them) and raise
-        `MemberFailed`, as a collective that failed would."""
-        if not works:
-            return
-        ended = threading.Event()
-        lock = threading.Lock()
-        left = [len(works)]
-
-        def one_ended(_: Any) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    ended.set()
-
+        `MemberFailed`, as a collective that failed would. A wait with a timeout ends the wait,
+        not the collective, and costs a step no more than a plain wait."""
         for work in works:
-            work.get_future().add_done_callback(one_ended)
-        while not ended.wait(CHECK_S):
-            gone = self._members_failed()
-            if gone:
-                park(self._pg, works)
-                raise MemberFailed(
-                    f"the registry recorded {', '.join(gone)} failed while this rank waited on "
-                    f"a collective of the group formed at membership epoch {self._group_epoch}"
-                )
+            while True:
+                try:
+                    work.wait(CHECK)
+                    break
+                except (RuntimeError, dist.DistError):
+                    if work.is_completed():
+                        break  # it failed: the caller's wait raises that
+                gone = self._members_failed()
+                if gone:
+                    del work  # no reference may outlive the park, not even in a traceback
+                    park(self._pg, works)
+                    raise MemberFailed(
+                        f"the registry recorded {', '.join(gone)} failed while this rank waited "
+                        f"on a collective of the group formed at membership epoch "
+                        f"{self._group_epoch}"
+                    )
 
     def _members_failed(self) -> list[str]:
         """The members of the current group the registry no longer counts live: asked only
