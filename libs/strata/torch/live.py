@@ -223,6 +223,25 @@ def park(group: Any, works: list[Any]) -> None:
     threading.Thread(target=drain, name="strata-live-abandoned", daemon=True).start()
 
 
+def watch(works: Sequence[Any], gone: Callable[[], list[str]]) -> list[str]:
+    """Wait until every one of `works` has ended, successfully or not, calling `gone` every
+    `CHECK_S` while one has not; return at once what `gone` returned when it was not empty (the
+    members that left the group), else []. A wait with a timeout ends the wait, not the
+    collective, and costs a step no more than a plain wait (`bench/live_wait.py`)."""
+    for work in works:
+        while True:
+            try:
+                work.wait(CHECK)
+                break
+            except (RuntimeError, dist.DistError):
+                if work.is_completed():
+                    break  # it failed: the caller's wait raises that
+            left = gone()
+            if left:
+                return left
+    return []
+
+
 Launch = Callable[[torch.Tensor], Any]
 """Starts an all-reduce (SUM) of a tensor in the current group; returns its work (None when
 the group is this rank alone)."""
@@ -611,29 +630,18 @@ class LiveGroup:
             work.wait()
 
     def _settle(self, works: list[Any]) -> None:
-        """Return once every one of `works` has ended, successfully or not. While one has not,
-        look every `CHECK_S` whether the registry failed a member of the group (a peer paused,
-        or cut off from NATS, past the heartbeat timeout: the collective would wait for the
-        group's `timeout`); if it did, park the group with `works` (taking them) and raise
-        `MemberFailed`, as a collective that failed would. A wait with a timeout ends the wait,
-        not the collective, and costs a step no more than a plain wait."""
-        for work in works:
-            while True:
-                try:
-                    work.wait(CHECK)
-                    break
-                except (RuntimeError, dist.DistError):
-                    if work.is_completed():
-                        break  # it failed: the caller's wait raises that
-                gone = self._members_failed()
-                if gone:
-                    del work  # no reference may outlive the park, not even in a traceback
-                    park(self._pg, works)
-                    raise MemberFailed(
-                        f"the registry recorded {', '.join(gone)} failed while this rank waited "
-                        f"on a collective of the group formed at membership epoch "
-                        f"{self._group_epoch}"
-                    )
+        """Return once every one of `works` has ended, successfully or not (`watch`); if the
+        registry failed a member of the group meanwhile (a peer paused, or cut off from NATS,
+        past the heartbeat timeout: the collective would wait for the group's `timeout`), park
+        the group with `works` (taking them) and raise `MemberFailed`, as a collective that
+        failed would."""
+        gone = watch(works, self._members_failed)
+        if gone:
+            park(self._pg, works)
+            raise MemberFailed(
+                f"the registry recorded {', '.join(gone)} failed while this rank waited on a "
+                f"collective of the group formed at membership epoch {self._group_epoch}"
+            )
 
     def _members_failed(self) -> list[str]:
         """The members of the current group the registry no longer counts live: asked only
