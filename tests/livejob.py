@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from strata.config import Env
 from strata.events.requests import PlanRequest, PlanSummary
 
 from tests.docs import write_example
+from tests.support import wait_until
 
 EPOCHS = 5
 """More than the example's 3: on a loaded machine the survivors must still be training when the
@@ -130,6 +132,14 @@ def example(directory: Path) -> Path:
 
 def outputs(ranks: list[Rank]) -> str:
     return "\n".join(f"--- {r.worker_id}\n{r.output()[-4000:]}" for r in ranks)
+
+
+def wait_with(ranks: list[Rank], condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """`wait_until`, failing with the ranks' output (a rank that crashed says why)."""
+    try:
+        wait_until(condition, timeout, what)
+    except pytest.fail.Exception:
+        pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{outputs(ranks)}")
 
 
 def finish(ranks: list[Rank], timeout: float) -> list[re.Match[str]]:

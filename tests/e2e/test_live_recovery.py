@@ -21,8 +21,8 @@ from strata.events import (
     LiveStepDiscarded,
 )
 
-from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs
-from tests.support import job_events, new_job, running_services, wait_until
+from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs, wait_with
+from tests.support import job_events, new_job, running_services
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,9 +42,11 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
         # Mid-epoch: a fifth of the first epoch's shards done, most still to read.
-        wait_until(lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.5 or plans.done(1) > 0, 120, "the survivors going on")
+        wait_with(
+            ranks, lambda: plans.done(0) >= 0.5 or plans.done(1) > 0, 120, "the survivors going on"
+        )
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         survivors = [ranks[0], ranks[2], replacement]
@@ -95,9 +97,9 @@ def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replaceme
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
-        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.35, 120, "two survivors going on")
+        wait_with(ranks, lambda: plans.done(0) >= 0.35, 120, "two survivors going on")
         ranks[2].kill()
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
@@ -154,9 +156,11 @@ def test_a_joiner_killed_in_its_heal_leaves_the_survivors_going_and_a_second_one
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
-        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on")
+        wait_with(
+            ranks, lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on"
+        )
         doomed = Rank(script, stack, job, "w3", die_in_heal="joiner")
         ranks.append(doomed)
         doomed.proc.wait(240)
@@ -189,9 +193,11 @@ def test_a_survivor_killed_while_the_group_heals_a_replacement_leaves_the_others
     ranks = [Rank(script, stack, job, "w0"), Rank(script, stack, job, "w1")]
     ranks.append(Rank(script, stack, job, "w2", die_in_heal="survivor"))
     try:
-        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on")
+        wait_with(
+            ranks, lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on"
+        )
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         ranks[2].proc.wait(240)
@@ -257,7 +263,7 @@ def test_a_checkpoint_saved_after_a_shrink_is_the_survivors_world_and_commits(
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
-        wait_until(lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
         ranks[1].kill()  # whatever registry rank it held, the survivors' ranks have a hole
         results = finish([ranks[0], ranks[2]], 400)
         events = plans.runner.run(job_events(plans.bus, job))

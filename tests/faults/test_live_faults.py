@@ -24,8 +24,8 @@ from strata.events.models import AnyEvent
 
 from tests.faults.conftest import INTERVAL, TIMEOUT
 from tests.faults.netproxy import Proxy
-from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs
-from tests.support import SERVICES, ServiceProcess, job_events, new_job, wait_until
+from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs, wait_with
+from tests.support import SERVICES, ServiceProcess, job_events, new_job
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -122,16 +122,18 @@ def test_a_rank_paused_past_its_timeout_is_left_behind_then_heals_back_in(
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     victim = ranks[1]
     try:
-        wait_until(lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
         victim.pause()
         paused_at = time.monotonic()
-        wait_until(lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two")
+        wait_with(ranks, lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two")
         shrink_s = time.monotonic() - paused_at
         # Detection is the registry's heartbeat timeout (TIMEOUT) and a look every 0.25 s,
         # not the collective's timeout; a loaded machine may take many seconds more.
         assert shrink_s < COLLECTIVE_TIMEOUT_S * 2 / 3, f"the survivors waited {shrink_s:.0f}s"
         going = plans.progress()
-        wait_until(lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on")
+        wait_with(
+            ranks, lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on"
+        )
         victim.resume()
         check_healed_back(ranks, plans)
     finally:
@@ -154,18 +156,22 @@ def test_a_rank_cut_off_from_nats_past_its_timeout_is_left_behind_then_heals_bac
             Rank(script, proxy.url if f"w{i}" == VICTIM else stack, job, f"w{i}") for i in range(3)
         ]
         try:
-            wait_until(lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
+            wait_with(ranks, lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
             # Its NATS connection carries nothing either way, and stays open (a black hole);
             # the group's own connections between the ranks still work.
             proxy.cut()
             cut_at = time.monotonic()
-            wait_until(lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two")
+            wait_with(
+                ranks, lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two"
+            )
             shrink_s = time.monotonic() - cut_at
             # Detection is the registry's heartbeat timeout (TIMEOUT) and a look every 0.25 s,
             # not the collective's timeout; a loaded machine may take many seconds more.
             assert shrink_s < COLLECTIVE_TIMEOUT_S * 2 / 3, f"the survivors waited {shrink_s:.0f}s"
             going = plans.progress()
-            wait_until(lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on")
+            wait_with(
+                ranks, lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on"
+            )
             proxy.heal()
             check_healed_back(ranks, plans)
         finally:
@@ -186,12 +192,12 @@ def test_a_rank_whose_wall_clock_steps_fails_nobody(stack: str, tmp_path: Path) 
         for i in range(3)
     ]
     try:
-        wait_until(lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
         for seconds in (+60.0, -60.0):
             # NTP steps w1's wall clock a minute ahead, later a minute behind the true time.
             step_wall_clock(offset, seconds)
             target = plans.progress() + 0.3
-            wait_until(lambda t=target: plans.progress() >= t, SHRINK_S, "the group going on")
+            wait_with(ranks, lambda t=target: plans.progress() >= t, SHRINK_S, "the group going on")
         results = finish(ranks, FINISH_S)
         events = events_of(plans)
     finally:
