@@ -401,7 +401,9 @@ class LiveGroup:
     `training` (with the step) while the group trains and `recovering` while it re-forms.
     `audit_samples=N` keeps `ledger`, how many times each of N samples went into a
     committed step, healed along with the weights (a check for small datasets: it adds N
-    numbers to every step's all-reduce). `timeout` bounds each collective and a re-forming.
+    numbers to every step's all-reduce). `timeout` bounds each collective and a re-forming;
+    a collective with a member the registry fails meanwhile (paused, or cut off from NATS) ends
+    sooner, when the failure is recorded.
     """
 
     def __init__(
