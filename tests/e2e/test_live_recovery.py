@@ -6,19 +6,12 @@ same weights as the others, and (for the survivors) the PID it was started with.
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from strata._loop import LoopRunner
-from strata.bus import Bus
 from strata.bus.server import NatsServer
-from strata.config import Env
 from strata.events import (
     CheckpointAborted,
     CheckpointCommitted,
@@ -27,119 +20,17 @@ from strata.events import (
     LiveQuorumFormed,
     LiveStepDiscarded,
 )
-from strata.events.requests import PlanRequest, PlanSummary
 
-from tests.docs import write_example
-from tests.support import job_events, new_job, running_services, wait_until
+from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs, wait_with
+from tests.support import job_events, new_job, running_services
 
 pytestmark = pytest.mark.timeout(600)
-
-EPOCHS = 5
-"""More than the example's 3: on a loaded machine the survivors must still be training when the
-replacement (a new Python with torch to import) comes up."""
-DATASET = "live-points"
-RESULT = re.compile(
-    r"(\S+): pid (\d+) every sample (\d+) times: (True|False), step (\d+), healed (True|False), "
-    r"weights ([0-9a-f]+)"
-)
 
 
 @pytest.fixture
 def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
     with running_services(own_nats_server.url, tmp_path / "logs"):
         yield own_nats_server.url
-
-
-class Rank:
-    """One process of the example, its output in a file."""
-
-    def __init__(
-        self, script: Path, nats_url: str, job: str, worker_id: str, die_in_heal: str = ""
-    ) -> None:
-        self.worker_id = worker_id
-        self.log = script.parent / f"{worker_id}.log"
-        env = {
-            **os.environ,
-            Env.NATS_URL: nats_url,
-            Env.JOB: job,
-            "WORKER_ID": worker_id,
-            "OMP_NUM_THREADS": "1",
-            "DIE_IN_HEAL": die_in_heal,
-        }
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(script)],
-                cwd=script.parent,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
-
-    def result(self) -> re.Match[str] | None:
-        return RESULT.search(self.output())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-
-class Plans:
-    """Reads an epoch's plan from the sharding service, as an operator would."""
-
-    def __init__(self, nats_url: str, job: str) -> None:
-        self.job = job
-        self.runner = LoopRunner(name="live-test-plans")
-        self.bus = self.runner.run(Bus.connect(nats_url, deadline=10))
-
-    def done(self, epoch: int) -> float:
-        """The fraction of the epoch's shards done (0 before its plan exists)."""
-
-        async def ask() -> PlanSummary:
-            request = PlanRequest(job=self.job, dataset_id=DATASET, epoch=epoch)
-            return await self.bus.rpc.call(
-                "sharding", "plan", request, result=PlanSummary, timeout=5.0
-            )
-
-        try:
-            summary = self.runner.run(ask())
-        except Exception:
-            return 0.0
-        return summary.done_shards / max(1, summary.total_shards)
-
-    def close(self) -> None:
-        self.runner.run(self.bus.close())
-        self.runner.close()
-
-
-def example(directory: Path) -> Path:
-    script = write_example("docs/pytorch.md", "train_live.py", directory)
-    text = script.read_text(encoding="utf-8")
-    written = 'DATASET, SAMPLES, EPOCHS = "live-points", 3000, 3'
-    assert written in text, "the example's constants changed: update this test"
-    script.write_text(text.replace(written, written[:-1] + str(EPOCHS)), encoding="utf-8")
-    return script
-
-
-def outputs(ranks: list[Rank]) -> str:
-    return "\n".join(f"--- {r.worker_id}\n{r.output()[-4000:]}" for r in ranks)
-
-
-def finish(ranks: list[Rank], timeout: float) -> list[re.Match[str]]:
-    for rank in ranks:
-        try:
-            rank.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{rank.worker_id} still running after {timeout}s:\n{outputs(ranks)}")
-    for rank in ranks:
-        assert rank.proc.returncode == 0, outputs(ranks)
-    found = [r.result() for r in ranks]
-    assert all(found), outputs(ranks)
-    return [m for m in found if m is not None]
 
 
 def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
@@ -151,9 +42,11 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
         # Mid-epoch: a fifth of the first epoch's shards done, most still to read.
-        wait_until(lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.5 or plans.done(1) > 0, 120, "the survivors going on")
+        wait_with(
+            ranks, lambda: plans.done(0) >= 0.5 or plans.done(1) > 0, 120, "the survivors going on"
+        )
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         survivors = [ranks[0], ranks[2], replacement]
@@ -204,9 +97,9 @@ def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replaceme
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
-        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.35, 120, "two survivors going on")
+        wait_with(ranks, lambda: plans.done(0) >= 0.35, 120, "two survivors going on")
         ranks[2].kill()
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
@@ -263,9 +156,11 @@ def test_a_joiner_killed_in_its_heal_leaves_the_survivors_going_and_a_second_one
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
-        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on")
+        wait_with(
+            ranks, lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on"
+        )
         doomed = Rank(script, stack, job, "w3", die_in_heal="joiner")
         ranks.append(doomed)
         doomed.proc.wait(240)
@@ -298,9 +193,11 @@ def test_a_survivor_killed_while_the_group_heals_a_replacement_leaves_the_others
     ranks = [Rank(script, stack, job, "w0"), Rank(script, stack, job, "w1")]
     ranks.append(Rank(script, stack, job, "w2", die_in_heal="survivor"))
     try:
-        wait_until(lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.15, 240, "a part of epoch 0 trained")
         ranks[1].kill()
-        wait_until(lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on")
+        wait_with(
+            ranks, lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on"
+        )
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         ranks[2].proc.wait(240)
@@ -366,7 +263,7 @@ def test_a_checkpoint_saved_after_a_shrink_is_the_survivors_world_and_commits(
     plans = Plans(stack, job)
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     try:
-        wait_until(lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
+        wait_with(ranks, lambda: plans.done(0) >= 0.2, 240, "a fifth of epoch 0 trained")
         ranks[1].kill()  # whatever registry rank it held, the survivors' ranks have a hole
         results = finish([ranks[0], ranks[2]], 400)
         events = plans.runner.run(job_events(plans.bus, job))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -196,3 +197,83 @@ def test_bucketed_all_reduce_sums_the_gradients_of_every_rank() -> None:
         assert len(results[rank]) == len(expected)
         for got, want in zip(results[rank], expected, strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_an_abandoned_step_is_parked_and_completes_into_buffers_no_longer_used() -> None:
+    """Rank 1 stands still (a paused process) while rank 0's step waits on it; rank 0 abandons
+    the step (`MemberFailed`), parking its group with the all-reduces under way. Rank 1, resumed,
+    still completes them against the parked group (which is why a resumed rank must not commit
+    on that alone), and they write into rank 0's old buffers, not the ones it trains with now;
+    once they end, the parked group is let go."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from strata.torch.live import MemberFailed, park
+
+    from tests.support import wait_until
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(3, 4)
+    groups: dict[int, Any] = {}
+    formed = threading.Barrier(2)
+
+    def form(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+        formed.wait(30)
+
+    formers = [threading.Thread(target=form, args=(rank,)) for rank in range(2)]
+    for thread in formers:
+        thread.start()
+    for thread in formers:
+        thread.join(60)
+    assert sorted(groups) == [0, 1], "the group did not form"
+
+    def launch(rank: int) -> Any:
+        return lambda tensor: groups[rank].allreduce([tensor])
+
+    params0 = list(models[0].parameters())
+    buckets0 = GradientBuckets(params0)
+    buckets0.start(launch(0))
+    models[0](x).sum().backward()
+    old = [p.grad for p in params0]
+    assert all(g is not None for g in old)
+    own = [g.clone() for g in old if g is not None]
+    pending: list[Any] = []
+
+    def abandon(works: list[Any]) -> None:
+        assert not any(work.is_completed() for work in works), "rank 1 took part already"
+        pending.extend(works)
+        park(groups[0], works)
+        raise MemberFailed("rank 1 was failed")
+
+    with pytest.raises(MemberFailed):
+        buckets0.finish(abandon)
+    parked = [t for t in threading.enumerate() if t.name == "strata-live-abandoned"]
+    assert parked, "no thread holds the abandoned group"
+    del groups[0]
+    buckets0.start(lambda tensor: None)  # the next step, alone: its buffers are new ones
+    fresh = [p.grad for p in params0]
+    for before, now in zip(old, fresh, strict=True):
+        assert before is not None
+        assert now is not None
+        assert before.data_ptr() != now.data_ptr()
+
+    # Rank 1 resumes: its step's all-reduces meet rank 0's parked ones and complete.
+    buckets1 = GradientBuckets(list(models[1].parameters()))
+    buckets1.start(launch(1))
+    models[1](x).sum().backward()
+    buckets1.finish()
+    # Rank 0's side of them may end a moment after rank 1's: the parked thread waits for it.
+    wait_until(
+        lambda: not any(thread.is_alive() for thread in parked), 60, "the parked group let go"
+    )
+    assert all(work.is_completed() for work in pending)
+    for before, now, mine in zip(old, fresh, own, strict=True):
+        assert before is not None
+        assert now is not None
+        torch.testing.assert_close(before, 2 * mine)  # the sum landed in the old buffers
+        assert not now.any()  # the buffers rank 0 trains with now are untouched

@@ -14,7 +14,11 @@ in a vote (a replacement registered) makes every rank re-form the group after th
 joiner enters at a step boundary. Whenever a group forms, the ranks compare their committed steps
 and the one furthest ahead broadcasts its weights, optimizer state and position to the others: a
 replacement heals from a live peer and never reads a checkpoint, and a survivor whose last vote
-failed while the others' passed takes the step it missed.
+failed while the others' passed takes the step it missed. A peer that stands still instead of
+dying (paused, or cut off from NATS) leaves a collective neither completed nor failed: while one
+waits, each rank looks whether the registry failed a member of its group, and drops the group
+if so; the rank that comes back commits nothing under the registration it lost, registers
+again, and heals back in as a joiner does.
 
 The pure parts (who serves the state, which members form the group) are functions here.
 """
@@ -22,7 +26,9 @@ The pure parts (who serves the state, which members form the group) are function
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,12 +44,14 @@ from torch.utils.data._utils.collate import default_collate
 from strata.errors import (
     BarrierBroken,
     BarrierTimeout,
+    BusError,
     ConfigError,
     DeadlineExceeded,
     StaleLease,
     StrataError,
 )
 from strata.events.requests import (
+    Lease,
     LiveAction,
     LiveReportRequest,
     LiveReportResult,
@@ -70,6 +78,10 @@ IDLE_S: Final = 0.1
 BARRIER_S: Final = 10.0
 REPORT_S: Final = 5.0
 """How long a rank waits for the barrier service to record a heal or a discarded step."""
+CHECK_S: Final = 0.25
+"""While a collective has not completed, how often a rank looks whether the registry failed a
+member of its group (a paused or cut-off peer: the collective would wait for its timeout)."""
+CHECK: Final = timedelta(seconds=CHECK_S)
 STATE_FORMAT: Final = 1
 SLOTS: Final = 4
 """Shards one rank's batch may touch in a step: each step's vote carries, for every rank, where
@@ -186,6 +198,50 @@ class EpochResult:
 
 # -- gradients ------------------------------------------------------------------------------------
 
+
+class MemberFailed(RuntimeError):
+    """The registry recorded a member of the group failed while this rank waited on a collective
+    with it: the group is dropped as if the collective had failed (a `RuntimeError`, as gloo's)."""
+
+
+def park(group: Any, works: list[Any]) -> None:
+    """Keep an abandoned group alive on a thread of its own until its collectives `works` end,
+    and empty `works`. Dropping a gloo group waits for its collectives under way (up to its
+    timeout), so the training thread must not hold the last reference; and while they are
+    under way a peer that comes back (a paused one resumed) may complete them, into buffers no
+    longer used. Once they end, the group's connections close, and that peer's next
+    collective on it fails at once."""
+    held = [group, *works]
+    works.clear()
+
+    def drain() -> None:
+        for work in held[1:]:
+            with contextlib.suppress(Exception):
+                work.wait()
+        held.clear()
+
+    threading.Thread(target=drain, name="strata-live-abandoned", daemon=True).start()
+
+
+def watch(works: Sequence[Any], gone: Callable[[], list[str]]) -> list[str]:
+    """Wait until every one of `works` has ended, successfully or not, calling `gone` every
+    `CHECK_S` while one has not; return at once what `gone` returned when it was not empty (the
+    members that left the group), else []. A wait with a timeout ends the wait, not the
+    collective, and costs a step no more than a plain wait (`bench/live_wait.py`)."""
+    for work in works:
+        while True:
+            try:
+                work.wait(CHECK)
+                break
+            except (RuntimeError, dist.DistError):
+                if work.is_completed():
+                    break  # it failed: the caller's wait raises that
+            left = gone()
+            if left:
+                return left
+    return []
+
+
 Launch = Callable[[torch.Tensor], Any]
 """Starts an all-reduce (SUM) of a tensor in the current group; returns its work (None when
 the group is this rank alone)."""
@@ -210,20 +266,10 @@ class GradientBuckets:
         sizes = [(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in params]
         order = assign_buckets(sizes, first=first, cap=cap)
         self._members = [[params[i] for i in bucket] for bucket in order]
-        self._buffers = [
-            torch.zeros(
-                sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device
-            )
-            for members in self._members
-        ]
+        self._buffers: list[torch.Tensor] = []
         self._where: dict[int, tuple[int, torch.Tensor]] = {}
         """id of a parameter -> its bucket and its view there."""
-        for number, members in enumerate(self._members):
-            offset = 0
-            for p in members:
-                view = self._buffers[number][offset : offset + p.numel()].view_as(p)
-                self._where[id(p)] = (number, view)
-                offset += p.numel()
+        self._allocate()
         self._launch: Launch | None = None
         self._left: list[int] = []
         self._next = 0
@@ -231,6 +277,20 @@ class GradientBuckets:
         self._error: BaseException | None = None
         for p in params:
             p.register_post_accumulate_grad_hook(self._ready)  # type: ignore[no-untyped-call]
+
+    def _allocate(self) -> None:
+        self._buffers = [
+            torch.zeros(
+                sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device
+            )
+            for members in self._members
+        ]
+        for number, members in enumerate(self._members):
+            offset = 0
+            for p in members:
+                view = self._buffers[number][offset : offset + p.numel()].view_as(p)
+                self._where[id(p)] = (number, view)
+                offset += p.numel()
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -282,14 +342,24 @@ class GradientBuckets:
         if work is not None:
             self._works.append(work)
 
-    def finish(self) -> None:
+    def finish(self, settle: Callable[[list[Any]], None] | None = None) -> None:
         """Start the buckets not started yet (gradients the pass did not reach, or no pass at
-        all), wait for every all-reduce, and raise the first that failed."""
+        all), wait for every all-reduce, and raise the first that failed.
+
+        `settle(works)`, when given, returns once every work has ended, or raises having taken
+        them away (the group was abandoned with its all-reduces under way): the buckets are
+        then new buffers, since the abandoned all-reduces may still write into the old ones."""
         while self._next < len(self._buffers):
             self._start_next()
         self._launch = None
         error, self._error = self._error, None
         works, self._works = self._works, []
+        if settle is not None and works:
+            try:
+                settle(works)
+            except MemberFailed:
+                self._allocate()
+                raise
         while works:
             # Each work holds the group's connections open: none may outlive this call (not
             # even in a traceback), or a peer waiting on this rank in a collective of a group
@@ -331,7 +401,9 @@ class LiveGroup:
     `training` (with the step) while the group trains and `recovering` while it re-forms.
     `audit_samples=N` keeps `ledger`, how many times each of N samples went into a
     committed step, healed along with the weights (a check for small datasets: it adds N
-    numbers to every step's all-reduce). `timeout` bounds each collective and a re-forming.
+    numbers to every step's all-reduce). `timeout` bounds each collective and a re-forming;
+    a collective with a member the registry fails meanwhile (paused, or cut off from NATS) ends
+    sooner, when the failure is recorded.
     """
 
     def __init__(
@@ -372,6 +444,11 @@ class LiveGroup:
         self._group_epoch: int | None = None
         self._generation = 0
         """The generation of the meeting barrier that formed the current group."""
+        self._group_lease: Lease | None = None
+        """This worker's registration when the current (or last) group formed: a rank that
+        registered again since was failed meanwhile, and was fenced out of that group."""
+        self._epoch_checked = 0
+        """The newest membership epoch whose members `_members_failed` looked at."""
         self._rank = 0
         self._size = 1
         self._store: Any = None
@@ -472,6 +549,7 @@ class LiveGroup:
                 previous = epoch
                 continue
             break
+        self._group_lease = worker.lease
         self.reformed += 1
         worker.set_state("training", step=self.step, epoch=self.epoch)
         self._log.info(
@@ -544,9 +622,70 @@ class LiveGroup:
         self._floors = {int(k): int(v) for k, v in state["floors"].items()}
 
     def _allreduce(self, tensor: torch.Tensor, op: Any) -> None:
-        work = self._start_allreduce(tensor, op)
-        if work is not None:
+        self._complete([self._start_allreduce(tensor, op)])
+
+    def _complete(self, works: list[Any]) -> None:
+        """Wait for `works` (None for a group of one), raise the first that failed."""
+        works = [work for work in works if work is not None]
+        self._settle(works)
+        for work in works:
             work.wait()
+
+    def _settle(self, works: list[Any]) -> None:
+        """Return once every one of `works` has ended, successfully or not (`watch`); if the
+        registry failed a member of the group meanwhile (a peer paused, or cut off from NATS,
+        past the heartbeat timeout: the collective would wait for the group's `timeout`), park
+        the group with `works` (taking them) and raise `MemberFailed`, as a collective that
+        failed would."""
+        gone = watch(works, self._members_failed)
+        if gone:
+            park(self._pg, works)
+            raise MemberFailed(
+                f"the registry recorded {', '.join(gone)} failed while this rank waited on a "
+                f"collective of the group formed at membership epoch {self._group_epoch}"
+            )
+
+    def _members_failed(self) -> list[str]:
+        """The members of the current group the registry no longer counts live: asked only
+        when a membership epoch newer than the group's (and than the last one asked) was heard
+        of, so a collective that simply takes long costs nothing."""
+        heard = self._worker.membership_epoch
+        if heard <= max(self._group_epoch or 0, self._epoch_checked):
+            return []
+        try:
+            result = self._worker.members(retry_for=REPORT_S)
+        except StrataError as exc:
+            self._log.info("live_members_not_read", error=str(exc))
+            return []
+        self._epoch_checked = result.membership_epoch
+        live = set(group_members(result.members))
+        return [peer for peer in self._peers if peer not in live]
+
+    def _fenced(self) -> str | None:
+        """Why this rank must not commit the step whose collectives just completed, or None.
+        A rank that stood still (paused, or cut off from NATS) past the heartbeat timeout may
+        have been failed meanwhile and its peers gone on without it; a resumed peer can still
+        complete the collectives the others abandoned (`park`). So: a registration other than
+        the one the group formed with, or a lease that may have ended and that the registry
+        does not confirm, fences the step off."""
+        worker = self._worker
+        lease = worker.lease
+        if lease != self._group_lease:
+            return "this worker registered again since its group formed (it was failed)"
+        if not worker.lease_expired:
+            return None
+        try:
+            result = worker.members(retry_for=REPORT_S)
+        except StrataError as exc:
+            return f"its lease may have ended and the registry could not be asked: {exc}"
+        if any(
+            member.worker_id == worker.id
+            and member.instance == lease.instance
+            and member.status not in ("failed", "left")
+            for member in result.members
+        ):
+            return None
+        return "the registry failed this worker while it stood still"
 
     def _start_allreduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> Any:
         """Start an all-reduce of `tensor` in the group; its work (None alone)."""
@@ -562,7 +701,7 @@ class LiveGroup:
         options = dist.BroadcastOptions()
         options.rootRank = root
         options.rootTensor = 0
-        self._pg.broadcast([tensor], options).wait()
+        self._complete([self._pg.broadcast([tensor], options)])
 
     def _fail(self, exc: BaseException, *, training: bool = True) -> None:
         """The group's collective failed: drop the group, report its other members as suspects
@@ -674,8 +813,23 @@ class LiveGroup:
         while True:
             if self._pg is None:
                 self._report_now(sampler)
+                lease = self._group_lease
                 behind = self._form()
-                if behind == 1 and pending is not None:
+                if lease is not None and lease != self._group_lease:
+                    # This worker was failed and registered again: what it read under the
+                    # ended lease is read again by whoever holds those shards now, from where
+                    # the group's votes say they stand (healed with the state just received).
+                    sampler = ShardSampler(
+                        registry,
+                        dataset_id,
+                        epoch,
+                        manual_ack=True,
+                        report_every=0,
+                        shuffle_within_shard=shuffle_within_shard,
+                        seed=seed,
+                    )
+                    indices = pending = None
+                elif behind == 1 and pending is not None:
                     # This rank's vote failed where the others' passed: the step it was in,
                     # its batch included, is committed; the state just received holds it.
                     self._record(sampler, len(pending))
@@ -715,13 +869,26 @@ class LiveGroup:
                 self._reported()
                 raise
             try:
-                buckets.finish()
+                buckets.finish(self._settle)
             except (RuntimeError, dist.DistError) as exc:
                 self._reported()
                 self._fail(exc)
                 discarded += 1
                 continue  # `pending` is trained again, in the next group
             self._reported()
+            fenced = self._fenced()
+            if fenced is not None:
+                self._log.warning(
+                    "live_step_fenced",
+                    step=self.step,
+                    membership_epoch=self._group_epoch,
+                    reason=fenced,
+                    consequence="the step is discarded here; this worker joins the group "
+                    "again and heals from a peer, as a replacement does",
+                )
+                self._pg = None
+                discarded += 1
+                continue
             total = int(vote[0].item())
             if total:
                 buckets.divide(total)
@@ -796,6 +963,12 @@ class LiveGroup:
             sampler.flush()
         except StaleLease as exc:
             self._progress_refused(exc)
+        except BusError as exc:
+            # NATS or the sharding service out of reach (this process stood still, or its
+            # connection is cut): the sampler keeps what it did not report, sent again with
+            # the next step's report; the votes recorded where the shards stand meanwhile.
+            self._log.warning("live_progress_not_reported", step=self.step, error=str(exc))
+            self._unreported = True
 
     def _progress_refused(self, exc: StaleLease) -> None:
         # The registry took this worker for failed meanwhile (a stall): the report is refused
