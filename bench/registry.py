@@ -603,7 +603,7 @@ async def cpu_per_heartbeat(passes: int, count: int = 10_000) -> tuple[list[floa
         )  # fmt: skip
     intake = IntakeClient()
     intake.direct[1] = registry._take_heartbeat
-    intake_parser = intake._ps  # the fast lane for heartbeat frames (`IntakeParser`)
+    intake_parser = intake._ps  # the fast lane for heartbeat frames (`DirectParser`)
 
     async def through_plain() -> None:
         nonlocal taken

@@ -133,7 +133,7 @@ class FailureDetector(HeartbeatIntake, PartitionReports):
         acknowledgement needs the stream's quorum, so a registry whose server is cut off from the
         cluster's majority (where the workers may be heartbeating) proves nothing. A PING would
         be answered by the registry's own server, cut off or not; and `flush(timeout)` is not
-        used here at all (see `IntakeClient._process_pong`).
+        used here at all (see `ReadingClient._process_pong` in `strata.bus.intake`).
         """
         nc = self._hb_nc
         if nc is None or not nc.reader_alive:

@@ -99,7 +99,7 @@ class HeartbeatIntake(Notices):
             await nc.subscribe_direct(pattern, self._take_heartbeat)
         await nc.subscribe_direct(subjects.registry_hearing(self.partition), self._take_marker)
         # The subscriptions are in place at the server before anyone is judged. (This client
-        # survives a late PONG: see `IntakeClient._process_pong`.)
+        # survives a late PONG: see `ReadingClient._process_pong` in `strata.bus.intake`.)
         await nc.flush()
         self._hb_nc, self._hb_reconnects = nc, nc.stats["reconnects"]
         # Heartbeats stored before this are ones this connection could not have heard.
@@ -109,7 +109,7 @@ class HeartbeatIntake(Notices):
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("telemetry_position_unknown", error=str(exc))
 
-    def _take_marker(self, subject: bytes, data: bytes) -> None:
+    def _take_marker(self, subject: bytes, reply: bytes, data: bytes) -> None:
         arrived = self._markers.get(data)
         if arrived is not None and not arrived.done():
             arrived.set_result(None)
@@ -118,7 +118,7 @@ class HeartbeatIntake(Notices):
         self.rejected[code] += 1
         MESSAGES_REJECTED.labels(HEARTBEATS, code).inc()
 
-    def _take_heartbeat(self, subject: bytes, data: bytes) -> None:
+    def _take_heartbeat(self, subject: bytes, reply: bytes, data: bytes) -> None:
         """One heartbeat, as the intake parses it (`IntakeClient`): a plain call, no task, no
         lock, no log line on the path almost every heartbeat takes."""
         self.heartbeats += 1

@@ -56,7 +56,9 @@ async def test_the_intake_client_keeps_reading_after_a_late_pong(
     await nc.connect(own_nats_server.url, allow_reconnect=False)
     received: list[bytes] = []
     try:
-        await nc.subscribe_direct("faults.flush", lambda _subject, data: received.append(data))
+        await nc.subscribe_direct(
+            "faults.flush", lambda _subject, _reply, data: received.append(data)
+        )
         await _flush_past_a_pause(own_nats_server, nc)
         publisher = await nats.connect(own_nats_server.url)
         try:

@@ -187,7 +187,7 @@ async def test_heartbeats_applied_while_the_stream_is_read_still_contradict_the_
             )
 
         def take(heartbeat: WorkerHeartbeat) -> None:
-            registry._take_heartbeat(subject_for(heartbeat).encode(), encode_event(heartbeat))
+            registry._take_heartbeat(subject_for(heartbeat).encode(), b"", encode_event(heartbeat))
 
         take(beat(1))  # heard: applied as the intake applies it
         held = [beat(seq) for seq in (2, 3, 4)]

@@ -15,6 +15,7 @@ import pytest
 import strata
 from nats.aio.msg import Msg
 from strata.bus import Bus, connect
+from strata.bus import intake as intake_module
 from strata.bus.server import NatsServer
 from strata.config import Env
 from strata.events import (
@@ -28,7 +29,6 @@ from strata.events import (
     subjects,
 )
 from strata.events.codec import pack, unpack
-from strata.services.registry import intake as intake_module
 from strata.services.registry.intake import IntakeClient
 
 from tests.heartbeats import rejected_heartbeats
@@ -210,7 +210,9 @@ async def test_the_intake_takes_every_message_of_a_flood_once_and_in_order(
     sender = await connect(own_nats_server.url)
     try:
         assert isinstance(intake, IntakeClient)
-        await intake.subscribe_direct(subjects.all_heartbeats(), lambda _, data: taken.append(data))
+        await intake.subscribe_direct(
+            subjects.all_heartbeats(), lambda _subject, _reply, data: taken.append(data)
+        )
         await intake.flush()
         for n in range(count):
             subject = subjects.heartbeat_subject("flood", f"w{n % 300}")

@@ -5,6 +5,7 @@ answered with `busy`, requests nobody can receive an answer for dropped unseen."
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from uuid import uuid4
@@ -15,6 +16,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 from strata.admission import AdmissionLimits
 from strata.bus import Bus, Caller, RpcClient, RpcServer
+from strata.bus.rpc import STARTS_PER_TURN
 from strata.errors import Busy, RateLimited
 from strata.events import StrictModel, pack, subjects
 
@@ -152,6 +154,60 @@ async def test_one_jobs_backlog_does_not_hold_another_jobs_request_behind_it(
     # not after all 29.
     assert served.index("quiet") <= 2, served
     assert served.count("noisy") == 30
+
+
+async def test_an_admitted_burst_starts_a_few_handlers_a_turn_and_another_job_in_the_next(
+    peers: Peers,
+) -> None:
+    """A burst that one job's budget admits at once (as one read of the request intake sorts it)
+    starts `STARTS_PER_TURN` handlers before the event loop turns; the rest wait in the job's
+    queue, and another job's request sorted after the burst starts with the next few."""
+    turn = 0
+    started: list[tuple[str, int]] = []
+
+    async def work(request: JobRequest) -> dict[str, str]:
+        started.append((request.job, turn))
+        return {"job": request.job}
+
+    async def count_turns() -> None:
+        nonlocal turn
+        while True:
+            turn += 1
+            await asyncio.sleep(0)
+
+    limits = AdmissionLimits(worker_rate=1_000, worker_burst=1_000)
+    server = await serving(peers.server_nc, limits, work, concurrency=4_096)
+    ticker = asyncio.create_task(count_turns())
+    try:
+        burst = 128  # four turns of starts
+        inbox = peers.server_nc.new_inbox()
+        for n in range(burst):
+            subject = subjects.rpc_subject(server.service, "work", "noisy", "w0")
+            assert (
+                server._sort(peers.server_nc, subject, f"{inbox}.{n}", pack({"job": "noisy"}), None)
+                is None
+            )
+        quiet = subjects.rpc_subject(server.service, "work", "quiet", "w0")
+        assert (
+            server._sort(peers.server_nc, quiet, f"{inbox}.q", pack({"job": "quiet"}), None) is None
+        )
+
+        async def all_started() -> bool:
+            return len(started) == burst + 1
+
+        await async_wait_until(all_started, 10, "every admitted request to start")
+    finally:
+        ticker.cancel()
+        await server.stop()
+
+    per_turn = Counter(at for _, at in started)
+    assert max(per_turn.values()) <= STARTS_PER_TURN, per_turn
+    assert len(per_turn) > burst // STARTS_PER_TURN, per_turn
+    quiet_turn = next(at for job, at in started if job == "quiet")
+    # Round robin between the jobs' queues: the quiet job's request is among the second turn's
+    # starts, not behind the burst's three more turns.
+    assert quiet_turn <= sorted(per_turn)[1], (quiet_turn, per_turn)
+    assert [job for job, _ in started].count("noisy") == burst
 
 
 async def test_a_full_queue_is_answered_with_busy_and_other_jobs_still_get_in(

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.subscription import Subscription
-from strata.bus.intake import FAST_LANE, RequestIntakeClient
+from strata.bus.intake import FAST_LANE, FRAMES_PER_TURN, RequestIntakeClient
 
 REQUESTS_SID = 1
 OTHER_SID = 2
@@ -74,9 +74,15 @@ async def feed(client: Recording, data: bytes, cuts: list[int]) -> None:
         start = cut
 
 
-@given(cuts=st.lists(st.integers(0, len(b"".join(STREAM)))))
-def test_every_request_is_read_once_in_order_however_the_reads_split_it(cuts: list[int]) -> None:
+@given(
+    cuts=st.lists(st.integers(0, len(b"".join(STREAM)))),
+    frames_per_turn=st.sampled_from([1, 2, 3, FRAMES_PER_TURN]),
+)
+def test_every_request_is_read_once_in_order_however_the_reads_split_it(
+    cuts: list[int], frames_per_turn: int
+) -> None:
     client = Recording()
+    client._ps.frames_per_turn = frames_per_turn
     asyncio.run(feed(client, b"".join(STREAM), cuts))
     assert client.taken == EXPECTED
     assert client.pings == 1
@@ -86,6 +92,32 @@ def test_every_request_is_read_once_in_order_however_the_reads_split_it(cuts: li
     assert client._ps.buf == bytearray()
     # The handler's counts are settled after every read that handed a request out.
     assert 1 <= client.reads <= len(EXPECTED) + 1
+
+
+def test_a_flood_gives_the_event_loop_a_turn_every_frames_per_turn_frames() -> None:
+    """However many frames one read brings (or reads buffered back to back), another task runs
+    after every `frames_per_turn` of them: a flood on one connection cannot hold the event loop
+    while another connection's requests wait."""
+    client = Recording()
+    client._ps.frames_per_turn = 4
+    flood = b"".join(msg(SUBJECT, REQUESTS_SID, b"%d" % i, "_INBOX.r") for i in range(10))
+    turns: list[int] = []
+
+    async def read_twice() -> None:
+        async def other_connection() -> None:
+            while True:
+                turns.append(len(client.taken))
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_connection())
+        await asyncio.sleep(0)
+        await client._ps.parse(flood)  # 10 frames: a turn after the 4th and the 8th
+        await client._ps.parse(flood)  # 20: after the 12th (the count goes on), 16th and 20th
+        other.cancel()
+
+    asyncio.run(read_twice())
+    assert [payload for _, _, payload in client.taken] == [b"%d" % (i % 10) for i in range(20)]
+    assert turns == [0, 4, 8, 12, 16, 20]
 
 
 def test_a_malformed_frame_is_refused_as_nats_py_refuses_it() -> None:
@@ -103,5 +135,5 @@ def test_an_answer_is_not_queued_on_a_connection_that_is_not_up() -> None:
 
 def test_the_installed_nats_py_is_a_release_the_fast_lane_is_written_for() -> None:
     """On another release the intake falls back to a plain subscription, correct but slower: an
-    upgrade of nats-py must come with a look at `RequestIntakeParser` (and this release list)."""
+    upgrade of nats-py must come with a look at `DirectParser` (and this release list)."""
     assert FAST_LANE

@@ -1,5 +1,6 @@
-"""Request intake below nats-py's per-message machinery, for the connections a service takes its
-workers' requests on (`RpcServer`'s partitions).
+"""Message intake below nats-py's per-message machinery: the connections a service takes its
+workers' requests on (`RpcServer`'s partitions), and the registry's heartbeat intake
+(`services/registry/intake.py`), share one frame parser here.
 
 nats-py matches every control line with a regular expression, builds a `Msg` for every message,
 and passes it through a queue to a task per subscription, about 10 µs a request: a service that
@@ -8,14 +9,20 @@ backlog then delays every later turn of the service's event loop. Here the leadi
 `MSG`/`HMSG` frames of the chosen subscriptions in each read is cut from the bytes and handed to
 a plain function (subject, reply, payload), which sorts the request and may answer it at once
 (`reply_now`) without an await; anything else (PING, INFO, errors, other subscriptions) goes
-through nats-py's parser as before. The registry's heartbeat intake (`services/registry/intake.py`)
-is built the same way.
+through nats-py's parser as before.
+
+A flood arrives faster than it is read, so a read is always waiting and nats-py's read loop
+would hand out one read after another without giving the event loop a turn: every other
+connection of the process (another job's requests, the JetStream acknowledgements a handler
+awaits) would wait behind tens of milliseconds of the flood. The parser hands out at most
+`FRAMES_PER_TURN` frames between two turns of the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -32,9 +39,16 @@ against and tested with. With any other, a direct subscription is a plain one (c
 slow as nats-py is)."""
 FAST_LANE = nats_version.startswith(FAST_LANE_RELEASES)
 
-RequestHandler = Callable[[bytes, bytes, bytes], None]
+FRAMES_PER_TURN = 512
+"""Direct frames handed out between two turns of the event loop: 0.5-2.5 ms of work at 1-5 µs a
+frame (a turn costs about what 10-25 frames do: fewer a turn would cost a flood's reading more).
+Counted across reads, since nats-py's read loop takes the next read without a turn of the event
+loop while the socket's bytes are already buffered."""
+
+FrameHandler = Callable[[bytes, bytes, bytes], None]
 """Takes (subject, reply subject or b"", payload) of one message; must not block. An exception it
 raises is counted and logged, and the next message is read as usual."""
+RequestHandler = FrameHandler
 
 
 class ReadingClient(NATS):
@@ -59,31 +73,35 @@ class ReadingClient(NATS):
             self._pings_outstanding = 0
 
 
-class RequestIntakeClient(ReadingClient):
+class DirectIntakeClient(ReadingClient):
     """A nats-py client whose direct subscriptions skip the parser's regular expressions, `Msg`,
-    headers and queues, and that can queue an answer without an await."""
+    headers and queues: each of their messages is handed to a plain function as it is read."""
+
+    failure_event = "message_not_taken"
+    """The log line of a handler's exception."""
+    log: Any = log
 
     def __init__(self) -> None:
         super().__init__()
-        self.direct: dict[int, RequestHandler] = {}
+        self.direct: dict[int, FrameHandler] = {}
         self.after_read: list[Callable[[], None]] = []
-        """Called once after each read's direct messages were handed out: a handler may keep
-        its counts until then."""
+        """Called once after each run of direct messages was handed out: a handler may keep its
+        counts until then."""
         self.handler_errors = 0
         if FAST_LANE:
-            self._ps = RequestIntakeParser(self)
+            self._ps = DirectParser(self)
 
-    async def subscribe_direct(
+    async def _subscribe_direct(
         self,
         subject: str,
-        handler: RequestHandler,
-        *,
+        handler: FrameHandler,
         queue: str = "",
         after_read: Callable[[], None] | None = None,
     ) -> Subscription:
         """Subscribe `subject` (in `queue`), every message of it handed to `handler` as it is
-        read, and `after_read` called after each read that handed one out. The subscription
-        keeps its id through reconnects, so the handler stays attached."""
+        read, and `after_read` called after each run that handed one out. The subscription keeps
+        its id through reconnects (nats-py subscribes it again under the same one), so the
+        handler stays attached."""
         if after_read is not None and after_read not in self.after_read:
             self.after_read.append(after_read)
         if not FAST_LANE:
@@ -99,26 +117,6 @@ class RequestIntakeClient(ReadingClient):
         sub = await self.subscribe(subject, queue=queue)
         self.direct[sub._id] = handler
         return sub
-
-    def reply_now(self, subject: bytes, payload: bytes) -> bool:
-        """Queue a message on `subject` for the connection's flusher, without an await: a flood's
-        refusals are written in one go after the read that brought them. False (nothing queued)
-        while the connection is down or its outgoing buffer is full: the caller's request then
-        goes unanswered, as it would had the connection dropped it."""
-        if not FAST_LANE:
-            return False
-        if not self.is_connected or self._flush_queue is None:
-            return False
-        command = b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload)
-        if 0 < self._max_pending_size < self._pending_data_size + len(command):
-            return False
-        self._pending.append(command)
-        self._pending_data_size += len(command)
-        self.stats["out_msgs"] += 1
-        self.stats["out_bytes"] += len(payload)
-        if self._flush_queue.empty():
-            self._flush_queue.put_nowait(asyncio.get_running_loop().create_future())  # wake it
-        return True
 
     async def _process_msg(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
@@ -150,17 +148,60 @@ class RequestIntakeClient(ReadingClient):
         the connection's reader."""
         self.handler_errors += 1
         if self.handler_errors == 1 or self.handler_errors % 1000 == 0:
-            log.exception("request_not_taken", errors=self.handler_errors)
+            self.log.exception(self.failure_event, errors=self.handler_errors)
 
 
-class RequestIntakeParser(Parser):
+class RequestIntakeClient(DirectIntakeClient):
+    """The intake of a service's requests: direct subscriptions in a queue group, and answers
+    queued without an await."""
+
+    failure_event = "request_not_taken"
+
+    async def subscribe_direct(
+        self,
+        subject: str,
+        handler: RequestHandler,
+        *,
+        queue: str = "",
+        after_read: Callable[[], None] | None = None,
+    ) -> Subscription:
+        """Subscribe `subject` (in `queue`), every message of it handed to `handler` as it is
+        read, and `after_read` called after each run of them."""
+        return await self._subscribe_direct(subject, handler, queue, after_read)
+
+    def reply_now(self, subject: bytes, payload: bytes) -> bool:
+        """Queue a message on `subject` for the connection's flusher, without an await: a flood's
+        refusals are written in one go after the read that brought them. False (nothing queued)
+        while the connection is down or its outgoing buffer is full: the caller's request then
+        goes unanswered, as it would had the connection dropped it."""
+        if not FAST_LANE:
+            return False
+        if not self.is_connected or self._flush_queue is None:
+            return False
+        command = b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload)
+        if 0 < self._max_pending_size < self._pending_data_size + len(command):
+            return False
+        self._pending.append(command)
+        self._pending_data_size += len(command)
+        self.stats["out_msgs"] += 1
+        self.stats["out_bytes"] += len(payload)
+        if self._flush_queue.empty():
+            self._flush_queue.put_nowait(asyncio.get_running_loop().create_future())  # wake it
+        return True
+
+
+class DirectParser(Parser):
     """nats-py's protocol parser with a fast lane: the run of whole `MSG`/`HMSG` frames of direct
-    subscriptions at the start of what is buffered is handed out here; the first thing of any
-    other kind, and everything after it, is nats-py's to parse as it always does."""
+    subscriptions at the start of what is buffered is handed out here, `FRAMES_PER_TURN` at a
+    time with a turn of the event loop between; the first thing of any other kind, and
+    everything after it, is nats-py's to parse as it always does."""
 
-    def __init__(self, nc: RequestIntakeClient) -> None:
+    def __init__(self, nc: DirectIntakeClient, frames_per_turn: int = FRAMES_PER_TURN) -> None:
         super().__init__(nc)
         self._intake = nc
+        self.frames_per_turn = frames_per_turn
+        self._handed = 0
+        """Frames handed out since the event loop last had a turn here."""
 
     async def parse(self, data: bytes = b"") -> None:
         if self.state == AWAITING_CONTROL_LINE and self._intake.direct:
@@ -168,18 +209,26 @@ class RequestIntakeParser(Parser):
                 self.buf.extend(data)
                 data = bytes(self.buf)
                 self.buf.clear()
-            taken = self._take_direct(data)
-            if taken:
-                data = data[taken:]
+            at = 0
+            while True:
+                at = self._take_direct(data, at)
+                if self._handed < self.frames_per_turn:
+                    break
+                # Another connection's messages (and this one's PINGs) get their turn.
+                self._handed = 0
+                await asyncio.sleep(0)
+            if at:
+                data = data[at:]
         await super().parse(data)
 
-    def _take_direct(self, data: bytes) -> int:
-        """Hand out the leading whole frames of direct subscriptions; the bytes they took."""
+    def _take_direct(self, data: bytes, at: int) -> int:
+        """Hand out the whole frames of direct subscriptions from `at` on, up to the turn's
+        count; where they end."""
         intake = self._intake
         direct = intake.direct
         size = len(data)
-        at = messages = payload_bytes = 0
-        while True:
+        messages = payload_bytes = 0
+        for _ in range(self.frames_per_turn - self._handed):
             if data.startswith(b"HMSG ", at):
                 with_headers, line_at = True, at + 5
             elif data.startswith(b"MSG ", at):
@@ -191,10 +240,10 @@ class RequestIntakeParser(Parser):
                 break
             # MSG <subject> <sid> [reply] <size>; HMSG <subject> <sid> [reply] <header size> <size>
             fields = data[line_at:line_end].split()
-            plain = 4 if with_headers else 3
-            if len(fields) == plain:
+            extra = len(fields) - (4 if with_headers else 3)
+            if extra == 0:
                 reply = b""
-            elif len(fields) == plain + 1:
+            elif extra == 1:
                 reply = fields[2]
             else:
                 break
@@ -221,6 +270,7 @@ class RequestIntakeParser(Parser):
             payload_bytes += end - body_at
             at = end + 2
         if messages:
+            self._handed += messages
             intake.stats["in_msgs"] += messages
             intake.stats["in_bytes"] += payload_bytes
             intake.read_done()

@@ -68,6 +68,11 @@ DEFAULT_PENDING_MSGS = 65_536
 DEFAULT_PENDING_BYTES = 64 * 1024 * 1024
 """The same bound in bytes (`STRATA_RPC_SUB_PENDING_MB`)."""
 
+STARTS_PER_TURN = 32
+"""Admitted requests started as handlers before the event loop's next turn. A burst a job's
+budget admits at once (400 of one worker's) would otherwise run back to back in one turn, tens of
+milliseconds that another job's request, and the replies its handler awaits, wait behind."""
+
 Req = TypeVar("Req", bound=pydantic.BaseModel)
 Res = TypeVar("Res", bound=pydantic.BaseModel)
 HandlerResult = pydantic.BaseModel | dict[str, Any] | list[Any] | None
@@ -194,6 +199,9 @@ class RpcServer:
         self._queue: FairQueue[str, _Admitted] = FairQueue(limits.job_pending, limits.max_pending)
         self._job_inflight = limits.job_inflight
         self._inflight = 0
+        self._starts = 0
+        """Handlers started since `STARTS_PER_TURN` was last reached (`_next_turn`)."""
+        self._next_turn_pending = False
         self._inflight_of: Counter[str] = Counter()
         # Metric children looked up once: a labels() call per request costs more than the handler.
         self._latency = RPC_LATENCY.labels(service)
@@ -419,19 +427,32 @@ class RpcServer:
         return job == OPERATOR or self._inflight_of[job] < self._job_inflight
 
     def _pump(self) -> None:
-        """Start admitted requests, round robin between jobs, while handlers are free."""
+        """Start admitted requests, round robin between jobs, while handlers are free, at most
+        `STARTS_PER_TURN` before the event loop's next turn: the rest wait in their jobs' queues,
+        so that another job's request sorted meanwhile is started in turn with them."""
         queue = self._queue
         while queue and self._inflight < self._concurrency:
+            if self._starts >= STARTS_PER_TURN:
+                if not self._next_turn_pending:
+                    self._next_turn_pending = True
+                    asyncio.get_running_loop().call_soon(self._next_turn)
+                break
             popped = queue.pop(self._may_start)
             if popped is None:
                 break
             job, admitted = popped
+            self._starts += 1
             self._inflight += 1
             self._inflight_of[job] += 1
             task = asyncio.create_task(self._serve_admitted(job, admitted))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         self._queued.set(len(queue))
+
+    def _next_turn(self) -> None:
+        self._next_turn_pending = False
+        self._starts = 0
+        self._pump()
 
     async def _serve_admitted(self, job: str, admitted: _Admitted) -> None:
         try:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.subscription import Subscription
+from strata.bus.intake import FRAMES_PER_TURN
 from strata.services.registry.intake import FAST_LANE, IntakeClient
 
 HEARTBEATS_SID = 1
@@ -25,7 +26,7 @@ class Recording(IntakeClient):
         self.other = Subscription(self, OTHER_SID, "other", pending_msgs_limit=100)
         self._subs[OTHER_SID] = self.other
 
-    def take(self, subject: bytes, payload: bytes) -> None:
+    def take(self, subject: bytes, reply: bytes, payload: bytes) -> None:
         if payload == b"boom":
             raise ValueError("a handler that fails on one message")
         self.taken.append((subject, payload))
@@ -66,9 +67,15 @@ async def feed(client: Recording, data: bytes, cuts: list[int]) -> None:
         start = cut
 
 
-@given(cuts=st.lists(st.integers(0, len("".join(m.decode() for m in STREAM)))))
-def test_every_message_is_read_once_in_order_however_the_reads_split_it(cuts: list[int]) -> None:
+@given(
+    cuts=st.lists(st.integers(0, len("".join(m.decode() for m in STREAM)))),
+    frames_per_turn=st.sampled_from([1, 2, 3, FRAMES_PER_TURN]),
+)
+def test_every_message_is_read_once_in_order_however_the_reads_split_it(
+    cuts: list[int], frames_per_turn: int
+) -> None:
     client = Recording()
+    client._ps.frames_per_turn = frames_per_turn
     asyncio.run(feed(client, b"".join(STREAM), cuts))
     assert client.taken == EXPECTED
     assert client.pings == 1
@@ -89,5 +96,6 @@ def test_a_malformed_frame_is_refused_as_nats_py_refuses_it() -> None:
 
 def test_the_installed_nats_py_is_a_release_the_fast_lane_is_written_for() -> None:
     """On another release the intake falls back to a plain subscription, correct but slower: an
-    upgrade of nats-py must come with a look at `IntakeParser` (and this release list)."""
+    upgrade of nats-py must come with a look at `strata.bus.intake.DirectParser` (and this
+    release list)."""
     assert FAST_LANE
