@@ -12,10 +12,12 @@ memory passes its bound (`RSS_BOUND_MB`, stated in docs/operations.md).
 
 A and B are in different request partitions (the NATS server's subject mapping sorts requests by
 job; each service takes each partition on a connection of its own), as 7 jobs in 8 are with the
-default partitions. B's p50 is asserted against the goal (max(2x, +50 ms) of the baseline) with
-50 ms more for the machine's load; its p99 against a bound that holds on this shared 2-core
-machine, where the flooding process itself takes a core from the services. The figures are
-printed; docs/operations.md gives them.
+default partitions. Where the machine has the cores for it (`has_room_for_the_goal`: 8 or more,
+load under a quarter of them), B's p50 and p99 are asserted against the goal itself, max(2x,
++50 ms) of the baseline. On a smaller or busier machine, where the flooding process, nats-server
+and the flooded service share the same cores, the p50 is asserted against the goal with 50 ms
+more and the p99 against a bound that holds on a shared 2-core machine. The figures are printed;
+docs/operations.md gives them.
 """
 
 from __future__ import annotations
@@ -74,10 +76,21 @@ again for the machine's load."""
 P99_ROOM = 2.5
 """B's p99 during a flood within its baseline + this: what holds on a loaded shared machine
 (docs/operations.md, "Figures"); it was 1.7-5.5 s over before requests had partitions."""
+GOAL_ROOM = 0.05
+"""The goal: B's p50 and p99 during a flood within max(2x, + this) of its baseline."""
+GOAL_CORES = 8
 SERVICES = ("registry", "sharding", "barrier", "checkpoint")
 RSS_BOUND_MB = {"registry": 256, "sharding": 512, "barrier": 256, "checkpoint": 256}
 """Each service's peak resident memory over the whole suite (start, A's 400,000-shard plan and
 its pages, the floods): docs/operations.md states the same bounds."""
+
+
+def has_room_for_the_goal(load: list[float]) -> bool:
+    """Whether the goal itself is asserted: `GOAL_CORES` or more cores for this process and the
+    load average under a quarter of them throughout, so that the flooding process, nats-server
+    and the services each have a core."""
+    cores = len(os.sched_getaffinity(0))
+    return cores >= GOAL_CORES and max(load) < cores / 4
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -309,6 +322,7 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
             assert peak <= RSS_BOUND_MB[name], (name, peaks)
 
         per_call = ("register", "barrier", "get_shards", "checkpoint begin")
+        strict = has_room_for_the_goal(load)
         report = []
         for index, name in enumerate(per_call):
             before = [round_[index] for round_ in baseline]
@@ -321,16 +335,23 @@ async def test_a_flooding_job_does_not_slow_another_job_down(
                 + ", ".join(f"{value * 1e3:.0f}" for value in sorted(under)[-3:])
                 + " ms)"
             )
-            # Goal: max(2x, +50 ms). B's p50 is asserted against it with 50 ms more room for a
-            # machine other suites load too; its p99 (the slowest call or two of a few dozen)
-            # with the room that holds on this shared 2-core machine, where the flood's own
-            # process takes one core (docs/operations.md has the figures). Every call of B's
-            # was answered within CALL_TIMEOUT (a timeout in timed_round fails the test).
-            assert p50_1 <= max(2 * p50_0, p50_0 + P50_ROOM), report
-            assert p99_1 <= p99_0 + P99_ROOM, report
+            # Goal: max(2x, +50 ms), asserted as it is where the machine has the cores. Else
+            # B's p50 is asserted against it with 50 ms more room for a machine other suites
+            # load too, and its p99 (the slowest call or two of a few dozen) with the room that
+            # holds on a shared 2-core machine, where the flood's own process takes one core
+            # (docs/operations.md has the figures). Every call of B's was answered within
+            # CALL_TIMEOUT (a timeout in timed_round fails the test).
+            if strict:
+                assert p50_1 <= max(2 * p50_0, p50_0 + GOAL_ROOM), report
+                assert p99_1 <= max(2 * p99_0, p99_0 + GOAL_ROOM), report
+            else:
+                assert p50_1 <= max(2 * p50_0, p50_0 + P50_ROOM), report
+                assert p99_1 <= p99_0 + P99_ROOM, report
         print(
             f"job B under a flood ({len(baseline)} rounds quiet, {len(during)} during, in "
-            f"{PHASES} alternating phases; load average {min(load):.1f}-{max(load):.1f}; "
+            f"{PHASES} alternating phases; load average {min(load):.1f}-{max(load):.1f} on "
+            f"{len(os.sched_getaffinity(0))} cores, asserted against "
+            f"{'the goal' if strict else 'the shared-machine bounds'}; "
             f"A's answers {dict(outcomes)}; peak RSS MiB "
             + ", ".join(f"{name} {peak:.0f}" for name, peak in peaks.items())
             + "):\n  "
