@@ -1,12 +1,12 @@
 """A worker's report of a peer it suspects dead (`registry.suspect`), judged on evidence.
 
 A collective failing with a peer is a hint, not evidence: a slow or paused peer fails it as well.
-The registry probes the suspect's current registration (one request to its probe subject,
-`subjects.probe_subject`, where the SDK listens from before it registers for as long as its
-connection lives, answered on the worker's own probe answer subject, which a worker credential
-may publish on) and acts on one answer only: NATS's immediate "no responders", which says that
-no connection holds that subscription any more (the process was killed, or its connection is
-gone). Then the failure is recorded at once, with the same event, id (`failure_id`) and
+The registry probes the suspect's current registration (a request to its probe subject,
+`subjects.probe_subject`, sent again until the first answer, where the SDK listens from before it
+registers for as long as its connection lives, answered on the worker's own probe answer subject,
+which a worker credential may publish on) and acts on one answer only: NATS's "no responders", which
+says that no connection holds that subscription any more (the process was killed, or its connection
+is gone). Then the failure is recorded at once, with the same event, id (`failure_id`) and
 conditional write as the heartbeat timeout's, so whichever decision is stored first counts and a
 registration ends once. A probe answered means alive; a probe unanswered within its timeout (a
 paused process, a slow network) changes nothing, and the heartbeat timeout decides as usual.
@@ -32,9 +32,9 @@ from strata.services.registry.detector import FailureDetector
 log = structlog.get_logger("strata.registry")
 
 PROBE_TIMEOUT_S = 1.0
-"""How long a probe waits for the suspect's answer (at most a quarter of the heartbeat timeout).
-Only "no responders" is acted on, and it comes at once; the timeout bounds how long a paused
-suspect holds the reporter's request."""
+"""How long a probe waits for the suspect's answer (at most a quarter of the heartbeat timeout),
+sending it again meanwhile (`probe`). Only "no responders" is acted on; the timeout bounds how
+long a paused suspect holds the reporter's request."""
 
 NO_RESPONDERS = "503"
 """The status NATS gives, in a message's headers, to the reply subject of a request that found
@@ -43,19 +43,38 @@ no subscriber."""
 ProbeOutcome = Literal["answered", "no_responders", "unanswered"]
 
 
+REPROBE_FIRST_S = 0.05
+"""How long the first probe waits before the same probe is sent again (then twice as long each
+time, within the probe's timeout)."""
+
+
 async def probe(nc: NATS, job: str, worker_id: str, instance: str, timeout: float) -> ProbeOutcome:
     """Probe one registration of a worker. The reply subject is the worker's own probe answer
     subject (`subjects.probe_answer_subject`), with a fresh nonce, rather than this connection's
     inbox: a worker credential may publish there and nowhere else that a reply could go, so a
-    live worker answers under `strata up --secure` too, and only for itself."""
+    live worker answers under `strata up --secure` too, and only for itself.
+
+    The probe is sent again after `REPROBE_FIRST_S`, then at doubling intervals, until the first
+    answer or the timeout. A peer's report can come within milliseconds of the suspect's death,
+    before the NATS server has read its closed connection: the first probe then goes into that
+    connection's buffer, unanswered and with no "no responders", and only a later one finds the
+    subscription gone. The first message decides: an answer to any probe, or "no responders"."""
     answers = subjects.probe_answer_subject(job, worker_id, secrets.token_hex(8))
     sub = await nc.subscribe(answers, max_msgs=1)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    wait = REPROBE_FIRST_S
     try:
-        await nc.publish(subjects.probe_subject(job, worker_id, instance), b"", reply=answers)
-        try:
-            msg = await sub.next_msg(timeout=timeout)
-        except nats.errors.TimeoutError:
-            return "unanswered"
+        while True:
+            await nc.publish(subjects.probe_subject(job, worker_id, instance), b"", reply=answers)
+            left = deadline - loop.time()
+            try:
+                msg = await sub.next_msg(timeout=max(0.001, min(wait, left)))
+                break
+            except nats.errors.TimeoutError:
+                if wait >= left:
+                    return "unanswered"
+                wait *= 2
     finally:
         with contextlib.suppress(nats.errors.BadSubscriptionError):
             await sub.unsubscribe()  # unless already gone with its one message
