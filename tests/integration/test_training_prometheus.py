@@ -15,7 +15,7 @@ import strata.aio
 from prometheus_client.parser import text_string_to_metric_families
 from strata.bus import Bus
 from strata.bus.server import NatsServer
-from strata.events import ShardPlanChanged
+from strata.events import BarrierArrived, ShardPlanChanged
 
 from tests.support import (
     ServiceProcess,
@@ -77,8 +77,21 @@ async def test_services_export_what_the_job_did(
         for worker in made:
             await strata.aio.DatasetRegistry(worker).assignment("ds", epoch=0)
 
-        # A barrier whose last participant comes 0.3 s after the first.
+        # A barrier whose last participant comes at least 0.3 s after the first: the service
+        # records both first arrivals (their events stored) before the 0.3 s begin, and the last
+        # is sent after they end, so its first-arrival-to-release time covers them.
         first = [asyncio.create_task(w.barrier("sync", timeout=20)) for w in made[:2]]
+        async with await Bus.connect(own_nats_server.url, deadline=10) as watcher:
+
+            async def both_arrived() -> bool:
+                arrivals = [
+                    e
+                    for e in await job_events(watcher, job)
+                    if isinstance(e, BarrierArrived) and e.name == "sync"
+                ]
+                return len(arrivals) == 2
+
+            await async_wait_until(both_arrived, 20, "the barrier to record two arrivals")
         await asyncio.sleep(0.3)
         await asyncio.gather(made[2].barrier("sync", timeout=20), *first)
         wait_sum = value(service["barrier"], "strata_barrier_wait_seconds_sum", job=job)
