@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -68,9 +69,10 @@ class ServiceProcess:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         env: dict[str, str] | None = None,
+        health_port: int | None = None,
     ) -> None:
         self.name = name
-        self.health_port = procutil.free_port()
+        self.health_port = procutil.free_port() if health_port is None else health_port
         self.log_file = log_dir / f"{name}-{self.health_port}.log"
         self.env = {
             **os.environ,
@@ -84,11 +86,14 @@ class ServiceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _ready(self) -> bool:
+        """Whether /readyz on this service's port says 200 and names this service: another
+        process that took the port first (this one then failed to bind it) is not this one."""
         url = f"http://127.0.0.1:{self.health_port}/readyz"
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
+                body = json.loads(response.read())
+                return bool(response.status == 200 and body.get("service") == self.name)
+        except (urllib.error.URLError, OSError, ValueError):
             return False
 
     def log_tail(self, lines: int = 30) -> str:
@@ -141,7 +146,12 @@ def running_services(
     env: dict[str, str] | None = None,
 ) -> Iterator[list[ServiceProcess]]:
     """The services started together (launched at once, then each waited for), stopped after."""
-    services = [ServiceProcess(name, nats_url, log_dir, env=env) for name in names]
+    # Ports chosen together are distinct: one chosen at a time can be handed out twice.
+    ports = procutil.free_ports(len(names))
+    services = [
+        ServiceProcess(name, nats_url, log_dir, env=env, health_port=port)
+        for name, port in zip(names, ports, strict=True)
+    ]
     for service in services:
         service.launch()
     try:
