@@ -797,15 +797,19 @@ class LiveGroup:
         Returns at once (with nothing trained) for an epoch the group has already finished,
         which is how a replacement that healed into a later epoch skips the ones before it.
         """
-        sampler = ShardSampler(
-            registry,
-            dataset_id,
-            epoch,
-            manual_ack=True,
-            report_every=0,
-            shuffle_within_shard=shuffle_within_shard,
-            seed=seed,
-        )
+
+        def new_sampler() -> ShardSampler:
+            return ShardSampler(
+                registry,
+                dataset_id,
+                epoch,
+                manual_ack=True,
+                report_every=0,
+                shuffle_within_shard=shuffle_within_shard,
+                seed=seed,
+            )
+
+        sampler = new_sampler()
         indices: Iterator[int] | None = None
         pending: list[int] | None = None
         committed = discarded = samples = 0
@@ -819,15 +823,7 @@ class LiveGroup:
                     # This worker was failed and registered again: what it read under the
                     # ended lease is read again by whoever holds those shards now, from where
                     # the group's votes say they stand (healed with the state just received).
-                    sampler = ShardSampler(
-                        registry,
-                        dataset_id,
-                        epoch,
-                        manual_ack=True,
-                        report_every=0,
-                        shuffle_within_shard=shuffle_within_shard,
-                        seed=seed,
-                    )
+                    sampler = new_sampler()
                     indices = pending = None
                 elif behind == 1 and pending is not None:
                     # This rank's vote failed where the others' passed: the step it was in,
