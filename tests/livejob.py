@@ -121,13 +121,58 @@ class Plans:
         self.runner.close()
 
 
+HOLD = """
+HOLD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hold")
+_held = [-1, 0]  # the membership epoch last asked about, the workers registered then
+
+
+def hold(step: int) -> None:
+    \"\"\"While the test's hold file names a world size, wait after each committed step until
+    that many workers are registered: survivors wait for a replacement instead of finishing
+    the job before it comes up.\"\"\"
+    import time
+
+    from strata.torch.live import group_members
+
+    while os.path.exists(HOLD_FILE):
+        with open(HOLD_FILE, encoding="utf-8") as file:
+            wanted = int(file.read() or 0)
+        if _held[0] != worker.membership_epoch:
+            members = worker.members()
+            _held[:] = [members.membership_epoch, len(group_members(members.members))]
+        if _held[1] >= wanted:
+            return
+        time.sleep(0.05)
+
+
+"""
+TRAINING = "live.train_epoch(registry, DATASET, data, loss_fn, batch_size=8, epoch=epoch)"
+
+
 def example(directory: Path) -> Path:
+    """The example with `EPOCHS` epochs, each committed step waiting while the test holds it
+    (`hold_for`)."""
     script = write_example("docs/pytorch.md", "train_live.py", directory)
     text = script.read_text(encoding="utf-8")
     written = 'DATASET, SAMPLES, EPOCHS = "live-points", 3000, 3'
     assert written in text, "the example's constants changed: update this test"
-    script.write_text(text.replace(written, written[:-1] + str(EPOCHS)), encoding="utf-8")
+    assert text.count(TRAINING) == 1, "the example's training call changed: update this test"
+    assert text.count("\nlive.join()\n") == 1, "the example's join changed: update this test"
+    text = text.replace(written, written[:-1] + str(EPOCHS))
+    text = text.replace("\nlive.join()\n", "\n" + HOLD + "live.join()\n")
+    text = text.replace(TRAINING, TRAINING[:-1] + ", on_commit=hold)")
+    script.write_text(text, encoding="utf-8")
     return script
+
+
+def hold_for(script: Path, workers: int) -> None:
+    """From now on, the example's ranks wait after each committed step until `workers` are
+    registered (a replacement on its way); `release` ends it."""
+    (script.parent / "hold").write_text(str(workers), encoding="utf-8")
+
+
+def release(script: Path) -> None:
+    (script.parent / "hold").unlink(missing_ok=True)
 
 
 def outputs(ranks: list[Rank]) -> str:

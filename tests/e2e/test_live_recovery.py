@@ -21,7 +21,18 @@ from strata.events import (
     LiveStepDiscarded,
 )
 
-from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs, wait_with
+from tests.livejob import (
+    EPOCHS,
+    TRAINING,
+    Plans,
+    Rank,
+    example,
+    finish,
+    hold_for,
+    outputs,
+    release,
+    wait_with,
+)
 from tests.support import job_events, new_job, running_services
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,6 +58,7 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
         wait_with(
             ranks, lambda: plans.done(0) >= 0.5 or plans.done(1) > 0, 120, "the survivors going on"
         )
+        hold_for(script, 3)
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         survivors = [ranks[0], ranks[2], replacement]
@@ -101,6 +113,7 @@ def test_two_failures_in_a_row_leave_one_rank_that_goes_on_and_heals_a_replaceme
         ranks[1].kill()
         wait_with(ranks, lambda: plans.done(0) >= 0.35, 120, "two survivors going on")
         ranks[2].kill()
+        hold_for(script, 2)
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         results = finish([ranks[0], replacement], 300)
@@ -161,6 +174,7 @@ def test_a_joiner_killed_in_its_heal_leaves_the_survivors_going_and_a_second_one
         wait_with(
             ranks, lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on"
         )
+        hold_for(script, 3)
         doomed = Rank(script, stack, job, "w3", die_in_heal="joiner")
         ranks.append(doomed)
         doomed.proc.wait(240)
@@ -198,9 +212,13 @@ def test_a_survivor_killed_while_the_group_heals_a_replacement_leaves_the_others
         wait_with(
             ranks, lambda: plans.done(0) >= 0.3 or plans.done(1) > 0, 120, "survivors going on"
         )
+        hold_for(script, 3)
         replacement = Rank(script, stack, job, "w3")
         ranks.append(replacement)
         ranks[2].proc.wait(240)
+        # w2 is gone and w3 in: the group of two goes on.
+        wait_with(ranks, lambda: "joined at step" in replacement.output(), 240, "w3 joined")
+        release(script)
         results = finish([ranks[0], replacement], 300)
     finally:
         for rank in ranks:
@@ -244,12 +262,12 @@ def saving_example(directory: Path) -> Path:
     """The example, each member of the group saving a checkpoint every 10 committed steps."""
     script = example(directory)
     text = script.read_text(encoding="utf-8")
-    call = "live.train_epoch(registry, DATASET, data, loss_fn, batch_size=8, epoch=epoch)"
+    call = TRAINING[:-1] + ", on_commit=hold)"
     assert text.count(call) == 1, "the example's training call changed: update this test"
     assert text.count("\nworker.stop()\n") == 1, "the example's end changed: update this test"
     saving = f"CHECKPOINT_DIR = {str(directory / 'checkpoints')!r}" + SAVING
     text = text.replace("\nlive.join()\n", "\n" + saving + "live.join()\n")
-    text = text.replace(call, call[:-1] + ", on_commit=save_every_10)")
+    text = text.replace(call, TRAINING[:-1] + ", on_commit=save_every_10)")
     text = text.replace("\nworker.stop()\n", WAITING)
     script.write_text(text, encoding="utf-8")
     return script
