@@ -78,6 +78,11 @@ IDLE_S: Final = 0.1
 BARRIER_S: Final = 10.0
 REPORT_S: Final = 5.0
 """How long a rank waits for the barrier service to record a heal or a discarded step."""
+PROGRESS_S: Final = 1.0
+"""How often a rank reports its committed steps' progress to the sharding service while it
+trains: each report is an event every service reads, and every step's vote already records
+where each rank's shards stand, so a step need not wait for one. The group reports everything
+before it re-forms and at the end of an epoch."""
 CHECK_S: Final = 0.25
 """While a collective has not completed, how often a rank looks whether the registry failed a
 member of its group (a paused or cut-off peer: the collective would wait for its timeout)."""
@@ -427,6 +432,8 @@ class LiveGroup:
         self._report_in_flight: Future[None] | None = None
         """The progress report of the last committed step, sent while the next step trains."""
         self._unreported = False
+        self._reported_at = -PROGRESS_S
+        """When (monotonic) the last progress report was sent."""
         self.ledger = torch.zeros(audit_samples, dtype=torch.float32)
         self.step = 0
         """Steps committed by the group since the job began (healed from peers)."""
@@ -930,11 +937,12 @@ class LiveGroup:
         self._unreported = True
 
     def _report_meanwhile(self, sampler: ShardSampler) -> None:
-        """Send the last committed step's progress report on a thread of its own while this
-        step trains (the sampler is not touched again until `_reported`): a round trip to the
-        sharding service no longer adds to each step. A rank that dies before the report
-        lands loses nothing: the step's vote recorded where its shards stand."""
-        if not self._unreported:
+        """Send the progress of the steps committed since the last report, at most every
+        `PROGRESS_S`, on a thread of its own while this step trains (the sampler is not touched
+        again until `_reported`): a round trip to the sharding service adds nothing to a step.
+        A rank that dies before its report lands loses nothing: the votes of its committed
+        steps recorded where its shards stand."""
+        if not self._unreported or time.monotonic() - self._reported_at < PROGRESS_S:
             return
         self._unreported = False
         if self._reporter is None:
@@ -955,6 +963,7 @@ class LiveGroup:
             self._flush(sampler)
 
     def _flush(self, sampler: ShardSampler) -> None:
+        self._reported_at = time.monotonic()
         try:
             sampler.flush()
         except StaleLease as exc:
