@@ -4,6 +4,7 @@ a report without a live lease, or about another job, is refused."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +72,37 @@ async def test_a_killed_peer_reported_is_failed_long_before_its_timeout(
             assert again.verdict == "not_live"
         finally:
             await worker.stop()
+    finally:
+        peer.kill()
+
+
+async def test_a_killed_peer_reported_by_two_survivors_at_once_is_failed_once_for_both(
+    nats_url: str, service: ServiceProcess
+) -> None:
+    """Both survivors of a group report the dead peer at the same moment, as they do when their
+    collectives fail together: each gets the failure, recorded once, long before the timeout."""
+    job = new_job("suspect-twice")
+    peer = Heartbeater(job, nats_url, "peer")
+    try:
+        peer.wait_line("registered")
+        first = await strata.aio.Worker(job, nats_url, worker_id="first").start()
+        second = await strata.aio.Worker(job, nats_url, worker_id="second").start()
+        try:
+            peer.kill()
+            killed = time.monotonic()
+            results = await asyncio.gather(
+                first.report_suspect("peer"), second.report_suspect("peer")
+            )
+            assert [r.verdict for r in results] == ["failed", "failed"], results
+            async with await Bus.connect(nats_url, deadline=10) as bus:
+                await failed_within(bus, job, "peer", PROVEN_WITHIN)
+                assert time.monotonic() - killed < PROVEN_WITHIN < TIMEOUT
+                failures = [e for e in await job_events(bus, job) if isinstance(e, WorkerFailed)]
+            assert [e.worker_id for e in failures] == ["peer"], failures
+            assert "no responder" in failures[0].reason
+        finally:
+            await first.stop()
+            await second.stop()
     finally:
         peer.kill()
 
