@@ -17,7 +17,10 @@ figures are the median and the spread (min-max), and each way's median over `res
 
 Once the survivors have taken that step, a replacement starts (`w3`; torchrun starts its own): the
 second figure is the time from the kill to the first step of 3 ranks again, and of it the time
-from the replacement's start.
+from the replacement's start. The replacement's script notes when each stage of its start ended
+(`import torch`, the model and data made, the library imported, registered, joined), printed per
+round and as medians; for `live`, each round also says what ended the dead rank's registration:
+a survivor's report (its probe found no responder) or the heartbeat timeout.
 
 First, the steady state: the same job without a kill, on a wider MLP (32-2048-2048-2, tens of ms
 of compute per step), `LiveGroup` (and torchft's Manager, when installed) against plain
@@ -54,8 +57,11 @@ from tests.rendezvous import children, env_of, kill_tree  # noqa: E402
 from tests.support import HEARTBEAT_TIMEOUT, new_job, running_services  # noqa: E402
 
 COMMON = """
-import os, sys, time
+import time
+STARTED = time.time()
+import os, sys
 import torch
+IMPORTED = time.time()
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,6 +82,13 @@ LOG = open(os.environ["BENCH_LOG"], "a", buffering=1)
 
 def note(*words):
     LOG.write(" ".join(str(w) for w in words) + "\\n")
+
+def stage(name):
+    note("stage", name, time.time())
+
+note("stage", "started", STARTED)
+note("stage", "torch", IMPORTED)
+stage("model")
 """
 
 LIVE = """
@@ -83,8 +96,10 @@ import strata
 from strata.torch.live import LiveGroup
 from torch.utils.data import TensorDataset
 
+stage("library")
 worker = strata.Worker(worker_id=os.environ["WORKER_ID"])
 worker.start()
+stage("registered")
 registry = strata.DatasetRegistry(worker)
 registry.register_dataset("bench", total_samples=SAMPLES, shard_size=200, shuffle=True, seed=0)
 # Indexed in place, as the other ways read the same tensors: a list of 100,000 (x, y) pairs
@@ -97,6 +112,7 @@ def loss_fn(batch):
 
 live = LiveGroup(worker, model, optimizer, wait_for=3)
 live.join()
+stage("joined")
 for epoch in range(100):
     live.train_epoch(registry, "bench", data, loss_fn, batch_size=32, epoch=epoch,
                      on_commit=lambda step: note("commit", step, time.time(), live.world_size))
@@ -171,6 +187,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
+stage("library")
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 state = lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 def load(s):
@@ -183,6 +200,7 @@ manager = Manager(
     store_port=store.port, rank=0, world_size=1, timeout=timedelta(seconds=10),
     hostname="127.0.0.1",
 )
+stage("registered")
 rank = int(os.environ["WORKER_ID"][1:])
 position = rank * 32
 while True:
@@ -324,6 +342,11 @@ class Run:
             found += log_lines(path)
         return found
 
+    def out(self, i: int) -> str:
+        """What process `w<i>` printed so far."""
+        path = self.work / f"w{i}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def committed(self) -> int:
         """The last step committed by all three ranks together."""
         lines = self.lines()
@@ -358,6 +381,12 @@ class Recovery(NamedTuple):
     """Seconds from the kill to the first step taken by a world of 3 again."""
     joined: float | None
     """Of which from the replacement's start (None for `restart`: torchrun starts it)."""
+    stages: dict[str, float]
+    """Seconds from the replacement's start to each stage its script noted (`STAGES`), and to
+    its first step of 3 (`step`)."""
+    decided: str
+    """For `live`: what ended the dead rank's registration, `report` (a survivor's report, its
+    probe finding no responder) or `timeout` (the heartbeat timeout); empty for the others."""
 
 
 def measure(run: Run, kill_at: int) -> Recovery:
@@ -397,7 +426,7 @@ def measure(run: Run, kill_at: int) -> Recovery:
         discards = sum(1 for w in run.lines() if w[0] == "discard" and float(w[1]) > killed - 5)
         lost = discards // 2  # each survivor discards the same steps
     else:
-        out = "".join(p.read_text(errors="replace") for p in run.work.glob("w*.out"))
+        out = "".join(run.out(i) for i in range(3))
         lost = len(LIVE_DISCARD.findall(out)) // 2  # each survivor logs the one step
     replaced: float | None = None
     if run.way != "restart":
@@ -415,7 +444,17 @@ def measure(run: Run, kill_at: int) -> Recovery:
     wait_for(lambda: bool(full()), 300, f"a step of 3 ranks of {run.way} after the kill")
     back = min(full())
     joined = back - replaced if replaced is not None else None
-    return Recovery(seconds, lost, back - killed, joined)
+    stages: dict[str, float] = {}
+    if replaced is not None:
+        for w in log_lines(run.work / "w3.log"):
+            if w[0] == "stage":
+                stages[w[1]] = float(w[2]) - replaced
+        stages["step"] = back - replaced
+    decided = ""
+    if run.way == "live":
+        survivors = "".join(run.out(i) for i in (0, 2))
+        decided = "report" if "live_peer_failed" in survivors else "timeout"
+    return Recovery(seconds, lost, back - killed, joined, stages, decided)
 
 
 def step_time(run: Run, warmup: int, steps: int) -> float:
@@ -540,11 +579,15 @@ def main() -> None:
                     run.stop()
                 results[way].append(found)
                 joined = "" if found.joined is None else f" ({found.joined:.2f} s after it started)"
+                decided = f" (failed on the {found.decided})" if found.decided else ""
                 print(
-                    f"round {round_ + 1} {way}: {found.next_step:.2f} s to the next step, "
+                    f"round {round_ + 1} {way}: {found.next_step:.2f} s to the next step{decided}, "
                     f"{found.lost} steps lost, {found.full:.2f} s to a world of 3{joined}",
                     flush=True,
                 )
+                if found.stages:
+                    marks = ", ".join(f"{name} {t:.2f}" for name, t in found.stages.items())
+                    print(f"  the replacement, seconds from its start: {marks}", flush=True)
     print(f"load average at the end: {load()}", flush=True)
     if overhead["live"]:
         ddp = overhead["ddp"]
@@ -579,13 +622,27 @@ def main() -> None:
     for way, values in results.items():
         nexts = [r.next_step for r in values]
         against = f", {statistics.median(nexts) / base:.2f}x restart's" if base else ""
-        print(f"  {way:8s} {spread(nexts)}{against}; steps lost {[r.lost for r in values]}")
+        decided = [r.decided for r in values if r.decided]
+        how = f"; failed on the {', '.join(decided)}" if decided else ""
+        print(f"  {way:8s} {spread(nexts)}{against}; steps lost {[r.lost for r in values]}{how}")
     print("\nkill to a step of 3 ranks again (a replacement started after the survivors' step):")
     for way, values in results.items():
         full = spread([r.full for r in values])
         joins = [r.joined for r in values if r.joined is not None]
         joined = f"; from the replacement's start {spread(joins)}" if joins else ""
         print(f"  {way:8s} {full}{joined}")
+    staged = {way: values for way, values in results.items() if values and values[0].stages}
+    if staged:
+        print(
+            "\nthe replacement, seconds from its start to the end of each stage, median (min-max):"
+        )
+        for way, values in staged.items():
+            names = list(dict.fromkeys(name for r in values for name in r.stages))
+            marks = "; ".join(
+                f"{name} {spread([r.stages[name] for r in values if name in r.stages])}"
+                for name in names
+            )
+            print(f"  {way:8s} {marks}")
 
 
 if __name__ == "__main__":
