@@ -219,6 +219,7 @@ while True:
 """
 
 LIVE_DISCARD = re.compile(r"live_step_discarded")
+SUSPECT_VERDICT = re.compile(r"live_peer_not_failed.*?verdict=(\w+)")
 
 
 def log_lines(path: Path) -> list[list[str]]:
@@ -453,7 +454,11 @@ def measure(run: Run, kill_at: int) -> Recovery:
     decided = ""
     if run.way == "live":
         survivors = "".join(run.out(i) for i in (0, 2))
-        decided = "report" if "live_peer_failed" in survivors else "timeout"
+        if "live_peer_failed" in survivors:
+            decided = "report"
+        else:
+            verdicts = sorted(set(SUSPECT_VERDICT.findall(survivors)))
+            decided = f"timeout (reports: {', '.join(verdicts) or 'none'})"
     return Recovery(seconds, lost, back - killed, joined, stages, decided)
 
 

@@ -775,6 +775,10 @@ class LiveGroup:
             if isinstance(outcome, SuspectResult):
                 if outcome.verdict == "failed":
                     self._log.warning("live_peer_failed", suspect=peer)
+                else:
+                    # Alive, not live any more, or unanswered (paused, or its connection not
+                    # seen closed yet): the heartbeat timeout decides.
+                    self._log.info("live_peer_not_failed", suspect=peer, verdict=outcome.verdict)
             elif isinstance(outcome, Exception):
                 # Not reported (the registry busy or away): the heartbeat timeout still applies.
                 self._log.info("live_suspect_not_reported", suspect=peer, error=str(outcome))
