@@ -22,6 +22,13 @@ from the replacement's start. The replacement's script notes when each stage of 
 round and as medians; for `live`, each round also says what ended the dead rank's registration:
 a survivor's report (its probe found no responder) or the heartbeat timeout.
 
+`--faults` adds two more faults, each measured the same way: `double`, rank 2 killed as well
+once the two survivors have taken a step (from the second kill to rank 0's next step alone, then
+a replacement to a world of 2), and `heal`, a replacement that kills itself once the state it
+heals from has arrived, before loading it (from its death to the survivors' next step, then a
+second replacement to a world of 3). torchft's last rank of `double` trains under a lighthouse
+of its own that forms a quorum of one.
+
 First, the steady state: the same job without a kill, on a wider MLP (32-2048-2048-2, tens of ms
 of compute per step), `LiveGroup` (and torchft's Manager, when installed) against plain
 `DistributedDataParallel` over gloo with a `DistributedSampler` on the same data, in an order
@@ -111,6 +118,11 @@ def loss_fn(batch):
     return F.cross_entropy(model(x), y, reduction="sum")
 
 live = LiveGroup(worker, model, optimizer, wait_for=3)
+if os.environ.get("BENCH_DIE_IN_HEAL"):
+    def die(data):  # the state to heal from has arrived: die before loading it
+        note("dying", time.time())
+        os.kill(os.getpid(), 9)
+    live._load_state = die
 live.join()
 stage("joined")
 for epoch in range(100):
@@ -191,6 +203,9 @@ stage("library")
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 state = lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 def load(s):
+    if os.environ.get("BENCH_DIE_IN_HEAL"):  # the state to heal from has arrived: die first
+        note("dying", time.time())
+        os.kill(os.getpid(), 9)
     model.load_state_dict(s["model"])
     optimizer.load_state_dict(s["optimizer"])
 manager = Manager(
@@ -319,22 +334,25 @@ class Run:
         for i in range(3):
             self.start(i)
 
-    def start(self, i: int) -> None:
-        """Start process `w<i>` (rank i for `ddp`); i = 3 is a replacement."""
+    def start(self, i: int, *, die_in_heal: bool = False) -> subprocess.Popen[bytes]:
+        """Start process `w<i>` (rank i for `ddp`); i >= 3 is a replacement, one that kills
+        itself once the state it heals from has arrived when `die_in_heal`."""
         env = {**self.base, "WORKER_ID": f"w{i}", "BENCH_LOG": str(self.work / f"w{i}.log")}
         if self.way == "ddp":
             env.update(RANK=str(i), LOCAL_RANK=str(i))
+        if die_in_heal:
+            env["BENCH_DIE_IN_HEAL"] = "1"
         out = (self.work / f"w{i}.out").open("wb")
-        self.procs.append(
-            subprocess.Popen(
-                [sys.executable, str(self.script)],
-                cwd=self.work,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        proc = subprocess.Popen(
+            [sys.executable, str(self.script)],
+            cwd=self.work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+        self.procs.append(proc)
+        return proc
 
     def lines(self) -> list[list[str]]:
         """Every complete line of the ranks' logs, split (`log_lines`)."""
@@ -390,9 +408,21 @@ class Recovery(NamedTuple):
     probe finding no responder) or `timeout` (the heartbeat timeout); empty for the others."""
 
 
-def measure(run: Run, kill_at: int) -> Recovery:
-    """Kill rank 1 once `kill_at` steps are committed; once the survivors have taken a step
-    without it, start a replacement (torchrun starts its own) and wait for a step of 3 ranks."""
+FAULTS = ("kill", "double", "heal")
+
+
+def measure(run: Run, kill_at: int, fault: str = "kill") -> Recovery:
+    """Kill rank 1 once `kill_at` steps are committed, wait for the survivors' next step, and
+    then, by `fault` (`FAULTS`; `restart` has `kill` alone):
+
+    - `kill`: the figures are from that kill;
+    - `double`: rank 2 is killed as well; the figures are from the second kill, to rank 0's next
+      step alone;
+    - `heal`: a replacement starts that kills itself once the state it heals from has arrived,
+      before loading it; the figures are from its death, to the survivors' next step.
+
+    Then a replacement starts (torchrun starts its own), and the last figure is the time to a
+    step of the job's world before the fault again (3 ranks; 2 for `double`)."""
 
     def started() -> bool:
         if all(proc.poll() is not None for proc in run.procs):
@@ -405,61 +435,74 @@ def measure(run: Run, kill_at: int) -> Recovery:
     killed = time.time()
     run.kill_rank_1()
 
-    def after() -> list[float]:
-        """Commits of steps taken without the dead rank: in the smaller world (live, torchft),
-        or after the restarted ranks resumed (restart); not a step all-reduced before the kill
-        and committed just after it."""
-        lines = run.lines()
-        if run.way == "restart":
-            resumed = [float(w[2]) for w in lines if w[0] == "resume" and float(w[2]) > killed]
-            since = min(resumed, default=float("inf"))
-            return [float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > since]
-        return [
-            float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > killed and w[3] != "3"
-        ]
-
-    wait_for(lambda: bool(after()), 300, f"a step of {run.way} after the kill")
-    seconds = min(after()) - killed
-    if run.way == "restart":
-        resumed = [int(w[1]) for w in run.lines() if w[0] == "resume" and float(w[2]) > killed]
-        lost = before - min(resumed) if resumed else -1
-    elif run.way == "torchft":
-        discards = sum(1 for w in run.lines() if w[0] == "discard" and float(w[1]) > killed - 5)
-        lost = discards // 2  # each survivor discards the same steps
-    else:
-        out = "".join(run.out(i) for i in range(3))
-        lost = len(LIVE_DISCARD.findall(out)) // 2  # each survivor logs the one step
-    replaced: float | None = None
-    if run.way != "restart":
-        replaced = time.time()
-        run.start(3)
-    since = replaced if replaced is not None else killed + seconds - 0.001
-
-    def full() -> list[float]:
+    def steps(since: float, world: str) -> list[float]:
+        """Commits after `since` of steps taken by a world of `world` ranks (not a step
+        all-reduced before the fault and committed just after it)."""
         return [
             float(w[2])
             for w in run.lines()
-            if w[0] == "commit" and float(w[2]) > since and w[3] == "3"
+            if w[0] == "commit" and float(w[2]) > since and w[3] == world
         ]
 
-    wait_for(lambda: bool(full()), 300, f"a step of 3 ranks of {run.way} after the kill")
-    back = min(full())
-    joined = back - replaced if replaced is not None else None
+    def restarted() -> list[float]:
+        """Commits after the restarted ranks resumed."""
+        lines = run.lines()
+        resumed = [float(w[2]) for w in lines if w[0] == "resume" and float(w[2]) > killed]
+        since = min(resumed, default=float("inf"))
+        return [float(w[2]) for w in lines if w[0] == "commit" and float(w[2]) > since]
+
+    if run.way == "restart":
+        wait_for(lambda: bool(restarted()), 300, "a step of restart after the kill")
+        seconds = min(restarted()) - killed
+        resumed = [int(w[1]) for w in run.lines() if w[0] == "resume" and float(w[2]) > killed]
+        lost = before - min(resumed) if resumed else -1
+        return Recovery(seconds, lost, seconds, None, {}, "")
+
+    wait_for(lambda: bool(steps(killed, "2")), 300, f"a step of {run.way} after the kill")
+    survivors, world, whole, newcomer = [0, 2], "2", "3", 3
+    seen = {i: len(run.out(i)) for i in survivors}
+    fault_at = killed
+    if fault == "double":
+        survivors, world, whole = [0], "1", "2"
+        seen = {0: len(run.out(0))}
+        fault_at = time.time()
+        run.procs[2].send_signal(signal.SIGKILL)
+    elif fault == "heal":
+        seen = {i: len(run.out(i)) for i in survivors}
+        doomed = run.start(3, die_in_heal=True)
+        wait_for(lambda: doomed.poll() is not None, 300, "the replacement dying in its heal")
+        dying = [float(w[1]) for w in log_lines(run.work / "w3.log") if w[0] == "dying"]
+        if not dying:
+            raise RuntimeError(
+                f"the replacement of {run.way} exited before its heal:\n{run.out(3)}"
+            )
+        fault_at, newcomer = dying[0], 4
+    wait_for(lambda: bool(steps(fault_at, world)), 300, f"a step of {run.way} after the {fault}")
+    seconds = min(steps(fault_at, world)) - fault_at
+    if run.way == "torchft":
+        discards = sum(1 for w in run.lines() if w[0] == "discard" and float(w[1]) > fault_at)
+        lost = discards // len(survivors)  # each survivor discards the same steps
+    else:
+        since_fault = "".join(run.out(i)[seen[i] :] for i in survivors)
+        lost = len(LIVE_DISCARD.findall(since_fault)) // len(survivors)
+    replaced = time.time()
+    run.start(newcomer)
+    wait_for(lambda: bool(steps(replaced, whole)), 300, f"a step of {whole} ranks of {run.way}")
+    back = min(steps(replaced, whole))
     stages: dict[str, float] = {}
-    if replaced is not None:
-        for w in log_lines(run.work / "w3.log"):
-            if w[0] == "stage":
-                stages[w[1]] = float(w[2]) - replaced
-        stages["step"] = back - replaced
+    for w in log_lines(run.work / f"w{newcomer}.log"):
+        if w[0] == "stage":
+            stages[w[1]] = float(w[2]) - replaced
+    stages["step"] = back - replaced
     decided = ""
     if run.way == "live":
-        survivors = "".join(run.out(i) for i in (0, 2))
-        if "live_peer_failed" in survivors:
+        since_fault = "".join(run.out(i)[seen[i] :] for i in survivors)
+        if "live_peer_failed" in since_fault:
             decided = "report"
         else:
-            verdicts = sorted(set(SUSPECT_VERDICT.findall(survivors)))
+            verdicts = sorted(set(SUSPECT_VERDICT.findall(since_fault)))
             decided = f"timeout (reports: {', '.join(verdicts) or 'none'})"
-    return Recovery(seconds, lost, back - killed, joined, stages, decided)
+    return Recovery(seconds, lost, back - fault_at, back - replaced, stages, decided)
 
 
 def step_time(run: Run, warmup: int, steps: int) -> float:
@@ -505,6 +548,12 @@ def main() -> None:
         help="which ways to measure, comma separated (default live,restart,torchft)",
     )
     parser.add_argument(
+        "--faults",
+        default="kill",
+        help=f"which faults, comma separated, of {', '.join(FAULTS)} (default kill; restart "
+        "has kill alone)",
+    )
+    parser.add_argument(
         "--work", default=None, help="where the runs' logs go (default: a temporary folder)"
     )
     parser.add_argument(
@@ -528,10 +577,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     ways = [way for way in args.ways.split(",") if way]
+    faults = [fault for fault in args.faults.split(",") if fault]
+    if not set(faults) <= set(FAULTS):
+        parser.error(f"--faults: one of {', '.join(FAULTS)}")
     steady_ways = [way for way in args.steady_ways.split(",") if way]
     if "live" not in steady_ways or "ddp" not in steady_ways:
         parser.error("--steady-ways needs live and ddp")
-    lighthouse = None
+    lighthouse = alone = None
     if "torchft" in ways or (args.steps and "torchft" in steady_ways):
         os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum otherwise
         try:
@@ -543,14 +595,18 @@ def main() -> None:
             if "torchft" in steady_ways:
                 steady_ways.remove("torchft")
         else:
-            server = LighthouseServer(
-                bind=f"[::]:{free_port()}",
-                min_replicas=2,
-                join_timeout_ms=100,
-                heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT * 1000),
-            )
-            lighthouse = server.address()
-    results: dict[str, list[Recovery]] = {way: [] for way in ways}
+            servers = [
+                LighthouseServer(
+                    bind=f"[::]:{free_port()}",
+                    min_replicas=least,
+                    join_timeout_ms=100,
+                    heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT * 1000),
+                )
+                for least in (2, 1)
+            ]
+            # A quorum of 2 at least, as a job of 3 wants; one of 1 for `double`'s last rank.
+            lighthouse, alone = (server.address() for server in servers)
+    results: dict[tuple[str, str], list[Recovery]] = {}
     overhead: dict[str, list[float]] = {way: [] for way in steady_ways}
     print(f"load average at the start: {load()}", flush=True)
     with (
@@ -573,26 +629,20 @@ def main() -> None:
                     run.stop()
                 overhead[way].append(seconds)
                 print(f"round {round_ + 1} steady {way}: {seconds * 1000:.1f} ms/step", flush=True)
-        for round_ in range(args.rounds):
-            for way in ways if round_ % 2 == 0 else list(reversed(ways)):
-                work = Path(tmp) / f"{way}-{round_}"
-                work.mkdir()
-                run = Run(way, work, nats.url, lighthouse)
-                try:
-                    found = measure(run, args.kill_at)
-                finally:
-                    run.stop()
-                results[way].append(found)
-                joined = "" if found.joined is None else f" ({found.joined:.2f} s after it started)"
-                decided = f" (failed on the {found.decided})" if found.decided else ""
-                print(
-                    f"round {round_ + 1} {way}: {found.next_step:.2f} s to the next step{decided}, "
-                    f"{found.lost} steps lost, {found.full:.2f} s to a world of 3{joined}",
-                    flush=True,
-                )
-                if found.stages:
-                    marks = ", ".join(f"{name} {t:.2f}" for name, t in found.stages.items())
-                    print(f"  the replacement, seconds from its start: {marks}", flush=True)
+        for fault in faults:
+            for round_ in range(args.rounds):
+                for way in ways if round_ % 2 == 0 else list(reversed(ways)):
+                    if way == "restart" and fault != "kill":
+                        continue
+                    work = Path(tmp) / f"{way}-{fault}-{round_}"
+                    work.mkdir()
+                    run = Run(way, work, nats.url, alone if fault == "double" else lighthouse)
+                    try:
+                        found = measure(run, args.kill_at, fault)
+                    finally:
+                        run.stop()
+                    results.setdefault((fault, way), []).append(found)
+                    report_round(round_, fault, way, found)
     print(f"load average at the end: {load()}", flush=True)
     if overhead["live"]:
         ddp = overhead["ddp"]
@@ -615,11 +665,40 @@ def main() -> None:
                 f"  {way} / DDP: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%); per round "
                 f"{statistics.median(rounds):.3f} ({min(rounds):.3f}-{max(rounds):.3f})"
             )
-    if not args.rounds or not ways:
-        return
+    for fault in faults:
+        report_fault(fault, {way: r for (f, way), r in results.items() if f == fault})
+
+
+WHOLE = {"kill": 3, "double": 2, "heal": 3}
+"""The world a replacement makes whole again after each fault."""
+FAULT_NAMES = {
+    "kill": "kill",
+    "double": "second kill (rank 2, after rank 1's)",
+    "heal": "death of a replacement in its heal (after rank 1's kill)",
+}
+
+
+def report_round(round_: int, fault: str, way: str, found: Recovery) -> None:
+    joined = "" if found.joined is None else f" ({found.joined:.2f} s after it started)"
+    decided = f" (failed on the {found.decided})" if found.decided else ""
     print(
-        f"\nkill to the next optimizer step, 3 ranks, heartbeat timeout {HEARTBEAT_TIMEOUT} s, "
-        f"median (min-max) of {args.rounds} rounds:"
+        f"round {round_ + 1} {way} {fault}: {found.next_step:.2f} s to the next step{decided}, "
+        f"{found.lost} steps lost, {found.full:.2f} s to a world of {WHOLE[fault]}{joined}",
+        flush=True,
+    )
+    if found.stages:
+        marks = ", ".join(f"{name} {t:.2f}" for name, t in found.stages.items())
+        print(f"  the replacement, seconds from its start: {marks}", flush=True)
+
+
+def report_fault(fault: str, results: dict[str, list[Recovery]]) -> None:
+    """The medians and spreads of one fault's rounds, each way."""
+    if not results:
+        return
+    rounds = max(len(values) for values in results.values())
+    print(
+        f"\n{FAULT_NAMES[fault]} to the next optimizer step, heartbeat timeout "
+        f"{HEARTBEAT_TIMEOUT} s, median (min-max) of {rounds} rounds:"
     )
     base = (
         statistics.median(r.next_step for r in results["restart"]) if "restart" in results else None
@@ -630,7 +709,10 @@ def main() -> None:
         decided = [r.decided for r in values if r.decided]
         how = f"; failed on the {', '.join(decided)}" if decided else ""
         print(f"  {way:8s} {spread(nexts)}{against}; steps lost {[r.lost for r in values]}{how}")
-    print("\nkill to a step of 3 ranks again (a replacement started after the survivors' step):")
+    print(
+        f"\n{FAULT_NAMES[fault]} to a step of {WHOLE[fault]} ranks again (a replacement started "
+        "after the survivors' step):"
+    )
     for way, values in results.items():
         full = spread([r.full for r in values])
         joins = [r.joined for r in values if r.joined is not None]
