@@ -432,6 +432,9 @@ def measure(run: Run, kill_at: int, fault: str = "kill") -> Recovery:
 
     wait_for(started, 300, f"{kill_at} steps of {run.way}")
     before = run.committed()
+    survivors, world, whole, newcomer = [0, 2], "2", "3", 3
+    # What the survivors printed before the fault: its discards and reports come after.
+    seen = {i: len(run.out(i)) for i in survivors}
     killed = time.time()
     run.kill_rank_1()
 
@@ -459,8 +462,6 @@ def measure(run: Run, kill_at: int, fault: str = "kill") -> Recovery:
         return Recovery(seconds, lost, seconds, None, {}, "")
 
     wait_for(lambda: bool(steps(killed, "2")), 300, f"a step of {run.way} after the kill")
-    survivors, world, whole, newcomer = [0, 2], "2", "3", 3
-    seen = {i: len(run.out(i)) for i in survivors}
     fault_at = killed
     if fault == "double":
         survivors, world, whole = [0], "1", "2"
