@@ -13,7 +13,7 @@ wall clock fails nobody.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -113,6 +113,28 @@ def check_healed_back(ranks: list[Rank], plans: Plans) -> None:
     assert "live_step_fenced" in victim or "live_step_discarded" in victim, victim
 
 
+def left_behind_and_healed_back(
+    ranks: list[Rank], plans: Plans, fault: Callable[[], None], recover: Callable[[], None]
+) -> float:
+    """Mid-epoch, `fault` makes the victim stand still; the survivors must form their group of
+    two well within the collective's timeout and train on; then `recover` ends the fault and
+    the victim must heal back in (`check_healed_back`). Returns the seconds from the fault to
+    the survivors' group."""
+    wait_with(ranks, lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
+    fault()
+    fault_at = time.monotonic()
+    wait_with(ranks, lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two")
+    shrink_s = time.monotonic() - fault_at
+    # Detection is the registry's heartbeat timeout (TIMEOUT) and a look every 0.25 s, not the
+    # collective's timeout; a loaded machine may take many seconds more.
+    assert shrink_s < COLLECTIVE_TIMEOUT_S * 2 / 3, f"the survivors waited {shrink_s:.0f}s"
+    going = plans.progress()
+    wait_with(ranks, lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on")
+    recover()
+    check_healed_back(ranks, plans)
+    return shrink_s
+
+
 def test_a_rank_paused_past_its_timeout_is_left_behind_then_heals_back_in(
     stack: str, tmp_path: Path
 ) -> None:
@@ -122,20 +144,7 @@ def test_a_rank_paused_past_its_timeout_is_left_behind_then_heals_back_in(
     ranks = [Rank(script, stack, job, f"w{i}") for i in range(3)]
     victim = ranks[1]
     try:
-        wait_with(ranks, lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
-        victim.pause()
-        paused_at = time.monotonic()
-        wait_with(ranks, lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two")
-        shrink_s = time.monotonic() - paused_at
-        # Detection is the registry's heartbeat timeout (TIMEOUT) and a look every 0.25 s,
-        # not the collective's timeout; a loaded machine may take many seconds more.
-        assert shrink_s < COLLECTIVE_TIMEOUT_S * 2 / 3, f"the survivors waited {shrink_s:.0f}s"
-        going = plans.progress()
-        wait_with(
-            ranks, lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on"
-        )
-        victim.resume()
-        check_healed_back(ranks, plans)
+        shrink_s = left_behind_and_healed_back(ranks, plans, victim.pause, victim.resume)
     finally:
         for rank in ranks:
             rank.resume()
@@ -156,24 +165,9 @@ def test_a_rank_cut_off_from_nats_past_its_timeout_is_left_behind_then_heals_bac
             Rank(script, proxy.url if f"w{i}" == VICTIM else stack, job, f"w{i}") for i in range(3)
         ]
         try:
-            wait_with(ranks, lambda: plans.done(0) >= 0.2, START_S, "a fifth of epoch 0 trained")
             # Its NATS connection carries nothing either way, and stays open (a black hole);
             # the group's own connections between the ranks still work.
-            proxy.cut()
-            cut_at = time.monotonic()
-            wait_with(
-                ranks, lambda: shrunk(plans) is not None, SHRINK_S, "the survivors' group of two"
-            )
-            shrink_s = time.monotonic() - cut_at
-            # Detection is the registry's heartbeat timeout (TIMEOUT) and a look every 0.25 s,
-            # not the collective's timeout; a loaded machine may take many seconds more.
-            assert shrink_s < COLLECTIVE_TIMEOUT_S * 2 / 3, f"the survivors waited {shrink_s:.0f}s"
-            going = plans.progress()
-            wait_with(
-                ranks, lambda: plans.progress() >= going + 0.1, SHRINK_S, "the survivors going on"
-            )
-            proxy.heal()
-            check_healed_back(ranks, plans)
+            shrink_s = left_behind_and_healed_back(ranks, plans, proxy.cut, proxy.heal)
         finally:
             for rank in ranks:
                 rank.kill()
