@@ -5,6 +5,7 @@ run's rendezvous may be used again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import subprocess
@@ -16,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import strata.torch.store as store_module
 import torch.distributed as dist
 from strata._loop import LoopRunner
 from strata.config import Env, load_settings
@@ -138,6 +140,51 @@ def test_get_and_wait_block_until_the_key_is_set_or_time_out(store: KVStore) -> 
     assert time.monotonic() - started < 4.0
     with pytest.raises(dist.DistStoreError, match="timed out"):
         store.wait(["never"], timedelta(seconds=0.3))
+
+
+async def test_a_put_heard_before_the_stream_can_read_it_back_is_read_again_at_once(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server delivers a put to a waiting subscription as it routes it, and the stream
+    stores it a moment later: a read right after the put was heard can miss it (here, that
+    read is made to). The wait must read again within milliseconds, not at its next recheck,
+    made a minute long here (it was the only way back: a second's stall in a group's set-up)."""
+    monkeypatch.setattr(store_module, "RECHECK_S", 60.0)
+    job = new_job("heard")
+    waiter = await RendezvousBucket.open([nats_url], load_settings(), job)
+    writer = await RendezvousBucket.open([nats_url], load_settings(), job)
+    key = subjects.rendezvous_store_key(job, "k")
+    reads = hidden = 0
+    hide = False
+    listening = asyncio.Event()
+    real_read = waiter.read
+
+    async def read(key: str) -> tuple[bytes, int] | None:
+        nonlocal reads, hidden, hide
+        reads += 1
+        if hide:
+            hide, hidden = False, hidden + 1
+            return None
+        value = await real_read(key)
+        if reads == 2:
+            # Read once before it listened to the key's subject, once after: it waits now.
+            listening.set()
+        return value
+
+    monkeypatch.setattr(waiter, "read", read)
+    waiting = asyncio.create_task(waiter.wait_for([key], timeout=120))
+    try:
+        async with asyncio.timeout(30):
+            await listening.wait()
+        hide = True
+        await writer.put(key, b"value")
+        async with asyncio.timeout(30):
+            assert await waiting == {key: b"value"}
+        assert hidden == 1
+    finally:
+        waiting.cancel()
+        await waiter.close()
+        await writer.close()
 
 
 def test_through_a_prefix_store_as_torchrun_uses_it(store: KVStore) -> None:

@@ -43,6 +43,11 @@ T = TypeVar("T")
 RECHECK_S = 1.0
 """While waiting for a key, how often it is read again in case its put was missed (a reconnect
 between the subscription and the put)."""
+HEARD_FIRST_S = 0.002
+"""After a put was heard on a missing key's subject, how long before it is read again if that
+read did not find it yet (then twice as long each time, up to `RECHECK_S`): the server delivers
+a put to subscribers as it routes it, and the stream stores it a moment later, so a read right
+after the put was heard can still miss it."""
 CAS_ATTEMPTS = 1000
 MAX_BATCH = 1000
 """The most keys JetStream writes in one atomic batch (its default limit)."""
@@ -276,7 +281,9 @@ class RendezvousBucket:
 
         It reads them once; for keys still missing it listens to their subjects before reading
         them again, so a put between that read and the wait is not missed; it reads again now
-        and then all the same, for a put missed while the connection was re-established.
+        and then all the same, for a put missed while the connection was re-established. A put
+        heard but not readable yet (the stream stores it just after the server delivers it) is
+        read again within milliseconds (`HEARD_FIRST_S`), not at the next `RECHECK_S`.
         """
         deadline = time.monotonic() + timeout
         # Most waits find their keys set already: one read each, and no subscription.
@@ -294,6 +301,8 @@ class RendezvousBucket:
             )
             for key in keys
         ]
+        heard: float | None = None
+        """While a put heard has not been read: how long until the next read."""
         try:
             while True:
                 arrived.clear()
@@ -307,8 +316,12 @@ class RendezvousBucket:
                 if remaining <= 0:
                     missing = [key for key in keys if key not in found]
                     raise TimeoutError(f"keys {missing} not set within {timeout:.1f}s")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(arrived.wait(), min(remaining, RECHECK_S))
+                try:
+                    await asyncio.wait_for(arrived.wait(), min(remaining, heard or RECHECK_S))
+                    heard = HEARD_FIRST_S
+                except TimeoutError:
+                    if heard is not None:
+                        heard = heard * 2 if heard * 2 < RECHECK_S else None
         finally:
             for sub in subs:
                 with contextlib.suppress(nats.errors.Error):
