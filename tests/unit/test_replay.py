@@ -52,6 +52,7 @@ from strata.events import (
     WorkerFailed,
     WorkerHeartbeat,
     WorkerLeft,
+    WorkerRegistered,
 )
 from strata.history import read_records, record_from_json, summarize
 from strata.services.gateway.live import RateWindow
@@ -732,6 +733,57 @@ def test_the_state_does_not_depend_on_how_heartbeats_interleave_with_events(
     for beat in pending:
         shuffled.apply_heartbeat(beat)
     assert render_dashboard(shuffled) == render_dashboard(in_order)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the restart log credits a beat heard before a registration to every registration of "
+    "its (worker, instance) that follows, and a beat heard last only to the newest restart: the "
+    "same process registering again after failing (which the SDK does under a new instance) "
+    "makes `resumed_step` depend on the order",
+)
+def test_a_beat_heard_before_repeated_registrations_of_one_instance_resumes_the_same_restarts() -> (
+    None
+):
+    """A counterexample the property above found: w0 registers, fails, and registers again
+    twice under one instance, and its one heartbeat (step 1) is heard before all of it or after
+    all of it."""
+    events: list[Event] = []
+    for i, kind in enumerate(("registered", "failed", "registered", "failed", "registered")):
+        base: dict[str, Any] = {"job": JOB, "source": "registry", "ts": T0 + (i + 1) * SECOND}
+        if kind == "registered":
+            events.append(
+                WorkerRegistered(
+                    **base,
+                    worker_id="w0",
+                    instance="a",
+                    rank=0,
+                    world_size=4,
+                    membership_epoch=i + 1,
+                    heartbeat_interval=1.0,
+                    heartbeat_timeout=5.0,
+                )
+            )
+        else:
+            events.append(
+                WorkerFailed(
+                    **base,
+                    worker_id="w0",
+                    rank=0,
+                    reason="silent",
+                    last_heartbeat_ts=base["ts"],
+                    membership_epoch=i + 1,
+                )
+            )
+    beat = WorkerHeartbeat(
+        job=JOB, source="w0", ts=T0, worker_id="w0", instance="a", seq=0, state="training", step=1
+    )
+    last = fold_events(events, JobState(JOB))
+    last.apply_heartbeat(beat)
+    first = JobState(JOB)
+    first.apply_heartbeat(beat)
+    fold_events(events, first)
+    assert render_dashboard(first)["restarts"] == render_dashboard(last)["restarts"]
 
 
 # -- records and files ----------------------------------------------------------------------------
