@@ -78,11 +78,13 @@ IDLE_S: Final = 0.1
 BARRIER_S: Final = 10.0
 REPORT_S: Final = 5.0
 """How long a rank waits for the barrier service to record a heal or a discarded step."""
-PROGRESS_S: Final = 1.0
-"""How often a rank reports its committed steps' progress to the sharding service while it
-trains: each report is an event every service reads, and every step's vote already records
-where each rank's shards stand, so a step need not wait for one. The group reports everything
-before it re-forms and at the end of an epoch."""
+PROGRESS_S: Final = 0.0
+"""At most how often a rank reports its committed steps' progress to the sharding service while
+it trains (0: after every committed step). The group reports everything before it re-forms and
+at the end of an epoch. Each report is an event every service reads: at 1.0 a replacement
+started as quickly as torchft's on 2 cores, but a rank cut off from NATS once left a sample
+trained twice (its report refused for a shard the plan had moved), so it stays 0 until that is
+understood."""
 CHECK_S: Final = 0.25
 """While a collective has not completed, how often a rank looks whether the registry failed a
 member of its group (a paused or cut-off peer: the collective would wait for its timeout)."""
