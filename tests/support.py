@@ -144,12 +144,23 @@ def running_services(
     log_dir: Path,
     names: tuple[str, ...] = SERVICES,
     env: dict[str, str] | None = None,
+    *,
+    heartbeat_interval: float = HEARTBEAT_INTERVAL,
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
 ) -> Iterator[list[ServiceProcess]]:
     """The services started together (launched at once, then each waited for), stopped after."""
     # Ports chosen together are distinct: one chosen at a time can be handed out twice.
     ports = procutil.free_ports(len(names))
     services = [
-        ServiceProcess(name, nats_url, log_dir, env=env, health_port=port)
+        ServiceProcess(
+            name,
+            nats_url,
+            log_dir,
+            env=env,
+            health_port=port,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+        )
         for name, port in zip(names, ports, strict=True)
     ]
     for service in services:

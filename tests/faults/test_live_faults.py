@@ -25,7 +25,7 @@ from strata.events.models import AnyEvent
 from tests.faults.conftest import INTERVAL, TIMEOUT
 from tests.faults.netproxy import Proxy
 from tests.livejob import EPOCHS, Plans, Rank, example, finish, outputs, wait_with
-from tests.support import SERVICES, ServiceProcess, job_events, new_job
+from tests.support import job_events, new_job, running_services
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,25 +41,13 @@ FINISH_S = 420.0
 
 @pytest.fixture
 def stack(own_nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
-    services = [
-        ServiceProcess(
-            name,
-            own_nats_server.url,
-            tmp_path / "logs",
-            heartbeat_interval=INTERVAL,
-            heartbeat_timeout=TIMEOUT,
-        )
-        for name in SERVICES
-    ]
-    for service in services:
-        service.launch()
-    try:
-        for service in services:
-            service.wait_ready()
+    with running_services(
+        own_nats_server.url,
+        tmp_path / "logs",
+        heartbeat_interval=INTERVAL,
+        heartbeat_timeout=TIMEOUT,
+    ):
         yield own_nats_server.url
-    finally:
-        for service in services:
-            service.stop()
 
 
 def events_of(plans: Plans) -> list[AnyEvent]:
