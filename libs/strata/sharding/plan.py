@@ -257,7 +257,9 @@ def replan(plan: Plan, members: Sequence[str]) -> tuple[Plan, int]:
     reports each before it starts the next, so the shard it is reading is its first unfinished one:
     the one a joiner never takes. Were an inherited shard placed ahead of it (by epoch order), the
     shard being read would no longer be first, and a later joiner could take it and read again the
-    samples consumed of it and not yet reported.
+    samples consumed of it and not yet reported. (A reader that reports seldom, as
+    `strata.torch.live.LiveGroup` does, can lose the shard it is reading to a joiner: its next
+    report is refused for it, and the group's votes say where the new reader starts.)
     """
     new_members = _check_members(members)
     if new_members == plan.members and not plan.unowned():

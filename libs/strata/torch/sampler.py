@@ -330,7 +330,7 @@ class ShardSampler(Sampler[int]):
                 for item in queue:
                     if self._epoch != epoch:
                         return  # set_epoch() was called: this iteration belongs to the old epoch
-                    if self._stale or not self._may_draw():
+                    if not self._may_draw():
                         break
                     order = within_shard_order(
                         item.start,
@@ -494,9 +494,10 @@ class ShardSampler(Sampler[int]):
 
     def _may_draw(self) -> bool:
         """Whether the next index may be handed out: the lease this sampler reads under is the
-        worker's current one and holds, and no newer plan was heard of."""
+        worker's current one and holds, no newer plan was heard of, and no report was refused
+        since the last fetch (a shard it named, perhaps the one being read, moved away)."""
         registry = self._registry
-        if self._fenced or registry.lease != self._lease or registry.lease_expired:
+        if self._fenced or self._stale or registry.lease != self._lease or registry.lease_expired:
             return False
         return not self._newer_plan()
 

@@ -317,6 +317,33 @@ def test_a_report_naming_a_moved_shard_keeps_the_rest() -> None:
     assert done_by(shards, "a")
 
 
+@pytest.mark.parametrize("hears_plan_changes", [True, False])
+def test_a_refused_report_stops_the_reading_of_the_shard_it_named_mid_shard(
+    hears_plan_changes: bool,
+) -> None:
+    """A worker that reports seldom (`report_every=0`, flushed by its loop) finished its first
+    shard and is inside its second when a joiner comes: the service, which still counts the
+    first as the one being read, gives the second to the joiner. The worker's next report is
+    refused for it, and it must not draw another index of it: the joiner reads it now."""
+    shards = LocalShards(20, 10, ["a"], shuffle=False)
+    a = ShardSampler(
+        shards.view("a", hears_plan_changes=hears_plan_changes),
+        DS,
+        manual_ack=True,
+        report_every=0,
+    )
+    iterator = iter(a)
+    assert [next(iterator) for _ in range(14)] == list(range(14))
+    a.ack(14)
+    shards.join("b")
+    a.flush()
+
+    assert a.lost_shards == [1]
+    assert done_by(shards, "a") == [0]
+    assert list(iterator) == []
+    assert list(ShardSampler(shards.view("b"), DS)) == list(range(10, 20))
+
+
 def test_a_report_under_a_lease_that_ended_is_refused_and_nothing_of_it_counts() -> None:
     shards = LocalShards(200, 10, ["a", "b"])
     deaf = ShardSampler(shards.view("a", hears_plan_changes=False), DS, report_every=0)
