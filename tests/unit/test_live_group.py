@@ -3,6 +3,7 @@ which members form it, in which order."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -11,10 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strata.events.requests import MemberInfo
 from strata.torch.live import (
+    SLOTS,
     GradientBuckets,
     VoteLayout,
     assign_buckets,
     group_members,
+    shared_shards,
     state_source,
 )
 
@@ -141,6 +144,42 @@ def test_the_votes_parts_tile_it(size: int, audit: int) -> None:
     assert layout.ledger.stop == layout.length
     assert layout.positions_of(0).start == layout.positions.start
     assert layout.positions_of(size - 1).stop == layout.positions.stop
+
+
+def _vote_of(batches: list[list[tuple[int, int]]], layout: VoteLayout) -> torch.Tensor:
+    """The summed vote of ranks whose batches end at (shard, position) each, as each rank
+    fills only its own slots."""
+    vote = torch.zeros(layout.length, dtype=torch.int64)
+    for rank, positions in enumerate(batches):
+        base = layout.positions_of(rank).start
+        for i, (shard, offset) in enumerate(positions):
+            vote[base + 2 * i] += shard + 1
+            vote[base + 2 * i + 1] += offset
+    return vote
+
+
+def test_a_shard_two_ranks_read_in_one_step_is_found() -> None:
+    layout = VoteLayout(3, 0)
+    # Rank 0 finished shard 0 and started 49; the plan gave 49 to rank 2, which started it
+    # from the same position (the group's floor) before rank 0 heard.
+    vote = _vote_of([[(0, 50), (49, 8)], [(7, 16)], [(49, 8)]], layout)
+    assert shared_shards(vote, layout) == [49]
+    assert shared_shards(_vote_of([[(0, 50), (49, 8)], [(7, 16)], []], layout), layout) == []
+
+
+@given(
+    st.lists(
+        # Not unique: a rank may read a shard in two runs of one batch.
+        st.lists(st.integers(min_value=0, max_value=20), max_size=SLOTS),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_shared_shards_are_those_in_two_ranks_batches(batches: list[list[int]]) -> None:
+    layout = VoteLayout(len(batches), 0)
+    vote = _vote_of([[(shard, 3) for shard in batch] for batch in batches], layout)
+    readers = Counter(shard for batch in batches for shard in set(batch))
+    assert shared_shards(vote, layout) == sorted(s for s, n in readers.items() if n > 1)
 
 
 def _rank(

@@ -50,6 +50,7 @@ from strata.errors import (
     StaleLease,
     StrataError,
 )
+from strata.events.models import MAX_SHARDS
 from strata.events.requests import (
     Lease,
     LiveAction,
@@ -69,6 +70,7 @@ __all__ = [
     "VoteLayout",
     "assign_buckets",
     "group_members",
+    "shared_shards",
     "state_source",
 ]
 
@@ -78,13 +80,13 @@ IDLE_S: Final = 0.1
 BARRIER_S: Final = 10.0
 REPORT_S: Final = 5.0
 """How long a rank waits for the barrier service to record a heal or a discarded step."""
-PROGRESS_S: Final = 0.0
+PROGRESS_S: Final = 1.0
 """At most how often a rank reports its committed steps' progress to the sharding service while
 it trains (0: after every committed step). The group reports everything before it re-forms and
-at the end of an epoch. Each report is an event every service reads: at 1.0 a replacement
-started as quickly as torchft's on 2 cores, but a rank cut off from NATS once left a sample
-trained twice (its report refused for a shard the plan had moved), so it stays 0 until that is
-understood."""
+at the end of an epoch. Each report is an event every service reads: reported after every step,
+two ranks kept the services busy enough to slow a replacement's start by half on 2 cores. The
+votes record where every shard stands, so exactly once does not depend on the reports; a shard
+the service moves while its reader has not reported it is caught by `shared_shards`."""
 CHECK_S: Final = 0.25
 """While a collective has not completed, how often a rank looks whether the registry failed a
 member of its group (a paused or cut-off peer: the collective would wait for its timeout)."""
@@ -189,6 +191,23 @@ class VoteLayout:
     def positions_of(self, rank: int) -> slice:
         start = self._positions_start + rank * SLOTS * 2
         return slice(start, start + SLOTS * 2)
+
+
+def shared_shards(vote: torch.Tensor, layout: VoteLayout) -> list[int]:
+    """The shards that more than one rank's batch read in the step `vote` records.
+
+    A shard has one reader at a time, so this is empty but for one race: the sharding service
+    moved a shard (to a joiner, say) and its old reader had not heard yet when the new one
+    started it, from where the group's votes said it stood. Both then read the same samples
+    in the same step; every rank sees the same vote, so every rank discards that step."""
+    read = vote[layout.positions].view(layout.size, SLOTS, 2)[:, :, 0]  # shard + 1, or 0
+    ranks = torch.arange(layout.size, dtype=torch.int64).unsqueeze(1).expand_as(read)
+    used = read > 0
+    # (rank, shard) once each (a rank may read a shard in two runs of one batch), then shards
+    # named by more than one rank.
+    pairs = torch.unique(ranks[used] * (MAX_SHARDS + 1) + read[used])
+    shards, counts = torch.unique(pairs % (MAX_SHARDS + 1), return_counts=True)
+    return [int(shard) - 1 for shard in shards[counts > 1].tolist()]
 
 
 @dataclass(frozen=True)
@@ -898,6 +917,12 @@ class LiveGroup:
                 self._pg = None
                 discarded += 1
                 continue
+            shared = shared_shards(vote, layout)
+            if shared:
+                if self._discard_shared(sampler, shared):
+                    indices = pending = None  # a new pass fetches this worker's shards again
+                discarded += 1
+                continue
             total = int(vote[0].item())
             if total:
                 buckets.divide(total)
@@ -932,6 +957,30 @@ class LiveGroup:
             if int(vote[layout.epochs].max().item()) > (self._group_epoch or 0):
                 self._pg = None  # someone heard of a newer membership: re-form at this boundary
         return EpochResult(epoch, committed, discarded, samples, self.reformed - reformed)
+
+    def _discard_shared(self, sampler: ShardSampler, shared: list[int]) -> bool:
+        """Discard the step whose vote shows `shared` read by two ranks (`shared_shards`);
+        True when this rank's batch read one of them: it draws its batch afresh from the plan,
+        which names one reader for each shard. The others train the same batch again."""
+        mine = any(shard in shared for shard, _ in sampler.pending_positions())
+        reason = (
+            f"shards {shared[:8]} were read by two ranks in the step (the plan moved them and "
+            "one rank had not heard yet)"
+        )
+        self._log.warning(
+            "live_step_discarded",
+            step=self.step,
+            membership_epoch=self._group_epoch,
+            error=reason,
+            consequence="no rank commits the step; "
+            + (
+                "this rank fetches its shards again"
+                if mine
+                else "this rank trains the same batch again"
+            ),
+        )
+        self._report("discarded", self.step + 1, reason=reason)
+        return mine
 
     def _acknowledge(self, sampler: ShardSampler, count: int) -> None:
         """Acknowledge a committed step's samples; they are reported to the sharding service
