@@ -14,8 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
 _PR_SET_PDEATHSIG = 1
 
@@ -119,20 +122,34 @@ def terminate(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
         return None
 
 
+RECENT_PORTS: Final = 256
+"""How many of the ports `free_ports` handed out last it does not hand out again."""
+_handed_out: deque[int] = deque(maxlen=RECENT_PORTS)
+_handing_out = threading.Lock()
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct TCP ports that were free on `host` a moment ago.
 
     All sockets stay bound until every port is chosen, so the kernel cannot hand out the same
-    port twice. Another process may still take one before it is used; callers that start a
-    server on it see a bind error in that rare case.
+    port twice in one call; nor is a port this process was handed recently (and may not have
+    bound yet) handed out again, so calls one after another do not collide either. Another
+    process may still take one before it is used; callers that start a server on it see a bind
+    error in that rare case.
     """
     sockets: list[socket.socket] = []
+    chosen: list[int] = []
     try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
+        with _handing_out:
+            while len(chosen) < count:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)  # held bound: the kernel does not offer it again
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+                if port not in _handed_out:
+                    chosen.append(port)
+            _handed_out.extend(chosen)
+        return chosen
     finally:
         for sock in sockets:
             sock.close()
