@@ -143,7 +143,7 @@ def test_strata_replay_explains_each_change_of_a_live_group(
     assert len(lines) == len(HISTORY)
     assert "live group of membership 3 formed: 3 (w0, w1, w2)" in lines[0]
     assert "w0 discarded step 41" in lines[1]
-    assert "resumes after step 40" in lines[1]
+    assert "trains it again after step 40" in lines[1]
     assert "formed: 2 (w0, w2), was 3 at membership 3: w1 left" in lines[3]
     assert "formed: 3 (w0, w2, w3), was 2 at membership 4: w3 joined" in lines[4]
     assert "w3 healed from w0 in the live group of membership 5: step 0 -> 77" in lines[5]

@@ -573,8 +573,8 @@ def test_summaries_name_who_and_what_for_every_event_type() -> None:
         "w2 healed from w0 in the live group of membership 9: step 40 -> 41"
     )
     assert seen["live.step_discarded"] == (
-        "w0 discarded step 42 in the live group of membership 9 (Connection closed by peer): the "
-        "next group resumes after step 41 and trains it again"
+        "w0 discarded step 42 in the live group of membership 9 (Connection closed by peer): no "
+        "rank committed it; the group trains it again after step 41"
     )
     assert seen["shard.progress_restored"] == (
         "ds epoch 0: progress restored from the checkpoint of step 300 "

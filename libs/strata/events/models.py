@@ -471,8 +471,8 @@ class LiveHealed(Event):
 
 class LiveStepDiscarded(Event):
     """A member of a quorum discarded the step it was training (a collective failed: a peer was
-    lost); its samples are trained again by the next quorum. Reported by the worker, checked and
-    recorded by the barrier service."""
+    lost; or the step's vote showed a shard read by two ranks); its samples are trained again.
+    Reported by the worker, checked and recorded by the barrier service."""
 
     type: Literal["live.step_discarded"] = "live.step_discarded"
     v: Literal[1] = 1

@@ -64,8 +64,8 @@ def _live_line(event: LiveQuorumFormed | LiveHealed | LiveStepDiscarded) -> str:
         )
     why = f" ({event.reason[:160]})" if event.reason else ""
     return (
-        f"{event.worker_id} discarded step {event.step} in the live {group}{why}: the next "
-        f"group resumes after step {event.step - 1} and trains it again"
+        f"{event.worker_id} discarded step {event.step} in the live {group}{why}: no rank "
+        f"committed it; the group trains it again after step {event.step - 1}"
     )
 
 
