@@ -341,8 +341,11 @@ class ShardSampler(Sampler[int]):
                         shard_id=item.shard_id,
                     )
                     length = len(order)
+                    # A floor raised since the fetch (`skip_to`: another reader's steps of the
+                    # shard, committed meanwhile) moves the start too.
+                    start = max(item.offset, min(self._floors.get(item.shard_id, 0), length))
                     interrupted = False
-                    for k in range(item.offset, length):
+                    for k in range(start, length):
                         # Before every index, so before every batch: a lease that may have
                         # ended, or a newer plan, stops the drawing here, mid-shard.
                         if not self._may_draw():
@@ -358,7 +361,7 @@ class ShardSampler(Sampler[int]):
                         break
                     drawn.add(item.shard_id)
                     # Here the loop has asked for the index after the shard's last one.
-                    if not self._manual_ack or item.offset >= length:
+                    if not self._manual_ack or start >= length:
                         self._complete(item.shard_id)
             except StaleLease as exc:
                 self._log.warning(

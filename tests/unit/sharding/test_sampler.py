@@ -317,6 +317,22 @@ def test_a_report_naming_a_moved_shard_keeps_the_rest() -> None:
     assert done_by(shards, "a")
 
 
+def test_a_floor_raised_after_the_fetch_moves_the_start_of_a_shard_not_begun() -> None:
+    """The shards to read are fetched once per pass; `skip_to` for one of them, called later
+    (another reader's steps of it committed meanwhile), still moves where it starts."""
+    shards = LocalShards(30, 10, ["a"], shuffle=False)
+    a = ShardSampler(shards.view("a"), DS, manual_ack=True, report_every=0)
+    iterator = iter(a)
+    assert next(iterator) == 0  # the pass fetched its queue: shards 0, 1 and 2 from their starts
+    a.skip_to(1, 6)
+    a.skip_to(2, 10)  # all of it: done at once
+    rest = list(iterator)
+    assert rest == [*range(1, 10), *range(16, 20)]
+    a.ack(1 + len(rest))
+    a.flush()
+    assert shards.plan_summary().done_shards == 3
+
+
 @pytest.mark.parametrize("hears_plan_changes", [True, False])
 def test_a_refused_report_stops_the_reading_of_the_shard_it_named_mid_shard(
     hears_plan_changes: bool,
