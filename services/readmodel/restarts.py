@@ -6,12 +6,20 @@ worker id superseded it). A restart is a new process taking the rank or the work
 was lost or left. Replacements registering within `GROUP_WINDOW_NS` of a restart's first one
 join it (a launcher restarting the whole group), unless they take a rank it already restarted or
 replace one of its own processes: a group of 8 ranks restarted once counts once. Each restart
-knows the step its lost processes had reached and the first step a replacement reported after it:
-the steps between the two were trained twice, and the charts shade them.
+knows the step its lost processes had reached and the first step its replacements reported: the
+steps between the two were trained twice, and the charts shade them.
+
+Both steps come from what each process reported (heartbeats, state changes, logged metrics),
+kept per process as the first step above 0 and the highest: heartbeats travel on a stream of
+their own, heard before or after the events they follow, and a process's steps only grow, so
+these two are the same whatever the order (`tests/unit/test_replay.py`). A restart resumed at the
+first step of its replacements; a process that registered again is a replacement of its newest
+restart only.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -21,6 +29,9 @@ GROUP_WINDOW_NS: Final = 60 * 10**9
 """How long after a restart's first replacement another one still joins it."""
 KEPT: Final = 100
 """Losses and restarts listed per job (the newest); the counts cover them all."""
+PROCESSES_KEPT: Final = 8192
+"""Processes whose steps are kept (the most recently heard of): beats of workers not registered
+yet count too, so this bounds what unknown senders can make the log keep."""
 
 GoneStatus = Literal["failed", "left"]
 
@@ -36,16 +47,41 @@ class Loss:
     at: int
     """ns; the time of the event that recorded it."""
     step: int
-    """The step it had reached (its latest beat, else its latest state change)."""
+    """The step it had reached when it was recorded (its latest state change or logged metric);
+    its view takes the highest step the process reported at all (`Steps`)."""
 
-    def view(self) -> LossView:
+    def view(self, steps: Steps) -> LossView:
         return {
             "rank": self.rank,
             "worker": self.worker,
             "status": self.status,
             "at": self.at,
-            "step": self.step,
+            "step": max(self.step, steps.highest(self.worker, self.instance)),
         }
+
+
+class Steps:
+    """Per process (worker id, instance): the first step above 0 it reported and the highest,
+    whatever the order its reports were heard in; the `PROCESSES_KEPT` heard of last."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[str, str], tuple[int | None, int]] = OrderedDict()
+
+    def add(self, worker: str, instance: str, step: int) -> None:
+        key = (worker, instance)
+        first, highest = self._kept.get(key, (None, 0))
+        if step > 0 and (first is None or step < first):
+            first = step
+        self._kept[key] = (first, max(highest, step))
+        self._kept.move_to_end(key)
+        if len(self._kept) > PROCESSES_KEPT:
+            self._kept.popitem(last=False)
+
+    def first(self, worker: str, instance: str) -> int | None:
+        return self._kept.get((worker, instance), (None, 0))[0]
+
+    def highest(self, worker: str, instance: str) -> int:
+        return self._kept.get((worker, instance), (None, 0))[1]
 
 
 @dataclass
@@ -57,15 +93,23 @@ class Restart:
     replaced: list[Loss] = field(default_factory=list)
     replacements: dict[tuple[str, str], int] = field(default_factory=dict)
     """(worker id, instance) of each replacement -> its rank."""
-    resumed_step: int | None = None
+    superseded: set[tuple[str, str]] = field(default_factory=set)
+    """Replacements that registered again since, in a newer restart: theirs now."""
 
-    def view(self) -> RestartView:
+    def view(self, steps: Steps) -> RestartView:
+        replaced = [loss.view(steps) for loss in self.replaced]
+        firsts = [
+            steps.first(worker, instance)
+            for worker, instance in self.replacements
+            if (worker, instance) not in self.superseded
+        ]
+        resumed = [first for first in firsts if first is not None]
         return {
             "at": self.at,
             "ranks": sorted(self.replacements.values()),
-            "replaced": [loss.view() for loss in self.replaced],
-            "step_reached": max((loss.step for loss in self.replaced), default=0),
-            "resumed_step": self.resumed_step,
+            "replaced": replaced,
+            "step_reached": max((loss["step"] for loss in replaced), default=0),
+            "resumed_step": min(resumed, default=None),
         }
 
 
@@ -83,6 +127,13 @@ class RestartLog:
     """Rank -> the loss of its last holder, until a new process takes it."""
     vacated_ids: dict[str, Loss] = field(default_factory=dict)
     """Worker id -> its loss, until a new process registers with that id."""
+    steps: Steps = field(default_factory=Steps)
+
+    def loss_views(self) -> list[LossView]:
+        return [loss.view(self.steps) for loss in self.losses]
+
+    def restart_views(self) -> list[RestartView]:
+        return [restart.view(self.steps) for restart in self.restarts]
 
     def gone(self, loss: Loss) -> None:
         """A live process failed or left."""
@@ -120,14 +171,17 @@ class RestartLog:
             self.restarts.append(latest)
             self.restarted += 1
             del self.restarts[:-KEPT]
+        key = (worker, instance)
+        for older in self.restarts[:-1]:
+            if key in older.replacements:
+                older.superseded.add(key)
+        latest.superseded.discard(key)
         latest.replaced.extend(replaced)
-        latest.replacements[(worker, instance)] = rank
+        latest.replacements[key] = rank
 
     def progressed(self, worker: str, instance: str, step: int) -> None:
-        """A process reported `step`: the first step above 0 a replacement reports is where its
-        restart resumed (a process reports step 0 until it has loaded its checkpoint)."""
-        if step <= 0 or not self.restarts:
-            return
-        latest = self.restarts[-1]
-        if latest.resumed_step is None and (worker, instance) in latest.replacements:
-            latest.resumed_step = step
+        """A process reported `step` (a heartbeat, perhaps of a process not registered yet, a
+        state change, a logged metric): where its restart resumed and the step it reached
+        are taken from these (`Steps`). A process reports step 0 until it has loaded its
+        checkpoint."""
+        self.steps.add(worker, instance, step)

@@ -253,6 +253,8 @@ class JobState:
             self.unclaimed.move_to_end(key)
             if len(self.unclaimed) > UNCLAIMED_BEATS:
                 self.unclaimed.popitem(last=False)
+            # Heard before its registration, or after its failure: its step counts still.
+            self.restart_log.progressed(heartbeat.worker_id, heartbeat.instance, heartbeat.step)
             return False
         self.beats[heartbeat.worker_id] = (heartbeat.instance, beat)
         self.restart_log.progressed(heartbeat.worker_id, heartbeat.instance, heartbeat.step)
@@ -266,9 +268,6 @@ class JobState:
         if isinstance(event, WorkerRegistered):
             self.metric_steps.pop(event.worker_id, None)  # a new process counts from its own
             log.registered(event.worker_id, event.instance, event.rank, event.ts)
-            early = self.unclaimed.get((event.worker_id, event.instance))
-            if early is not None:
-                log.progressed(event.worker_id, event.instance, early.step)
         elif isinstance(event, WorkerFailed | WorkerLeft):
             member = self._registry_job().members.get(event.worker_id)
             if member is None or not member.live:

@@ -261,4 +261,6 @@ def test_every_loss_is_replaced_at_most_once_and_only_replacements_restart(
     for restart in log.restarts:
         ranks = list(restart.replacements.values())
         assert len(ranks) == len(set(ranks)), "a rank twice in one restart"
-        assert restart.view()["step_reached"] == max(loss.step for loss in restart.replaced)
+        assert restart.view(log.steps)["step_reached"] == max(
+            loss.step for loss in restart.replaced
+        )
