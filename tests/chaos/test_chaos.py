@@ -132,9 +132,14 @@ class Chaos:
 
 
 def _pump(slot: Slot, stream: IO[str], events: queue.Queue[tuple[Slot, dict[str, Any]]]) -> None:
-    for line in stream:
-        with contextlib.suppress(ValueError):
-            events.put((slot, json.loads(line)))
+    # Every line is kept beside the worker's log too (its SDK's log lines among them), to read
+    # what a worker did after a failed run.
+    with slot.log_file.with_suffix(".out").open("a", encoding="utf-8") as kept:
+        for line in stream:
+            kept.write(line)
+            kept.flush()
+            with contextlib.suppress(ValueError):
+                events.put((slot, json.loads(line)))
     # After the process's last line, so whoever reads the queue has seen all of them.
     events.put((slot, {"event": "eof"}))
 

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import nats
+import nats.errors
+import nats.js.errors
 import pytest
 import strata
 from strata.bus.server import NatsCluster, NatsServer, nats_server_binary
@@ -182,7 +184,20 @@ async def test_cluster_fails_over_and_node_rejoins(nats_cluster: NatsCluster) ->
     nc = await nats.connect(servers=cluster.urls)
     try:
         js = nc.jetstream()
-        ack = await js.publish("t.b", b"after-failover", timeout=5)
+        # Right after the election the node this client reached may not know the new leader's
+        # interest yet ("no response from stream"): retried, as the bus retries, under one
+        # message id, so that the stream stores it once whichever try it kept.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                ack = await js.publish(
+                    "t.b", b"after-failover", timeout=5, headers={"Nats-Msg-Id": "after-failover"}
+                )
+                break
+            except (nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
         assert ack.seq == 4
         assert (await js.stream_info("T")).state.messages == 4
     finally:
