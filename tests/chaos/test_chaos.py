@@ -21,6 +21,7 @@ import json
 import os
 import queue
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -149,6 +150,27 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"({path}: {exc})"
+
+
+def _where_workers_are(slots: list[Slot]) -> str:
+    """What each worker last said, and the threads' stacks of those still running (each writes
+    them to its log on SIGUSR1, through faulthandler): where a job that stopped is waiting."""
+    running = [slot for slot in slots if not slot.killed and slot.proc.poll() is None]
+    sizes = {slot.index: slot.log_file.stat().st_size for slot in running}
+    for slot in running:
+        slot.proc.send_signal(signal.SIGUSR1)
+    _poll(
+        lambda: all(slot.log_file.stat().st_size > sizes[slot.index] for slot in running),
+        15,
+        threading.Event(),
+    )
+    return "\n".join(
+        f"worker {slot.index} ({slot.worker_id}, rank {slot.rank}): round {slot.round}, "
+        f"done {slot.done}, killed {slot.killed}, exit {slot.proc.poll()}; last lines:\n"
+        f"{_tail(slot.log_file.with_suffix('.out'), 5)}\nstacks:\n"
+        f"{_tail(slot.log_file, 60) if slot.index in sizes else '-'}"
+        for slot in slots
+    )
 
 
 def _poll(condition: Callable[[], bool], timeout: float, stop: threading.Event) -> bool:
@@ -366,7 +388,9 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
         open_worker_recoveries: list[tuple[Recovery, int]] = []
         while True:
             if time.monotonic() - started > JOB_DEADLINE_S:
-                pytest.fail(f"the job did not finish within {JOB_DEADLINE_S:.0f}s")
+                with slots_lock:
+                    where = _where_workers_are(list(slots))
+                pytest.fail(f"the job did not finish within {JOB_DEADLINE_S:.0f}s:\n{where}")
             with contextlib.suppress(queue.Empty):
                 slot, event = events.get(timeout=0.2)
                 kind = event["event"]

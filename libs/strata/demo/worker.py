@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -480,7 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         help="append JSON lines about barrier waits, acknowledged events and resumes to "
         "DIR/worker-<pid>.jsonl",
     )
-    Trainer(parser.parse_args(argv)).run()
+    args = parser.parse_args(argv)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: where a worker that stopped
+    # making progress is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    Trainer(args).run()
     return 0
 
 
