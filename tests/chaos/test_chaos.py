@@ -552,14 +552,14 @@ def _check_acked_events(
     cluster: NatsCluster, journals: dict[str, Path], recorded: list[dict[str, Any]]
 ) -> None:
     acked = {role: _read_journal(path) for role, path in journals.items()}
-    everything = set().union(*acked.values())
-    # The workers' own record of their checkpoint acks (the id of the event the checkpoint
-    # service recorded for each, from its answer) is a cross-check of the services' journal.
+    # The workers' own record of their checkpoint acks: the id of the event the checkpoint
+    # service recorded for each, from its answer. Each must be stored too. It need not be in
+    # the services' journal: a service killed between the stream's ack and its journal line
+    # never answers, and the worker's retry is answered by the next one from its state.
     by_worker = {r["id"] for r in recorded if r["kind"] == "acked"}
     assert by_worker, "the workers recorded no acknowledged checkpoint event"
     assert not acked["workers"], "workers publish nothing on the event stream"
-    unjournaled = by_worker - acked["services"]
-    assert not unjournaled, f"{len(unjournaled)} acked checkpoint events not in the journal"
+    everything = set().union(*acked.values()) | by_worker
 
     async def stored_types() -> dict[str, str]:
         found: dict[str, str] = {}
