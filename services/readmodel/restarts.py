@@ -47,8 +47,8 @@ class Loss:
     at: int
     """ns; the time of the event that recorded it."""
     step: int
-    """The step it had reached when it was recorded (its latest state change or logged metric);
-    its view takes the highest step the process reported at all (`Steps`)."""
+    """The step it had reached when it was recorded (its latest beat, state change or logged
+    metric); its view takes the highest step the process reported at all (`Steps`)."""
 
     def view(self, steps: Steps) -> LossView:
         return {

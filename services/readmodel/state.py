@@ -245,6 +245,9 @@ class JobState:
     def apply_heartbeat(self, heartbeat: WorkerHeartbeat) -> bool:
         """Keep the beat if its worker is registered with its instance; False when it is not."""
         beat = Beat(heartbeat.ts, heartbeat.step, heartbeat.epoch)
+        # Claimed or not (heard before its registration, or after its failure), its step counts
+        # for the restart log.
+        self.restart_log.progressed(heartbeat.worker_id, heartbeat.instance, heartbeat.step)
         member = self._registry_job().members.get(heartbeat.worker_id)
         if member is None or member.instance != heartbeat.instance:
             self.beats_ignored += 1
@@ -253,11 +256,8 @@ class JobState:
             self.unclaimed.move_to_end(key)
             if len(self.unclaimed) > UNCLAIMED_BEATS:
                 self.unclaimed.popitem(last=False)
-            # Heard before its registration, or after its failure: its step counts still.
-            self.restart_log.progressed(heartbeat.worker_id, heartbeat.instance, heartbeat.step)
             return False
         self.beats[heartbeat.worker_id] = (heartbeat.instance, beat)
-        self.restart_log.progressed(heartbeat.worker_id, heartbeat.instance, heartbeat.step)
         self.heartbeats += 1
         self.version += 1
         return True
