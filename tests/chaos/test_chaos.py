@@ -21,6 +21,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -152,9 +153,56 @@ def _tail(path: Path, lines: int = 25) -> str:
         return f"({path}: {exc})"
 
 
-def _where_workers_are(slots: list[Slot]) -> str:
+def _thread_frames(log_text: str, limit: int = 6) -> str:
+    """Where each busy thread of the last stack dump in a worker's log is: the innermost frames
+    of Strata's, the demo's and nats' code, innermost first (`current`: the thread that took
+    the signal, the main one). Threads idle in a selector or an executor's queue are left out."""
+    dump = log_text.rsplit("Fatal Python error", 1)[-1]
+    starts = [m.start() for m in re.finditer(r"^(Current thread|Thread) 0x", dump, re.M)]
+    if not starts:
+        return "no stack dump"
+    # The last dump: from the first thread header after the last gap between dumps.
+    sections = [dump[a:b] for a, b in zip(starts, [*starts[1:], len(dump)], strict=True)]
+    last_current = max(i for i, section in enumerate(sections) if section.startswith("Current"))
+    first = last_current
+    while first > 0 and sections[first - 1].startswith("Thread"):
+        first -= 1
+    described = []
+    for section in sections[first : last_current + 1]:
+        frames, raw = [], []
+        for line in section.splitlines()[1:]:
+            line = line.strip()
+            if not line.startswith("File "):
+                break
+            path, _, rest = line[len('File "') :].partition('", line ')
+            number, _, function = rest.partition(" in ")
+            raw.append((path, function))
+            if "/strata/" in path or "/nats/" in path:
+                short = path.split("/strata/", 1)[-1] if "/strata/" in path else path
+                frames.append(f"{short.rsplit('/nats/', 1)[-1]}:{number} {function}")
+        top = raw[0] if raw else ("", "")
+        if top[0].endswith(("selectors.py", "concurrent/futures/thread.py")):
+            continue
+        name = "current" if section.startswith("Current") else "thread"
+        where = " < ".join(frames[:limit]) or f"{top[0].rsplit('/', 1)[-1]} {top[1]}"
+        described.append(f"{name}: {where}")
+    return " | ".join(described) or "every thread idle"
+
+
+def _last_log_line(log_text: str) -> str:
+    """The worker's last structured log line (its SDK's), shortened."""
+    for line in reversed(log_text.splitlines()):
+        if line.startswith("{"):
+            return line[:300]
+    return "-"
+
+
+def _where_workers_are(slots: list[Slot], chaos: Chaos, cluster: NatsCluster) -> str:
     """What each worker last said, and the threads' stacks of those still running (each writes
-    them to its log on SIGUSR1, through faulthandler): where a job that stopped is waiting."""
+    them to its log on SIGUSR1, through faulthandler): where a job that stopped is waiting.
+
+    The details come first and a summary of a few lines per worker last, so that a report that
+    keeps only the start and the end of a long failure still shows every worker."""
     running = [slot for slot in slots if not slot.killed and slot.proc.poll() is None]
     sizes = {slot.index: slot.log_file.stat().st_size for slot in running}
     for slot in running:
@@ -164,12 +212,41 @@ def _where_workers_are(slots: list[Slot]) -> str:
         15,
         threading.Event(),
     )
+    details, summary = [], []
+    for slot in slots:
+        try:
+            log_text = slot.log_file.read_text(errors="replace")
+        except OSError as exc:
+            log_text = f"({exc})"
+        head = (
+            f"worker {slot.index} ({slot.worker_id}, rank {slot.rank}): round {slot.round}, "
+            f"done {slot.done}, killed {slot.killed}, exit {slot.proc.poll()}"
+        )
+        last_lines = _tail(slot.log_file.with_suffix(".out"), 5)
+        stacks = "\n".join(log_text.splitlines()[-60:]) if slot.index in sizes else "-"
+        details.append(f"{head}; last lines:\n{last_lines}\nstacks:\n{stacks}")
+        last_event = last_lines.splitlines()[-1][:200] if last_lines.strip() else "-"
+        waiting = _thread_frames(log_text) if slot.index in sizes else "-"
+        summary.append(
+            f"{head}\n  last event: {last_event}\n  threads: {waiting}\n"
+            f"  last SDK log: {_last_log_line(log_text)}"
+        )
+    with chaos.lock:
+        recoveries = [
+            f"{r.what} {r.target}: {'never' if r.seconds is None else f'{r.seconds:.1f}s'}"
+            for r in chaos.recoveries
+        ]
+        errors = list(chaos.errors)
     return "\n".join(
-        f"worker {slot.index} ({slot.worker_id}, rank {slot.rank}): round {slot.round}, "
-        f"done {slot.done}, killed {slot.killed}, exit {slot.proc.poll()}; last lines:\n"
-        f"{_tail(slot.log_file.with_suffix('.out'), 5)}\nstacks:\n"
-        f"{_tail(slot.log_file, 60) if slot.index in sizes else '-'}"
-        for slot in slots
+        [
+            *details,
+            "",
+            "summary:",
+            f"nats: {cluster!r}",
+            f"schedule so far: {'; '.join(recoveries) or 'nothing'}",
+            f"schedule errors: {errors or 'none'}",
+            *summary,
+        ]
     )
 
 
@@ -389,7 +466,7 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
         while True:
             if time.monotonic() - started > JOB_DEADLINE_S:
                 with slots_lock:
-                    where = _where_workers_are(list(slots))
+                    where = _where_workers_are(list(slots), chaos, cluster)
                 pytest.fail(f"the job did not finish within {JOB_DEADLINE_S:.0f}s:\n{where}")
             with contextlib.suppress(queue.Empty):
                 slot, event = events.get(timeout=0.2)
