@@ -86,6 +86,7 @@ class Slot:
     round: int = 0
     done: bool = False
     killed: bool = False
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -197,7 +198,24 @@ def _last_log_line(log_text: str) -> str:
     return "-"
 
 
-def _where_workers_are(slots: list[Slot], chaos: Chaos, cluster: NatsCluster) -> str:
+def _failures_decided(logs: Path) -> list[str]:
+    """The registry's `worker_failed` lines (every instance's), shortened, oldest first."""
+    lines = []
+    for path in logs.glob("registry-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("event") == "worker_failed":
+                    lines.append(
+                        f"{record.get('timestamp', '?')} {record.get('worker_id')}: "
+                        f"{record.get('reason', '')[:120]}"
+                    )
+    return sorted(lines)
+
+
+def _where_workers_are(
+    slots: list[Slot], chaos: Chaos, cluster: NatsCluster, logs: Path, started: float
+) -> str:
     """What each worker last said, and the threads' stacks of those still running (each writes
     them to its log on SIGUSR1, through faulthandler): where a job that stopped is waiting.
 
@@ -219,8 +237,9 @@ def _where_workers_are(slots: list[Slot], chaos: Chaos, cluster: NatsCluster) ->
         except OSError as exc:
             log_text = f"({exc})"
         head = (
-            f"worker {slot.index} ({slot.worker_id}, rank {slot.rank}): round {slot.round}, "
-            f"done {slot.done}, killed {slot.killed}, exit {slot.proc.poll()}"
+            f"worker {slot.index} ({slot.worker_id}, rank {slot.rank}): started at "
+            f"+{slot.started_at - started:.1f}s, round {slot.round}, done {slot.done}, "
+            f"killed {slot.killed}, exit {slot.proc.poll()}"
         )
         last_lines = _tail(slot.log_file.with_suffix(".out"), 5)
         stacks = "\n".join(log_text.splitlines()[-60:]) if slot.index in sizes else "-"
@@ -233,7 +252,8 @@ def _where_workers_are(slots: list[Slot], chaos: Chaos, cluster: NatsCluster) ->
         )
     with chaos.lock:
         recoveries = [
-            f"{r.what} {r.target}: {'never' if r.seconds is None else f'{r.seconds:.1f}s'}"
+            f"{r.what} {r.target} at +{r.killed_at - started:.1f}s: "
+            f"{'never' if r.seconds is None else f'{r.seconds:.1f}s'}"
             for r in chaos.recoveries
         ]
         errors = list(chaos.errors)
@@ -245,6 +265,8 @@ def _where_workers_are(slots: list[Slot], chaos: Chaos, cluster: NatsCluster) ->
             f"nats: {cluster!r}",
             f"schedule so far: {'; '.join(recoveries) or 'nothing'}",
             f"schedule errors: {errors or 'none'}",
+            f"the registry failed: {'; '.join(_failures_decided(logs)) or 'nobody'}",
+            f"now: +{time.monotonic() - started:.1f}s",
             *summary,
         ]
     )
@@ -466,7 +488,7 @@ def test_job_survives_chaos(nats_cluster: NatsCluster, tmp_path: Path) -> None:
         while True:
             if time.monotonic() - started > JOB_DEADLINE_S:
                 with slots_lock:
-                    where = _where_workers_are(list(slots), chaos, cluster)
+                    where = _where_workers_are(list(slots), chaos, cluster, logs, started)
                 pytest.fail(f"the job did not finish within {JOB_DEADLINE_S:.0f}s:\n{where}")
             with contextlib.suppress(queue.Empty):
                 slot, event = events.get(timeout=0.2)
