@@ -385,7 +385,7 @@ class Trainer:
         trained: int,
     ) -> tuple[int, bool]:
         """Meet, decide whether the epoch is done, checkpoint; the new round and that decision."""
-        args, worker = self.args, self.worker
+        worker = self.worker
         sampler.flush()
         self.barrier("round")
         round_id += 1
@@ -393,14 +393,51 @@ class Trainer:
         epoch_done = plan.done_shards == plan.total_shards
         # Nobody reads on before everyone has seen the same plan.
         self.barrier("decided")
-        if worker.members().world_size < args.world_size:
+        refused = self.save_round(module, optimiser, sampler, carried, round_id, epoch, epoch_done)
+        # Every rank restarts or none does. A rank that restarted alone would leave the others
+        # in the next round's first all-reduce, waiting for it until the group's timeout: a
+        # rank that leaves a gloo group does not close its connections. A dead rank fails this
+        # all-reduce at once (its connections are closed), and the job restarts as it should.
+        verdict = torch.tensor(0 if refused is None else 1)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        if verdict.item():
+            raise strata.BarrierBroken(
+                refused or "another rank could not checkpoint this round: restarting with it"
+            )
+        self.record_acks()
+        worker.set_state("training", step=round_id, epoch=epoch)
+        emit(
+            "round",
+            rank=worker.rank,
+            round=round_id,
+            epoch=epoch,
+            loss=self.loss,
+            batches=trained,
+            done_shards=plan.done_shards,
+            total_shards=plan.total_shards,
+        )
+        return round_id, epoch_done
+
+    def save_round(
+        self,
+        module: nn.Module,
+        optimiser: torch.optim.Optimizer,
+        sampler: ShardSampler,
+        carried: frozenset[int],
+        round_id: int,
+        epoch: int,
+        epoch_done: bool,
+    ) -> str | None:
+        """Checkpoint this round as step `round_id`; None once saving started, else why this
+        rank must restart instead."""
+        if self.worker.members().world_size < self.args.world_size:
             # A worker failed before this round's barriers opened, so they went on without it:
             # restart rather than checkpoint a world that is short of it.
-            raise strata.BarrierBroken(
-                f"the job has fewer than {args.world_size} workers: restarting from the "
+            return (
+                f"the job has fewer than {self.args.world_size} workers: restarting from the "
                 "latest complete checkpoint"
             )
-        worker.set_state("checkpointing", step=round_id, epoch=epoch)
+        self.worker.set_state("checkpointing", step=round_id, epoch=epoch)
         step = round_id  # a round saved again after a restart is the step's next attempt
         try:
             self.checkpoints.save_state(
@@ -418,23 +455,9 @@ class Trainer:
             )
         except strata.ConflictError as exc:
             # A worker failed since the check above: its rank of the world has no live worker,
-            # so the step was aborted as it opened. Restart, as above.
-            raise strata.BarrierBroken(
-                f"the checkpoint of step {step} was refused, restarting: {exc.message}"
-            ) from exc
-        self.record_acks()
-        worker.set_state("training", step=round_id, epoch=epoch)
-        emit(
-            "round",
-            rank=worker.rank,
-            round=round_id,
-            epoch=epoch,
-            loss=self.loss,
-            batches=trained,
-            done_shards=plan.done_shards,
-            total_shards=plan.total_shards,
-        )
-        return round_id, epoch_done
+            # so the step was aborted as it opened.
+            return f"the checkpoint of step {step} was refused, restarting: {exc.message}"
+        return None
 
 
 def host_port(text: str) -> tuple[str, int]:
