@@ -251,6 +251,11 @@ async def test_a_rank_killed_mid_upload_aborts_the_step_and_leaves_nothing(
     job = workers[0].job
     survivors = workers[:3]
     await workers[3].stop()  # the victim below takes its place in the job
+    # Each survivor's view of the world takes the leave in before it saves: the registry's
+    # notice of it may come late on a loaded machine, and a save made on the older view opens
+    # the step for a world of 4, whose rank 3 has no live worker (it aborts, as it should).
+    for worker in survivors:
+        await world_size_is(worker, 3)
     managers = [strata.aio.CheckpointManager(w, str(root), keep_count=5) for w in survivors]
     await save_step(managers, 10)
     # Blocking calls go to threads: the in-process workers heartbeat on this event loop.
@@ -536,6 +541,8 @@ async def test_a_rank_killed_after_its_save_returned_aborts_the_step(
     root = tmp_path / "checkpoints"
     job = workers[0].job
     await workers[3].stop()  # the victim below takes its place (rank 3) in the job
+    for worker in workers[:3]:
+        await world_size_is(worker, 3)  # each saves on a view that took the leave in
     survivors = [strata.aio.CheckpointManager(w, str(root)) for w in workers[:3]]
     await save_step(survivors, 10)
     victim = await asyncio.to_thread(
