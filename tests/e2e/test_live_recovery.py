@@ -91,8 +91,11 @@ def test_a_killed_rank_costs_a_step_and_a_replacement_heals_from_a_peer(
     assert sorted(shrink.members) == ["w0", "w2"], quorums
     grown = next(q for q in quorums if q.joined == ["w3"])
     assert sorted(grown.members) == ["w0", "w2", "w3"], quorums
+    # A kill inside a step discards it; one that lands between epochs, while the group decides
+    # whether the epoch is done, finds no step in flight and costs none.
     discards = [e for e in events if isinstance(e, LiveStepDiscarded)]
-    assert discards, text
+    survivors_text = ranks[0].output() + ranks[2].output()
+    assert discards or "event=live_group_failed" in survivors_text, text
     assert {d.worker_id for d in discards} <= {"w0", "w2"}
     heal = next(e for e in events if isinstance(e, LiveHealed) and e.worker_id == "w3")
     assert heal.source_worker in ("w0", "w2")
