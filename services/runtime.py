@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import gc
+import os
 import signal
-from collections.abc import Coroutine
+import threading
+from collections.abc import Callable, Coroutine
 from typing import Any, Final, Protocol
 
 import nats.js.errors
@@ -38,6 +41,13 @@ thousands of requests a second that is a collection every few requests)."""
 
 EXIT_TASK_FAILED: Final = 70
 """The exit status of a service whose background task died (EX_SOFTWARE)."""
+EXIT_STOP_STUCK: Final = 1
+"""The exit status of a service stopped by SIGTERM that did not finish stopping in time."""
+STOP_TIMEOUT_S: Final = 30.0
+"""How long a service process may take to stop, from the signal or the task's death to its exit
+(Kubernetes' default grace period, after which the kubelet kills it anyway). Past it, the process
+writes every thread's stack to stderr and exits: a stop that hangs must not leave an unready
+process running for ever."""
 
 
 class Service(Protocol):
@@ -102,9 +112,15 @@ async def _stop_or_failure(stop: asyncio.Event, tasks: Supervisor) -> Background
     return None
 
 
-async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> None:
+async def serve(
+    service: Service,
+    settings: Settings,
+    stop: asyncio.Event,
+    on_stopping: Callable[[bool], None] | None = None,
+) -> None:
     """Run `service` until `stop` is set; probes answer from the start. Raises
-    `BackgroundTaskFailed` when one of its tasks died (after stopping it as `stop` would)."""
+    `BackgroundTaskFailed` when one of its tasks died (after stopping it as `stop` would).
+    `on_stopping(failed)` is called as the stop begins."""
     bind(service=service.name)
     bus: Bus | None = None
     failure: BackgroundTaskFailed | None = None
@@ -142,6 +158,8 @@ async def serve(service: Service, settings: Settings, stop: asyncio.Event) -> No
         gc.set_threshold(*GC_THRESHOLDS)
         log.info("service_started", service=service.name, nats=settings.nats_url)
         failure = await _stop_or_failure(stop, service.tasks)
+        if on_stopping is not None:
+            on_stopping(failure is not None)
         if failure is None:
             log.info("service_stopping", service=service.name)
         else:
@@ -173,10 +191,33 @@ def run(service: Service, settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(service, settings, stop)
+        await serve(service, settings, stop, functools.partial(_bound_the_stop, service.name))
 
     try:
         asyncio.run(main())
     except BackgroundTaskFailed as failure:
         log.error("service_failed", service=service.name, error=failure.message)
         raise SystemExit(EXIT_TASK_FAILED) from None
+
+
+def _bound_the_stop(name: str, failed: bool, timeout: float = STOP_TIMEOUT_S) -> None:
+    """From now on the process has `timeout` seconds to exit: past them, it says so, writes
+    every thread's stack to stderr (where the stop hangs) and exits at once. The timer is a
+    daemon thread, so it holds nothing up when the stop goes as it should; it covers the
+    event loop's own shutdown and the interpreter's too."""
+    code = EXIT_TASK_FAILED if failed else EXIT_STOP_STUCK
+
+    def expire() -> None:
+        log.error(
+            "service_stop_stuck",
+            service=name,
+            timeout_s=timeout,
+            consequence=f"every thread's stack follows on stderr; the process exits with {code}",
+        )
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(code)
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.name = "strata-stop-deadline"
+    timer.start()

@@ -55,6 +55,11 @@ CASES: list[tuple[str, str]] = [
 ]
 
 
+async def _provision(nats_url: str) -> None:
+    async with await Bus.connect(nats_url, deadline=10) as bus:
+        await bus.ensure_streams()
+
+
 def readiness_probe() -> dict[str, Any]:
     """The readiness probe of the chart's service pods: path, port name and timeout."""
     services = (CHART / "services.yaml").read_text()
@@ -143,6 +148,10 @@ def test_a_task_that_dies_makes_the_service_unready_and_exit(
     }
     if task == "progress":  # a registry partition other than the leader reports its progress
         env |= {Env.REGISTRY_PARTITIONS: "2", Env.REGISTRY_PARTITION: "1"}
+    if service == "gateway":
+        # The gateway waits for the streams the other services provision: run alone, this
+        # test provisions them itself.
+        asyncio.run(_provision(nats_url))
     command = [sys.executable, str(CHILD), service, task, str(trigger), str(release)]
     with log.open("ab") as out:
         proc = subprocess.Popen(
@@ -225,3 +234,21 @@ async def test_a_task_that_dies_during_start_ends_the_start(nats_url: str) -> No
     assert isinstance(raised.value.__cause__, InjectedFault)
     assert raised.value.details["task"] == "waits-for-its-feed-feed"
     assert not service.fed.is_set()
+
+
+def test_a_stop_that_hangs_ends_the_process_with_every_threads_stack() -> None:
+    # What the runtime arms as a service's stop begins; here with a short bound, in a process
+    # whose stop never ends.
+    code = (
+        "import time\n"
+        "from strata.services.runtime import _bound_the_stop\n"
+        "_bound_the_stop('stuck', True, timeout=0.5)\n"
+        "time.sleep(600)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE_S
+    )
+    output = done.stdout + done.stderr  # the log line, and the stacks faulthandler writes
+    assert done.returncode == EXIT_TASK_FAILED, output
+    assert "service_stop_stuck" in output, output
+    assert 'File "<string>", line 4 in <module>' in done.stderr, output  # the sleeping thread
