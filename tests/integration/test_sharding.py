@@ -49,10 +49,10 @@ from tests.support import HEARTBEAT_INTERVAL, ServiceProcess, async_wait_until
 
 pytestmark = pytest.mark.nats
 
-FAILURE_MARGIN_S = 3.0
 HEARTBEAT_TIMEOUT = 3.0
 """The registry's timeout here: up to 20 in-process workers heartbeat on the test's own event
 loop, which a loaded machine can hold up past the suite's usual second."""
+FAILURE_MARGIN_S = 3.0
 """Beyond the heartbeat timeout: detection cadence, the re-plan, and a loaded machine."""
 
 

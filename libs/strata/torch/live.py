@@ -734,23 +734,16 @@ class LiveGroup:
     def _fail(self, exc: BaseException, *, training: bool = True) -> None:
         """The group's collective failed: drop the group, report its other members as suspects
         and (for a step that was training a batch, `training`) the step as discarded."""
-        if training:
-            self._log.warning(
-                "live_step_discarded",
-                step=self.step,
-                membership_epoch=self._group_epoch,
-                error=f"{type(exc).__name__}: {exc}",
-                consequence="the step is trained again by the group the survivors form",
-            )
-        else:
-            self._log.warning(
-                "live_group_failed",
-                step=self.step,
-                membership_epoch=self._group_epoch,
-                error=f"{type(exc).__name__}: {exc}",
-                consequence="no step was in flight (the group was deciding whether the epoch "
-                "is done): the survivors form a new group and go on from this step",
-            )
+        self._log.warning(
+            "live_step_discarded" if training else "live_group_failed",
+            step=self.step,
+            membership_epoch=self._group_epoch,
+            error=f"{type(exc).__name__}: {exc}",
+            consequence="the step is trained again by the group the survivors form"
+            if training
+            else "no step was in flight (the group was deciding whether the epoch is done): "
+            "the survivors form a new group and go on from this step",
+        )
         self._pg = None
         self._report_suspects(self._peers)
         if training:
